@@ -1,0 +1,3 @@
+from passerelle.cli import main
+
+raise SystemExit(main())
