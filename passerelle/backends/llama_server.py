@@ -1,0 +1,37 @@
+"""llama.cpp's ``llama-server``: load from ``/slots`` and ``/metrics`` (needs ``--slots --metrics``)."""
+
+from __future__ import annotations
+
+from passerelle.backends.base import Backend, BackendStats
+from passerelle.backends.prom import parse_samples
+
+
+class LlamaServerBackend(Backend):
+    kind = "llama-server"
+    health_path = "/health"
+
+    async def _scrape_load(self, stats: BackendStats) -> None:
+        async with await self._get("/slots") as resp:
+            if resp.status == 200:
+                slots = await resp.json(content_type=None)
+                if isinstance(slots, list):
+                    stats.slots_total = len(slots)
+                    stats.slots_busy = sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing"))
+        async with await self._get("/metrics") as resp:
+            if resp.status == 200:
+                samples = parse_samples(await resp.text())
+                stats.extra = samples
+                if "llamacpp:requests_deferred" in samples:
+                    stats.queue_depth = int(samples["llamacpp:requests_deferred"])
+                if "llamacpp:kv_cache_usage_ratio" in samples:  # removed in newer llama.cpp
+                    stats.kv_cache_usage_ratio = samples["llamacpp:kv_cache_usage_ratio"]
+                if stats.slots_busy is None and "llamacpp:requests_processing" in samples:
+                    stats.slots_busy = int(samples["llamacpp:requests_processing"])
+
+    async def version(self) -> str:
+        try:
+            async with await self._get("/props") as resp:
+                props = await resp.json(content_type=None)
+                return str(props.get("build_info", ""))
+        except Exception:
+            return ""

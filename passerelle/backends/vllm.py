@@ -1,0 +1,52 @@
+"""vLLM (and SGLang, which shares the shape): load from ``/metrics``; priority as vLLM's field."""
+
+from __future__ import annotations
+
+import orjson
+
+from passerelle.backends.base import Backend, BackendStats
+from passerelle.backends.prom import parse_samples
+
+
+class VllmBackend(Backend):
+    kind = "vllm"
+    health_path = "/health"
+    prefix = "vllm:"
+
+    async def _scrape_load(self, stats: BackendStats) -> None:
+        async with await self._get("/metrics") as resp:
+            if resp.status != 200:
+                return
+            samples = parse_samples(await resp.text())
+        p = self.prefix
+        stats.extra = samples
+        if f"{p}num_requests_running" in samples:
+            stats.slots_busy = int(samples[f"{p}num_requests_running"])
+            stats.slots_total = self.capacity
+        if f"{p}num_requests_waiting" in samples:
+            stats.queue_depth = int(samples[f"{p}num_requests_waiting"])
+        for name in (f"{p}kv_cache_usage_perc", f"{p}gpu_cache_usage_perc", f"{p}token_usage"):
+            if name in samples:
+                stats.kv_cache_usage_ratio = samples[name]
+                break
+
+    def prepare(self, body: bytes, priority_rank: int) -> bytes:
+        """Pass the class as vLLM's ``priority`` (lower is more urgent; needs
+        ``--scheduling-policy priority``, enabled per backend by ``priority = true``)."""
+        if not self.cfg.priority:
+            return body
+        data = orjson.loads(body)
+        data.setdefault("priority", priority_rank)
+        return orjson.dumps(data)
+
+    async def version(self) -> str:
+        try:
+            async with await self._get("/version") as resp:
+                return str((await resp.json(content_type=None)).get("version", ""))
+        except Exception:
+            return ""
+
+
+class SglangBackend(VllmBackend):
+    kind = "sglang"
+    prefix = "sglang:"

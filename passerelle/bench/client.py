@@ -1,0 +1,221 @@
+"""One streamed request, timed: send, scan the SSE stream, record TTFT, chunk gaps and usage.
+
+Definitions (DESIGN): TTFT runs from the moment the request is sent to the arrival of the first
+chunk with content (a role-only or empty chunk does not count); ITL is the gap between content
+chunks; e2e ends when the stream ends. Token counts come from the server's ``usage`` when it sends
+one, otherwise from the number of content chunks.
+
+The stream is scanned as bytes: a content chunk is recognised by a ``"content":"x`` (or
+``"text":``) field with a non-empty string, without decoding its JSON. JSON inside a string
+escapes its quotes, so generated text cannot fake the pattern. Only the rare chunks without
+content (role, finish, usage, error) are decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+# A non-empty string value of a field that carries generated text.
+_CONTENT = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"[^"]')
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """The measurement of one request (times in seconds, ``perf_counter`` clock)."""
+
+    cls: str | None = None
+    ok: bool = False
+    error: str | None = None  # kind: http_500, connect, timeout, stream_aborted, stream_error, no_content...
+    detail: str = ""
+    t_send: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    chunks: int = 0  # content chunks
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    usage: bool = False  # output_tokens came from the server's usage
+    max_tokens: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+class StreamScanner:
+    """Feeds on raw bytes as they arrive; splits SSE events and classifies them."""
+
+    __slots__ = ("buf", "chunks", "done", "error", "finished", "first", "itl", "last", "prompt_tokens",
+                 "sep", "t0", "usage_tokens")
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.buf = b""
+        self.sep: bytes | None = None
+        self.first: float | None = None
+        self.last = 0.0
+        self.itl: list[float] = []
+        self.chunks = 0
+        self.usage_tokens: int | None = None
+        self.prompt_tokens: int | None = None
+        self.done = False
+        self.finished = False
+        self.error: str | None = None
+
+    def feed(self, data: bytes, now: float) -> None:
+        buf = self.buf + data if self.buf else data
+        if self.sep is None:
+            # Servers end events with a blank line, "\n\n" or (rarely) "\r\n\r\n".
+            if b"\r\n\r\n" in buf:
+                self.sep = b"\r\n\r\n"
+            elif b"\n\n" in buf:
+                self.sep = b"\n\n"
+            else:
+                self.buf = buf
+                return
+        sep = self.sep
+        start = 0
+        while (end := buf.find(sep, start)) >= 0:
+            self._event(buf[start:end], now)
+            start = end + len(sep)
+        self.buf = buf[start:]
+
+    def _event(self, event: bytes, now: float) -> None:
+        if event.startswith(b"data: "):
+            payload = event[6:]
+        elif event.startswith(b"data:"):
+            payload = event[5:]
+        else:  # comments (": ping"), "event:" lines before the data line
+            i = event.find(b"\ndata:")
+            if i < 0:
+                return
+            payload = event[i + 6:].lstrip()
+        if _CONTENT.search(payload):
+            self.chunks += 1
+            if self.first is None:
+                self.first = now
+            else:
+                self.itl.append(now - self.last)
+            self.last = now
+            if _USAGE.search(payload):  # a few servers put usage on the last content chunk
+                self._decode(payload)
+        elif payload.startswith(b"[DONE]"):
+            self.done = True
+        else:
+            self._decode(payload)
+
+    def _decode(self, payload: bytes) -> None:
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            self.error = "invalid_json"
+            return
+        if not isinstance(obj, dict):
+            return
+        if obj.get("error"):
+            self.error = "stream_error"
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            if isinstance(usage.get("completion_tokens"), int):
+                self.usage_tokens = usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.prompt_tokens = usage["prompt_tokens"]
+        for choice in obj.get("choices") or ():
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                self.finished = True
+
+
+def _error_kind(exc: BaseException, got_response: bool) -> str:
+    import aiohttp
+
+    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "stream_aborted"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect"
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | ConnectionError):
+        return "stream_aborted" if got_response else "disconnected"
+    return "client_error"
+
+
+async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, str],
+               cls: str | None = None, timeout: float | None = None) -> RequestResult:
+    """Send one streaming request and measure it; never raises for HTTP or network failures."""
+    import aiohttp
+
+    data = orjson.dumps(body)  # encoded before the clock starts: encoding is not the server's time
+    result = RequestResult(cls=cls, max_tokens=body.get("max_tokens", 0))
+    got_response = False
+    t0 = time.perf_counter()
+    result.t_send = t0
+    scan = StreamScanner(t0)
+    try:
+        async with session.post(url, data=data, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            got_response = True
+            if resp.status != 200:
+                text = await resp.read()
+                result.error = f"http_{resp.status}"
+                result.detail = _error_message(text)
+                return result
+            content = resp.content
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                scan.feed(chunk, time.perf_counter())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+        result.error = _error_kind(exc, got_response)
+        result.detail = f"{type(exc).__name__}: {exc}"[:300]
+    end = time.perf_counter()
+    result.chunks = scan.chunks
+    result.itl = scan.itl
+    result.prompt_tokens = scan.prompt_tokens
+    if scan.first is not None:
+        result.ttft = scan.first - t0
+    if result.error is None:
+        if scan.error:
+            result.error = scan.error
+        elif not scan.done and not scan.finished:
+            result.error = "stream_incomplete"  # closed cleanly but without [DONE] or a finish_reason
+        elif scan.chunks == 0:
+            result.error = "no_content"  # TTFT is undefined without a single content chunk
+    if result.error is None:
+        result.ok = True
+        result.e2e = end - t0
+    if scan.usage_tokens is not None:
+        result.output_tokens, result.usage = scan.usage_tokens, True
+    else:
+        result.output_tokens = scan.chunks
+    return result
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        obj = orjson.loads(body)
+        return str(obj["error"]["message"])[:300]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return body[:300].decode("utf-8", "replace")
+
+
+async def get_json(session: Any, url: str, headers: dict[str, str], timeout: float = 10.0) -> Any | None:
+    """GET a JSON document; ``None`` when it is missing or unreadable (probing optional endpoints)."""
+    import aiohttp
+
+    try:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                return None
+            return orjson.loads(await resp.read())
+    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, ConnectionError):
+        return None

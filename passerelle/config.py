@@ -1,0 +1,285 @@
+"""Configuration: one TOML file, ``PASSERELLE_`` environment overrides, frozen dataclasses.
+
+Every value is validated at load; an error names the file, the key, the line and what was
+expected. With no file and no backend, the embedded default runtime is used.
+
+Example::
+
+    cfg = load_config("passerelle.toml", env={"PASSERELLE_SERVER_PORT": "9000"})
+    cfg.server.port        # 9000
+    cfg.backends[0].name   # "local"
+
+Environment overrides take ``PASSERELLE_<SECTION>_<KEY>`` for the scalar keys of ``[server]``,
+``[timeouts]`` and ``[embedded]`` (e.g. ``PASSERELLE_TIMEOUTS_TOTAL_S=900``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from passerelle.errors import ConfigError
+
+BACKEND_KINDS = ("llama-server", "vllm", "ollama", "sglang", "openai")
+ENDPOINT_KINDS = ("chat", "completions", "embeddings")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 8 * 1024 * 1024
+    log_format: str = "json"  # "json" or "text"
+    access_log: bool = True
+    log_prompts: bool = False  # never log prompts or completions unless asked
+    shutdown_grace_s: float = 30.0
+    cors_origins: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TimeoutConfig:
+    """Separate limits; each ends a request with its own cause and message."""
+
+    connect_s: float = 5.0  # opening the TCP connection to the runtime
+    first_token_s: float = 300.0  # request sent -> first content chunk (prompt processing)
+    between_tokens_s: float = 60.0  # gap between two reads of a running stream
+    total_s: float = 900.0  # whole request, from arrival to the last byte
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One runtime: reached at ``url``, or launched from ``launch`` (then ``url`` is derived).
+
+    In ``launch``, ``{port}`` is replaced by a free local port chosen at start.
+    """
+
+    name: str
+    kind: str = "openai"
+    url: str = ""
+    launch: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    endpoints: tuple[str, ...] = ENDPOINT_KINDS  # which OpenAI endpoints it serves
+    max_concurrency: int = 4
+    health_path: str = ""  # default by kind
+    ready_timeout_s: float = 600.0
+    api_key: str = ""  # sent upstream as Bearer, for remote OpenAI-compatible servers
+    priority: bool = False  # vLLM started with --scheduling-policy priority: send the class
+    log_file: str = ""
+
+
+@dataclass(frozen=True)
+class EmbeddedConfig:
+    """The default runtime: a llama-server built from source serving Gemma 3 270M."""
+
+    llama_server: str = ""  # a binary to use instead of PATH / the cached build
+    model_path: str = ""  # a GGUF to serve instead of Gemma 3 270M
+    model_id: str = "gemma-3-270m"
+    slots: int = 4
+    ctx_per_slot: int = 4096
+    threads: int = 0  # 0: llama-server's default
+    embeddings: bool = True  # serve /v1/embeddings from the same process
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    backends: tuple[BackendConfig, ...] = ()
+    source: str = "<defaults>"
+
+    @property
+    def uses_embedded(self) -> bool:
+        return not self.backends
+
+
+_SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig}
+
+
+def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
+    """Best-effort line number of ``key = …`` inside the ``nth`` table named ``header``."""
+    lines = text.splitlines()
+    start, seen = 0, -1
+    if header is not None:
+        pat = re.compile(rf"^\s*\[\[?\s*{re.escape(header)}\s*\]\]?\s*(#.*)?$")
+        for i, line in enumerate(lines):
+            if pat.match(line):
+                seen += 1
+                if seen == nth:
+                    start = i
+                    break
+        else:
+            return None
+    keypat = re.compile(rf"^\s*\"?{re.escape(key)}\"?\s*=")
+    for i in range(start, len(lines)):
+        if i > start and header is not None and lines[i].lstrip().startswith("["):
+            break
+        if keypat.match(lines[i]):
+            return i + 1
+    return None
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, from_env: bool) -> Any:
+    """Return ``value`` as ``tp`` or raise ValueError (strings from the environment are parsed)."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        if from_env and isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ValueError
+        return tuple(_coerce(v, typing.get_args(tp)[0], from_env) for v in value)
+    if origin is types.UnionType:
+        raise ValueError
+    if tp is bool:
+        if from_env and isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+            return value.lower() in ("1", "true", "yes")
+        if not isinstance(value, bool):
+            raise ValueError
+        return value
+    if tp is int:
+        if from_env and isinstance(value, str):
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError
+        return value
+    if tp is float:
+        if from_env and isinstance(value, str):
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    raise ValueError
+
+
+def _build(cls: type, table: Mapping[str, Any], *, file: str, text: str, header: str | None,
+           nth: int = 0, env: Mapping[str, str] | None = None, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    dotted = f"{header}." if header else ""
+    for key in table:
+        if key not in names:
+            raise ConfigError(f"unknown key; expected one of: {', '.join(sorted(names))}", file=file,
+                              key=f"{dotted}{key}", line=_line_of(text, header, key, nth))
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if env is not None and (raw := env.get(f"{prefix}{f.name.upper()}")) is not None:
+            try:
+                values[f.name] = _coerce(raw, tp, from_env=True)
+            except ValueError:
+                raise ConfigError(f"expected {_describe(tp)}, got {raw!r}", file="environment",
+                                  key=f"{prefix}{f.name.upper()}") from None
+        elif f.name in table:
+            try:
+                values[f.name] = _coerce(table[f.name], tp, from_env=False)
+            except ValueError:
+                raise ConfigError(f"expected {_describe(tp)}, got {table[f.name]!r}", file=file,
+                                  key=f"{dotted}{f.name}", line=_line_of(text, header, f.name, nth)) from None
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a required field is missing
+        missing = str(exc).split("argument")[-1].strip(": '")
+        raise ConfigError("missing required key", file=file, key=f"{dotted}{missing}",
+                          line=_line_of(text, header, "name", nth)) from None
+
+
+def _check(cond: bool, message: str, *, file: str, key: str, text: str, header: str | None,
+           field_name: str, nth: int = 0) -> None:
+    if not cond:
+        raise ConfigError(message, file=file, key=key, line=_line_of(text, header, field_name, nth))
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
+                upstreams: tuple[BackendConfig, ...] = ()) -> Config:
+    """Load, override from ``env`` (default ``os.environ``) and validate; raise ConfigError."""
+    env = os.environ if env is None else env
+    file, text, data = "<defaults>", "", {}
+    if path is not None:
+        file = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read configuration: {exc.strerror}", file=file) from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"not valid TOML: {exc}", file=file) from None
+    for key in data:
+        if key not in (*_SECTIONS, "backends"):
+            raise ConfigError(f"unknown section; expected one of: {', '.join([*_SECTIONS, 'backends'])}",
+                              file=file, key=key, line=_line_of(text, None, key))
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        table = data.get(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError("expected a table", file=file, key=name, line=_line_of(text, None, name))
+        sections[name] = _build(cls, table, file=file, text=text, header=name, env=env,
+                                prefix=f"PASSERELLE_{name.upper()}_")
+    server: ServerConfig = sections["server"]
+    _check(server.log_format in ("json", "text"), "expected 'json' or 'text'", file=file,
+           key="server.log_format", text=text, header="server", field_name="log_format")
+    _check(0 < server.port < 65536, "expected a port between 1 and 65535", file=file, key="server.port",
+           text=text, header="server", field_name="port")
+    _check(server.max_body_bytes > 0, "expected a positive size", file=file, key="server.max_body_bytes",
+           text=text, header="server", field_name="max_body_bytes")
+    timeouts: TimeoutConfig = sections["timeouts"]
+    for f in dataclasses.fields(TimeoutConfig):
+        _check(getattr(timeouts, f.name) > 0, "expected a positive number of seconds", file=file,
+               key=f"timeouts.{f.name}", text=text, header="timeouts", field_name=f.name)
+
+    raw_backends = data.get("backends", [])
+    if not isinstance(raw_backends, list):
+        raise ConfigError("expected an array of tables ([[backends]])", file=file, key="backends")
+    backends: list[BackendConfig] = []
+    for i, table in enumerate(raw_backends):
+        b: BackendConfig = _build(BackendConfig, table, file=file, text=text, header="backends", nth=i)
+        key = f"backends[{i}]"
+        ck = dict(file=file, text=text, header="backends", nth=i)
+        _check(b.kind in BACKEND_KINDS, f"expected one of {', '.join(BACKEND_KINDS)}", key=f"{key}.kind",
+               field_name="kind", **ck)
+        _check(bool(b.url) != bool(b.launch), "give exactly one of 'url' or 'launch'", key=f"{key}.url",
+               field_name="url" if b.url else "name", **ck)
+        _check(not b.url or b.url.startswith(("http://", "https://")), "expected an http(s) URL",
+               key=f"{key}.url", field_name="url", **ck)
+        _check(not b.launch or "{port}" in " ".join(b.launch),
+               "the launch command must contain {port} so passerelle can choose the port",
+               key=f"{key}.launch", field_name="launch", **ck)
+        _check(bool(b.models), "list at least one model id this backend serves", key=f"{key}.models",
+               field_name="models" if "models" in table else "name", **ck)
+        _check(bool(b.endpoints) and set(b.endpoints) <= set(ENDPOINT_KINDS),
+               f"expected a non-empty list drawn from {', '.join(ENDPOINT_KINDS)}", key=f"{key}.endpoints",
+               field_name="endpoints", **ck)
+        _check(b.max_concurrency > 0, "expected a positive integer", key=f"{key}.max_concurrency",
+               field_name="max_concurrency", **ck)
+        _check(b.name not in {o.name for o in backends}, f"duplicate backend name '{b.name}'",
+               key=f"{key}.name", field_name="name", **ck)
+        backends.append(b)
+    backends.extend(upstreams)
+    return Config(server=server, timeouts=timeouts, embedded=sections["embedded"],
+                  backends=tuple(backends), source=file)
+
+
+def with_server(cfg: Config, **changes: Any) -> Config:
+    """A copy of ``cfg`` with ``[server]`` fields replaced (command-line flags win over the file)."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **changes))

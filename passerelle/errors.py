@@ -1,0 +1,173 @@
+"""passerelle's one exception tree, and the one enum of termination causes.
+
+Every request ends in exactly one :class:`Cause`, written in the access log and counted in
+``passerelle_requests_total{cause}``. Every error a client can see is a :class:`GatewayError`
+rendered in OpenAI's shape ``{"error": {"message", "type", "code"}}``.
+
+    PasserelleError                  base of everything raised on purpose
+    ├── ConfigError                  bad configuration; names file, key and line
+    └── GatewayError                 ends a request; carries HTTP status, OpenAI type and cause
+        ├── InvalidRequest           400 invalid_request_error        cause invalid_request
+        │   ├── UnknownModel         404 model_not_found              cause invalid_request
+        │   └── BodyTooLarge         413 request_too_large            cause invalid_request
+        ├── Unauthorized             401 invalid_api_key              cause unauthorized
+        ├── RateLimited              429 rate_limit_exceeded          cause rate_limited
+        ├── QueueFull                429 queue_full                   cause queue_full
+        ├── QueueTimeout             429 queue_timeout                cause queue_timeout
+        ├── NoBackend                503 no_backend                   cause no_backend
+        ├── UpstreamError            502 upstream_error               cause upstream_error
+        │   └── UpstreamStatus       the runtime's own non-2xx answer, status passed through
+        ├── UpstreamTimeout          504 upstream_timeout             cause upstream_timeout
+        └── ClientDisconnect         (nobody to answer; 499 in logs)  cause client_disconnect
+
+Example::
+
+    >>> err = UnknownModel("gpt-9", ["gemma-3-270m"])
+    >>> err.status, err.cause.value
+    (404, 'invalid_request')
+"""
+
+from __future__ import annotations
+
+import enum
+
+import orjson
+
+
+class Cause(enum.StrEnum):
+    """Why a request ended. Exactly one per request."""
+
+    OK = "ok"
+    CLIENT_DISCONNECT = "client_disconnect"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    QUEUE_TIMEOUT = "queue_timeout"
+    QUEUE_FULL = "queue_full"
+    RATE_LIMITED = "rate_limited"
+    UNAUTHORIZED = "unauthorized"
+    INVALID_REQUEST = "invalid_request"
+    NO_BACKEND = "no_backend"
+
+
+class PasserelleError(Exception):
+    """Base of every error passerelle raises on purpose."""
+
+
+class ConfigError(PasserelleError):
+    """A configuration that cannot be used; the message names the file, the key and the line."""
+
+    def __init__(self, message: str, *, file: str | None = None, key: str | None = None,
+                 line: int | None = None) -> None:
+        where = ":".join(str(p) for p in (file, line) if p is not None)
+        prefix = f"{where}: " if where else ""
+        keypart = f"key '{key}': " if key else ""
+        super().__init__(f"{prefix}{keypart}{message}")
+        self.file, self.key, self.line = file, key, line
+
+
+class GatewayError(PasserelleError):
+    """An error that ends a request and is shown to its client in OpenAI's error shape."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = "internal_error"
+    cause = Cause.UPSTREAM_ERROR
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"message": self.message, "type": self.type, "code": self.code}})
+
+    def sse_event(self) -> bytes:
+        """The error as one SSE event, sent when a stream cannot be finished."""
+        return b"data: " + self.body() + b"\n\n"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        if self.retry_after is None:
+            return []
+        # Retry-After takes whole seconds; round up so a client never retries too early.
+        return [(b"retry-after", str(max(1, int(-(-self.retry_after // 1)))).encode())]
+
+
+class InvalidRequest(GatewayError):
+    status, type, code, cause = 400, "invalid_request_error", "invalid_request", Cause.INVALID_REQUEST
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownModel(InvalidRequest):
+    status, code = 404, "model_not_found"
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        listed = ", ".join(served) if served else "none"
+        super().__init__(f"The model '{model}' does not exist here. Models served: {listed}.", param="model")
+
+
+class BodyTooLarge(InvalidRequest):
+    status, code = 413, "request_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"Request body is larger than the limit of {limit} bytes.")
+
+
+class Unauthorized(GatewayError):
+    status, type, code, cause = 401, "invalid_request_error", "invalid_api_key", Cause.UNAUTHORIZED
+
+
+class RateLimited(GatewayError):
+    status, type, code, cause = 429, "rate_limit_error", "rate_limit_exceeded", Cause.RATE_LIMITED
+
+
+class QueueFull(GatewayError):
+    status, type, code, cause = 429, "rate_limit_error", "queue_full", Cause.QUEUE_FULL
+
+
+class QueueTimeout(GatewayError):
+    status, type, code, cause = 429, "rate_limit_error", "queue_timeout", Cause.QUEUE_TIMEOUT
+
+
+class NoBackend(GatewayError):
+    status, type, code, cause = 503, "server_error", "no_backend", Cause.NO_BACKEND
+
+
+class UpstreamError(GatewayError):
+    status, type, code, cause = 502, "server_error", "upstream_error", Cause.UPSTREAM_ERROR
+
+
+class UpstreamStatus(UpstreamError):
+    """The runtime answered with a non-2xx status; its status and body are passed to the client.
+
+    A 4xx from the runtime is the client's fault (e.g. a prompt longer than the context), so it
+    counts as ``invalid_request``; a 5xx as ``upstream_error``.
+    """
+
+    def __init__(self, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
+        super().__init__(f"upstream answered HTTP {status}")
+        self.status = status
+        self.raw = body
+        self.content_type = content_type
+        self.cause = Cause.INVALID_REQUEST if 400 <= status < 500 else Cause.UPSTREAM_ERROR
+
+    def body(self) -> bytes:
+        if self.raw.lstrip().startswith(b'{"error"'):
+            return self.raw
+        text = self.raw.decode("utf-8", "replace").strip()[:2000] or f"HTTP {self.status}"
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return orjson.dumps({"error": {"message": text, "type": kind, "code": f"upstream_{self.status}"}})
+
+
+class UpstreamTimeout(GatewayError):
+    status, type, code, cause = 504, "server_error", "upstream_timeout", Cause.UPSTREAM_TIMEOUT
+
+    def __init__(self, phase: str, seconds: float) -> None:
+        super().__init__(f"The model runtime did not answer in time ({phase} timeout of {seconds:g} s).")
+        self.phase = phase
+
+
+class ClientDisconnect(GatewayError):
+    status, type, code, cause = 499, "client_error", "client_disconnect", Cause.CLIENT_DISCONNECT

@@ -1,0 +1,289 @@
+"""The life of one inference request, start to end, in one place.
+
+    read body (capped) → parse the few fields the gateway needs → pick a backend
+    → send upstream → relay (stream or body) → account: metrics, usage, one access-log line
+
+The body passes through untouched, except that a streaming request that did not ask for
+``stream_options.include_usage`` gets it added (so token counts come from the runtime), and the
+usage chunk is removed again before it reaches that client.
+
+Races worth knowing:
+
+* The client may leave at any time. A watcher task waits on ASGI ``receive()`` for
+  ``http.disconnect`` and cancels the request task; the upstream response is then closed, so the
+  runtime sees its socket close and frees the slot. uvicorn also answers ``receive()`` with
+  ``http.disconnect`` once the response is complete, so ``_finishing`` is set before the last
+  ``send`` to tell the two apart.
+* Response headers go out only once the runtime's status is known, so a runtime error before
+  the first byte reaches the client with the runtime's status; after that, only an SSE error
+  event can report it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+
+from passerelle.accesslog import AccessLog
+from passerelle.config import Config
+from passerelle.errors import (
+    BodyTooLarge,
+    Cause,
+    ClientDisconnect,
+    GatewayError,
+    InvalidRequest,
+    NoBackend,
+    UnknownModel,
+    UpstreamStatus,
+)
+from passerelle.metrics import Metrics
+from passerelle.relay import StreamRelay, read_body
+from passerelle.request import RequestRecord, State, new_request_id
+from passerelle.routing import Router
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
+log = logging.getLogger("passerelle.gateway")
+
+_REQUIRED = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+
+
+async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole body, refused as soon as it is known to exceed ``limit`` bytes."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                if int(value) > limit:
+                    raise BodyTooLarge(limit)
+            except ValueError:
+                raise InvalidRequest("Content-Length is not a number.") from None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientDisconnect("client left while sending the body")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+def parse_request(body: bytes, endpoint: str) -> dict[str, Any]:
+    """Validate the fields the gateway relies on; everything else is the runtime's business."""
+    if not body.strip():
+        raise InvalidRequest("The request body is empty; expected a JSON object.")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}.") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    model = data.get("model")
+    if model is None:
+        raise InvalidRequest("Missing required parameter: 'model'.", param="model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string.", param="model")
+    required = _REQUIRED[endpoint]
+    value = data.get(required)
+    if value is None:
+        raise InvalidRequest(f"Missing required parameter: '{required}'.", param=required)
+    if endpoint == "chat":
+        if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
+            raise InvalidRequest("'messages' must be a non-empty array of message objects.", param="messages")
+    elif not isinstance(value, str | list):
+        raise InvalidRequest(f"'{required}' must be a string or an array.", param=required)
+    if "stream" in data and not isinstance(data["stream"], bool | None):
+        raise InvalidRequest("'stream' must be a boolean.", param="stream")
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        v = data.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "n" else 0)):
+            raise InvalidRequest(f"'{key}' must be a non-negative integer.", param=key)
+    so = data.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
+    user = data.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequest("'user' must be a string.", param="user")
+    return data
+
+
+def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
+    """``body`` with ``stream_options.include_usage = true`` (spliced in when absent, so the
+    rest of the body keeps its exact bytes)."""
+    if "stream_options" not in data:
+        i = body.index(b"{")
+        return body[: i + 1] + b'"stream_options":{"include_usage":true},' + body[i + 1 :]
+    data = dict(data, stream_options=dict(data["stream_options"], include_usage=True))
+    return orjson.dumps(data)
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+class Gateway:
+    def __init__(self, cfg: Config, router: Router, metrics: Metrics, access_log: AccessLog) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.metrics = metrics
+        self.access_log = access_log
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
+        client = scope.get("client")
+        rec = RequestRecord(id=new_request_id(), endpoint=endpoint, client=client[0] if client else "")
+        started = False  # response headers sent to the client
+        finishing = False
+        task = asyncio.current_task()
+        assert task is not None
+        disconnected = False
+        watcher: asyncio.Task[None] | None = None
+        resp: aiohttp.ClientResponse | None = None
+
+        async def watch() -> None:
+            nonlocal disconnected
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    if not finishing:
+                        disconnected = True
+                        task.cancel()
+                    return
+
+        async def start(status: int, extra: list[tuple[bytes, bytes]]) -> None:
+            nonlocal started
+            started = True
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [*extra, (b"x-request-id", rec.id.encode())]})
+
+        try:
+            body = await read_request_body(scope, receive, self.cfg.server.max_body_bytes)
+            watcher = asyncio.create_task(watch())
+            data = parse_request(body, endpoint)
+            rec.model = data["model"]
+            rec.stream = bool(data.get("stream")) and endpoint != "embeddings"
+            rec.max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
+            if data.get("user"):
+                rec.tenant = data["user"]
+            pool = self.router.pool(rec.model, endpoint)
+            if pool is None:
+                raise UnknownModel(rec.model, self.router.models)
+            if not pool:
+                raise InvalidRequest(f"The model '{rec.model}' is not served on /v1/{endpoint}.", param="model")
+            backend = self.router.pick(pool)
+            if backend is None:
+                raise NoBackend(f"No backend serving '{rec.model}' is up right now.", retry_after=5)
+            rec.backend = backend.name
+            strip_usage = False
+            if rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
+                body, strip_usage = with_usage_requested(body, data), True
+            body = backend.prepare(body, 1)
+            deadline = rec.t_arrival + self.cfg.timeouts.total_s
+            backend.in_flight += 1
+            try:
+                rec.t_dispatch = time.perf_counter()
+                rec.to(State.DISPATCHED)
+                resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body)
+                if resp.status != 200:
+                    raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
+                    raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
+                if rec.stream:
+                    await start(200, _SSE_HEADERS)
+                    await StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage).run(resp, deadline)
+                    finishing = True
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                else:
+                    raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
+                    ctype = resp.headers.get("Content-Type", "application/json").encode()
+                    await start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
+                    finishing = True
+                    await send({"type": "http.response.body", "body": raw, "more_body": False})
+                rec.finish(Cause.OK, 200)
+            finally:
+                backend.in_flight -= 1
+        except asyncio.CancelledError:
+            if not disconnected:
+                raise
+            task.uncancel()
+            rec.finish(Cause.CLIENT_DISCONNECT, 499, "client disconnected")
+        except GatewayError as err:
+            rec.finish(err.cause, err.status, err.message)
+            if isinstance(err, ClientDisconnect):
+                pass
+            elif not started:
+                finishing = True
+                with contextlib.suppress(OSError):
+                    await self._send_error(send, rec, err)
+            else:
+                finishing = True
+                with contextlib.suppress(OSError):
+                    await send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
+        except Exception:
+            log.exception("request %s failed inside the gateway", rec.id)
+            rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
+            err = GatewayError("Internal error in the gateway; see its log.")
+            finishing = True
+            with contextlib.suppress(OSError):
+                if not started:
+                    await self._send_error(send, rec, err)
+                else:
+                    await send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
+        finally:
+            if resp is not None:
+                resp.close()  # drops the connection if unread: the runtime stops generating
+            if watcher is not None:
+                watcher.cancel()
+            if rec.cause is None:  # an unexpected exception: still one cause, one log line
+                rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
+            self.account(rec)
+
+    async def _send_error(self, send: Send, rec: RequestRecord, err: GatewayError) -> None:
+        body = err.body()
+        ctype = err.content_type if isinstance(err, UpstreamStatus) and err.content_type else b"application/json"
+        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode()),
+                   (b"x-request-id", rec.id.encode()), *err.headers()]
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def account(self, rec: RequestRecord) -> None:
+        m = self.metrics
+        model = rec.model if self.router.serves(rec.model) else "unknown"
+        m.count_request(model, rec.priority, rec.cause.value, rec.tenant)  # type: ignore[union-attr]
+        if rec.backend:
+            ttft, itl, tpot, e2e, ptok, gtok = m.request_children(rec.backend, model, rec.priority, rec.tenant)
+            if rec.cause is Cause.OK:
+                e2e.observe(rec.duration)
+                if rec.ttft is not None:
+                    ttft.observe(rec.ttft)
+                for g in rec.gaps:
+                    itl.observe(g)
+                n = rec.output_tokens
+                if rec.stream and n > 1 and rec.ttft is not None:
+                    tpot.observe((rec.t_end - rec.t_first) / (n - 1))
+            if rec.prompt_tokens:
+                ptok.inc(rec.prompt_tokens)
+            if rec.completion_tokens:
+                gtok.inc(rec.completion_tokens)
+        self.access_log.write(rec)

@@ -1,0 +1,78 @@
+"""Metric definitions (Prometheus). Names and meanings follow vLLM's metrics of the same suffix.
+
+``docs/metrics.md`` documents each one. Label children are cached per label set, because
+``Histogram.labels()`` on every observation would cost more than the observation itself.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# 5 ms to 60 s, denser where interactive targets sit (100 ms – 3 s).
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                   1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+
+
+class Metrics:
+    """All of passerelle's metrics, in one registry (one per app, so tests stay independent)."""
+
+    def __init__(self, *, tenant_label: bool = True) -> None:
+        self.registry = r = CollectorRegistry()
+        self.tenant_label = tenant_label
+        req = ["backend", "model", "priority", *(["tenant"] if tenant_label else [])]
+        self.ttft = Histogram("passerelle_time_to_first_token_seconds",
+                              "Request arrival at the gateway to the first content chunk sent to the client.",
+                              req, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("passerelle_inter_token_latency_seconds",
+                             "Gap between two consecutive content chunks of a stream.",
+                             req, buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.tpot = Histogram("passerelle_request_time_per_output_token_seconds",
+                              "(e2e - TTFT) / (output tokens - 1), per request.",
+                              req, buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("passerelle_e2e_request_latency_seconds",
+                             "Request arrival to the last byte sent to the client.",
+                             req, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("passerelle_queue_wait_seconds",
+                                    "Time a request waited in passerelle's queue before dispatch.",
+                                    ["model", "priority", *(["tenant"] if tenant_label else [])],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("passerelle_requests_running", "Requests dispatched to a backend, not finished.",
+                             ["backend", "model"], registry=r)
+        self.waiting = Gauge("passerelle_requests_waiting", "Requests waiting in passerelle's queue.",
+                             ["model", "priority"], registry=r)
+        self.prompt_tokens = Counter("passerelle_prompt_tokens", "Prompt tokens processed (from usage).",
+                                     req, registry=r)
+        self.generation_tokens = Counter("passerelle_generation_tokens", "Tokens generated (from usage).",
+                                         req, registry=r)
+        self.requests = Counter("passerelle_requests", "Requests by termination cause.",
+                                ["model", "priority", "cause", *(["tenant"] if tenant_label else [])],
+                                registry=r)
+        self.backend_up = Gauge("passerelle_backend_up", "1 when the backend answers its health check.",
+                                ["backend"], registry=r)
+        self.slots_busy = Gauge("passerelle_backend_slots_busy", "Slots (sequences) the runtime is processing.",
+                                ["backend"], registry=r)
+        self.slots_total = Gauge("passerelle_backend_slots_total", "Slots the runtime has.", ["backend"],
+                                 registry=r)
+        self.kv_usage = Gauge("passerelle_backend_kv_cache_usage_ratio", "KV cache in use, 0 to 1.",
+                              ["backend"], registry=r)
+        self.backend_queue = Gauge("passerelle_backend_queue_depth",
+                                   "Requests waiting inside the runtime itself.", ["backend"], registry=r)
+        self._children: dict[tuple[str, ...], tuple] = {}
+
+    def request_children(self, backend: str, model: str, priority: str, tenant: str) -> tuple:
+        """(ttft, itl, tpot, e2e, prompt_tokens, generation_tokens) children for one label set."""
+        key = (backend, model, priority, tenant) if self.tenant_label else (backend, model, priority)
+        children = self._children.get(key)
+        if children is None:
+            children = tuple(m.labels(*key) for m in (self.ttft, self.itl, self.tpot, self.e2e,
+                                                      self.prompt_tokens, self.generation_tokens))
+            self._children[key] = children
+        return children
+
+    def count_request(self, model: str, priority: str, cause: str, tenant: str) -> None:
+        if self.tenant_label:
+            self.requests.labels(model, priority, cause, tenant).inc()
+        else:
+            self.requests.labels(model, priority, cause).inc()

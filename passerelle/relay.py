@@ -1,0 +1,198 @@
+"""SSE pass-through: runtime bytes reach the client as they arrive; a byte scan learns the rest.
+
+No event is decoded as JSON except the one carrying ``usage``. Complete events from one upstream
+read are sent to the client in one write; an incomplete trailing event is held only until its end
+arrives (a partial event is of no use to a client). The scan finds:
+
+* content chunks (``"content"``/``"text"``/``"reasoning_content"`` with a non-empty string, or
+  ``tool_calls``): first-token time, inter-chunk gaps, a fallback token count;
+* the usage chunk: token counts; dropped again when the gateway asked for it and the client did not;
+* ``[DONE]``: a stream that ends without it was truncated, and the client gets an error event.
+
+Example::
+
+    scanner = SSEScanner()
+    scanner.feed(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\\n\\ndata: [DO')
+    # -> [b'data: {"choices":[{"delta":{"content":"Hi"}}]}\\n\\n'], 'data: [DO' kept for later
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+
+from passerelle.config import TimeoutConfig
+from passerelle.errors import UpstreamError, UpstreamTimeout
+from passerelle.request import RequestRecord, State
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_CONTENT = re.compile(
+    rb'"(?:content|text|reasoning_content)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{')
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_ERROR = re.compile(rb'^data:\s*\{\s*"error"')
+_DONE = re.compile(rb"^data:\s*\[DONE\]\s*$")
+
+
+class SSEScanner:
+    """Split a byte stream into complete SSE events (``\\n\\n`` or ``\\r\\n\\r\\n`` terminated)."""
+
+    __slots__ = ("_tail",)
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._tail + data if self._tail else data
+        events: list[bytes] = []
+        start, n = 0, len(buf)
+        while start < n:
+            lf = buf.find(b"\n\n", start)
+            crlf = buf.find(b"\r\n\r\n", start)
+            if lf < 0 and crlf < 0:
+                break
+            end = lf + 2 if crlf < 0 or (0 <= lf < crlf) else crlf + 4
+            events.append(buf[start:end])
+            start = end
+        self._tail = buf[start:]
+        return events
+
+    @property
+    def pending(self) -> bytes:
+        return self._tail
+
+
+def parse_usage(obj: Any) -> tuple[int | None, int | None]:
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return None, None
+    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
+
+
+class StreamRelay:
+    """Relay one upstream SSE response to an ASGI client, timing it into ``rec``."""
+
+    def __init__(self, rec: RequestRecord, send: Send, timeouts: TimeoutConfig, *, strip_usage: bool) -> None:
+        self.rec = rec
+        self.send = send
+        self.timeouts = timeouts
+        self.strip_usage = strip_usage
+        self.done = False
+        self.upstream_error = False
+
+    def _scan(self, events: list[bytes], now: float) -> bytes:
+        """Account for ``events``; return the bytes to send (all of them unless one is dropped)."""
+        rec = self.rec
+        out: list[bytes] | None = None
+        for i, ev in enumerate(events):
+            keep = True
+            if _CONTENT.search(ev):
+                if rec.content_chunks == 0:
+                    rec.t_first = now
+                    rec.to(State.STREAMING)
+                else:
+                    rec.gaps.append(now - rec.t_last)
+                rec.t_last = now
+                rec.content_chunks += 1
+            if b'"usage"' in ev and _USAGE.search(ev):
+                try:
+                    obj = orjson.loads(ev.split(b":", 1)[1])
+                except (orjson.JSONDecodeError, IndexError):
+                    obj = None
+                p, c = parse_usage(obj)
+                if c is not None:
+                    rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
+                if self.strip_usage and _EMPTY_CHOICES.search(ev):
+                    keep = False
+            elif _DONE.match(ev):
+                self.done = True
+            elif _ERROR.match(ev):
+                self.upstream_error = True
+                rec.error = "the runtime sent an error event"
+            if not keep and out is None:
+                out = list(events[:i])
+            elif keep and out is not None:
+                out.append(ev)
+        if out is None:
+            return b"".join(events) if len(events) > 1 else events[0]
+        return b"".join(out)
+
+    async def run(self, resp: aiohttp.ClientResponse, deadline_total: float) -> None:
+        """Relay until ``[DONE]``; raise UpstreamTimeout/UpstreamError on a broken stream.
+
+        The response headers have already been sent to the client by the caller.
+        """
+        rec, t = self.rec, self.timeouts
+        scanner = SSEScanner()
+        read = resp.content.readany
+        send = self.send
+        loop = asyncio.get_running_loop()
+        # Deadlines on the loop's clock; perf_counter values are for the record.
+        now_loop = loop.time()
+        total_at = now_loop + (deadline_total - time.perf_counter())
+        first_at = min(total_at, now_loop + t.first_token_s)
+        try:
+            async with asyncio.timeout_at(first_at) as budget:
+                while True:
+                    data = await read()
+                    if not data:
+                        break
+                    events = scanner.feed(data)
+                    if events:
+                        payload = self._scan(events, time.perf_counter())
+                        if payload:
+                            await send({"type": "http.response.body", "body": payload, "more_body": True})
+                    if rec.content_chunks:
+                        budget.reschedule(min(total_at, loop.time() + t.between_tokens_s))
+        except TimeoutError:
+            remaining_total = total_at - loop.time()
+            if remaining_total <= 0.001:
+                raise UpstreamTimeout("total", t.total_s) from None
+            if rec.content_chunks:
+                raise UpstreamTimeout("between tokens", t.between_tokens_s) from None
+            raise UpstreamTimeout("first token", t.first_token_s) from None
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+            raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "
+                                f"{exc.__class__.__name__}") from exc
+        if scanner.pending.strip():
+            # A last event without its blank line: deliver it rather than lose it.
+            await send({"type": "http.response.body", "body": self._scan([scanner.pending], time.perf_counter())
+                        + b"\n\n", "more_body": True})
+        if self.upstream_error:
+            raise UpstreamError("The model runtime reported an error in the stream.")
+        if not self.done:
+            raise UpstreamError(f"The model runtime '{rec.backend}' closed the stream before it was complete.")
+
+
+async def read_body(resp: aiohttp.ClientResponse, rec: RequestRecord, timeouts: TimeoutConfig,
+                    deadline_total: float) -> bytes:
+    """Read a non-streaming answer within the first-token and total limits."""
+    remaining = deadline_total - time.perf_counter()
+    limit, phase = ((timeouts.first_token_s, "first token") if timeouts.first_token_s < remaining
+                    else (max(remaining, 0.0), "total"))
+    try:
+        async with asyncio.timeout(limit):
+            body = await resp.read()
+    except TimeoutError:
+        raise UpstreamTimeout(phase, timeouts.first_token_s if phase == "first token" else timeouts.total_s) \
+            from None
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+        raise UpstreamError(f"The model runtime '{rec.backend}' broke the response: "
+                            f"{exc.__class__.__name__}") from exc
+    rec.t_first = rec.t_last = time.perf_counter()
+    if b'"usage"' in body:
+        try:
+            p, c = parse_usage(orjson.loads(body))
+        except orjson.JSONDecodeError:
+            p = c = None
+        if c is not None or p is not None:
+            rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
+    return body

@@ -1,0 +1,95 @@
+"""One request's record: its state machine and everything measured about it.
+
+    RECEIVED ──► QUEUED ──► DISPATCHED ──► STREAMING ──► DONE
+        └───────────┴────────────┴──────────────┴───────► DONE   (with a cause other than ok)
+
+The record is created when the request arrives and written once, when it ends, to the access
+log and the metrics. Times are ``time.perf_counter()`` seconds.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from dataclasses import dataclass, field
+
+from passerelle.errors import Cause
+
+
+class State(enum.Enum):
+    RECEIVED = "received"  # read and validated the body
+    QUEUED = "queued"  # waiting in passerelle's queue for a backend slot
+    DISPATCHED = "dispatched"  # sent to a backend, no content yet
+    STREAMING = "streaming"  # content is flowing to the client
+    DONE = "done"
+
+
+_ALLOWED = {
+    State.RECEIVED: {State.QUEUED, State.DISPATCHED, State.DONE},
+    State.QUEUED: {State.DISPATCHED, State.DONE},
+    State.DISPATCHED: {State.STREAMING, State.DONE},
+    State.STREAMING: {State.DONE},
+    State.DONE: set(),
+}
+
+
+def new_request_id() -> str:
+    return "req_" + os.urandom(12).hex()
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    id: str
+    endpoint: str
+    client: str = ""
+    t_arrival: float = field(default_factory=time.perf_counter)
+    state: State = State.RECEIVED
+    model: str = ""
+    stream: bool = False
+    priority: str = "standard"
+    tenant: str = "anonymous"
+    backend: str = ""
+    max_tokens: int | None = None
+    status: int = 0
+    cause: Cause | None = None
+    error: str = ""
+    t_queued: float = 0.0
+    t_dispatch: float = 0.0
+    t_first: float = 0.0  # first content chunk sent to the client
+    t_last: float = 0.0  # last content chunk sent
+    t_end: float = 0.0
+    content_chunks: int = 0
+    gaps: list[float] = field(default_factory=list)  # between content chunks, seconds
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    usage_from_server: bool = False
+    retries: int = 0
+
+    def to(self, state: State) -> None:
+        if state not in _ALLOWED[self.state]:
+            raise RuntimeError(f"request {self.id}: illegal transition {self.state.name} -> {state.name}")
+        self.state = state
+
+    def finish(self, cause: Cause, status: int, error: str = "") -> None:
+        """Set the one termination cause; the first call wins (later ones are consequences)."""
+        if self.cause is None:
+            self.cause, self.status, self.error = cause, status, error
+            self.t_end = time.perf_counter()
+            self.state = State.DONE
+
+    @property
+    def ttft(self) -> float | None:
+        return self.t_first - self.t_arrival if self.t_first else None
+
+    @property
+    def queue_wait(self) -> float:
+        return (self.t_dispatch or self.t_end) - self.t_queued if self.t_queued else 0.0
+
+    @property
+    def duration(self) -> float:
+        return (self.t_end or time.perf_counter()) - self.t_arrival
+
+    @property
+    def output_tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else self.content_chunks

@@ -1,0 +1,107 @@
+"""Backends by model, their health, and the choice of a replica for a request.
+
+A background poller scrapes every backend on a short interval (health plus the load figures its
+runtime reports) and re-exports them as ``passerelle_backend_*`` gauges. A backend that is down
+or answers garbage is marked down; it never breaks ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from passerelle.backends import Backend
+from passerelle.metrics import Metrics
+
+log = logging.getLogger("passerelle.routing")
+
+
+class Router:
+    def __init__(self, backends: list[Backend], metrics: Metrics, *, poll_interval_s: float = 2.0) -> None:
+        self.backends = backends
+        self.metrics = metrics
+        self.poll_interval_s = poll_interval_s
+        self._task: asyncio.Task[None] | None = None
+        self._by_model: dict[str, list[Backend]] = {}
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        by_model: dict[str, list[Backend]] = {}
+        pools: dict[tuple[str, str], list[Backend]] = {}
+        for b in self.backends:
+            for m in b.models:
+                by_model.setdefault(m, []).append(b)
+                for e in b.cfg.endpoints:
+                    pools.setdefault((m, e), []).append(b)
+        self._by_model, self._pools = by_model, pools
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._by_model)
+
+    def serves(self, model: str) -> bool:
+        return model in self._by_model
+
+    def backends_of(self, model: str) -> list[Backend]:
+        return self._by_model.get(model, [])
+
+    def pool(self, model: str, endpoint: str) -> list[Backend] | None:
+        """The backends serving ``model`` on ``endpoint`` (chat, completions, embeddings);
+        None when no backend serves the model at all, [] when none serves it there."""
+        if model not in self._by_model:
+            return None
+        return self._pools.get((model, endpoint), [])
+
+    def any_up(self) -> bool:
+        return any(b.stats.up for b in self.backends)
+
+    @staticmethod
+    def pick(pool: list[Backend]) -> Backend | None:
+        """The least loaded healthy replica (in-flight against capacity), or None."""
+        best, best_load = None, 0.0
+        for b in pool:
+            if not b.stats.up:
+                continue
+            load = b.in_flight / b.capacity
+            if best is None or load < best_load:
+                best, best_load = b, load
+        return best
+
+    # -- polling ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        for b in self.backends:
+            await b.start()
+        await self.poll_once()
+        self._task = asyncio.create_task(self._poll_forever(), name="passerelle-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for b in self.backends:
+            await b.close()
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(b) for b in self.backends))
+
+    async def _poll(self, b: Backend) -> None:
+        was_up = b.stats.up
+        s = await b.scrape()
+        m, name = self.metrics, b.name
+        m.backend_up.labels(name).set(1 if s.up else 0)
+        for gauge, value in ((m.slots_busy, s.slots_busy), (m.slots_total, s.slots_total),
+                             (m.kv_usage, s.kv_cache_usage_ratio), (m.backend_queue, s.queue_depth)):
+            if value is not None:
+                gauge.labels(name).set(value)
+        if was_up != s.up:
+            log.warning("backend %s is %s%s", name, "up" if s.up else "down", f" ({s.error})" if s.error else "")
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # the poller must outlive any one runtime's misbehaviour
+                log.exception("backend poll failed")

@@ -1,0 +1,196 @@
+"""Runtime processes that passerelle launches itself, each with an explicit state machine.
+
+    STOPPED ──start──► STARTING ──health ok──► READY ──stop──► DRAINING ──► STOPPED
+                          │                      │
+                          └──exit / no health────┴──crash──► FAILED ──backoff──► STARTING
+
+A child runs in its own process group, so stopping it also stops anything it spawned, and on
+Linux asks the kernel to kill it if passerelle dies (``PR_SET_PDEATHSIG``), so that not even a
+``kill -9`` of the gateway leaves an orphan holding the model in memory.
+
+Example::
+
+    proc = RuntimeProcess(backend, ("llama-server", "-m", "m.gguf", "--port", "{port}"))
+    await proc.start()     # returns once /health answers; backend.url points at it
+    await proc.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import enum
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from passerelle.backends import Backend
+from passerelle.embedded import cache_dir
+from passerelle.errors import PasserelleError
+
+log = logging.getLogger("passerelle.supervisor")
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ProcState(enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+class RuntimeFailed(PasserelleError):
+    """A runtime process exited or never became ready."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class RuntimeProcess:
+    def __init__(self, backend: Backend, command: tuple[str, ...], *, log_path: Path | None = None,
+                 ready_timeout_s: float = 600.0, restart: bool = True) -> None:
+        self.backend = backend
+        self.template = command
+        self.log_path = log_path or cache_dir() / "logs" / f"{backend.name}.log"
+        self.ready_timeout_s = ready_timeout_s
+        self.restart = restart
+        self.state = ProcState.STOPPED
+        self.proc: asyncio.subprocess.Process | None = None
+        self.port = 0
+        self.restarts = 0
+        self.command: list[str] = []
+        self._monitor: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def _set(self, state: ProcState) -> None:
+        if state is not self.state:
+            log.info("runtime %s: %s -> %s", self.backend.name, self.state.value, state.value)
+            self.state = state
+
+    async def start(self) -> None:
+        """Launch and wait until the runtime's health endpoint answers; raise RuntimeFailed."""
+        self._stopping = False
+        await self._launch()
+        self._monitor = asyncio.create_task(self._watch(), name=f"supervise-{self.backend.name}")
+
+    async def _launch(self) -> None:
+        self._set(ProcState.STARTING)
+        self.port = free_port()
+        self.command = [part.replace("{port}", str(self.port)) for part in self.template]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        try:
+            logf.write(f"\n=== {time.strftime('%F %T')} {' '.join(self.command)}\n".encode())
+            logf.flush()
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.command, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
+                start_new_session=True, preexec_fn=_die_with_parent)
+        except OSError as exc:
+            self._set(ProcState.FAILED)
+            raise RuntimeFailed(f"cannot start runtime {self.backend.name}: {exc}") from exc
+        finally:
+            logf.close()
+        self.backend.set_url(f"http://127.0.0.1:{self.port}")
+        await self.backend.start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.returncode is not None:
+                self._set(ProcState.FAILED)
+                raise RuntimeFailed(f"runtime {self.backend.name} exited with code {self.proc.returncode} "
+                                    f"while starting; last lines of {self.log_path}:\n{self.log_tail()}")
+            if await self.backend.check_health(timeout=1.0):
+                await self.backend.scrape()
+                self._set(ProcState.READY)
+                return
+            await asyncio.sleep(0.1)
+        await self._kill()
+        self._set(ProcState.FAILED)
+        raise RuntimeFailed(f"runtime {self.backend.name} was not ready after {self.ready_timeout_s:g} s")
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def _watch(self) -> None:
+        """Restart a crashed runtime with exponential backoff (1 s, 2 s, 4 s … 30 s)."""
+        backoff = 1.0
+        while True:
+            assert self.proc is not None
+            code = await self.proc.wait()
+            if self._stopping:
+                return
+            self.backend.stats.up = False
+            self._set(ProcState.FAILED)
+            log.error("runtime %s exited with code %s; last output:\n%s", self.backend.name, code, self.log_tail(5))
+            if not self.restart:
+                return
+            while not self._stopping:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                try:
+                    await self._launch()
+                    self.restarts += 1
+                    backoff = 1.0
+                    break
+                except RuntimeFailed as exc:
+                    log.error("%s", exc)
+
+    async def _kill(self, grace: float = 10.0) -> None:
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+    async def stop(self, grace: float = 10.0) -> None:
+        self._stopping = True
+        if self.state is ProcState.READY:
+            self._set(ProcState.DRAINING)
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        await self._kill(grace)
+        self.backend.stats.up = False
+        self._set(ProcState.STOPPED)
+
+
+class Supervisor:
+    """All launched runtimes of one gateway."""
+
+    def __init__(self, processes: list[RuntimeProcess]) -> None:
+        self.processes = processes
+
+    async def start_all(self) -> None:
+        await asyncio.gather(*(p.start() for p in self.processes))
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(p.stop() for p in self.processes), return_exceptions=True)
