@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -114,6 +115,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app, host=cfg.server.host, port=cfg.server.port, loop="uvloop", http="httptools", lifespan="on",
         access_log=False, log_level="warning", timeout_graceful_shutdown=int(cfg.server.shutdown_grace_s),
         timeout_keep_alive=30))
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, through the handlers that were
+    # in place before it started; no-op handlers make a graceful stop exit with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return 0 if server.started else 1
 
@@ -148,11 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     setup = sub.add_parser("setup", help="build llama-server and assemble the default model (idempotent)")
     setup.set_defaults(func=cmd_setup)
 
-    for module in ("passerelle.bench.cli", "passerelle.fake_backend"):
-        try:
-            __import__(module, fromlist=["add_parser"]).add_parser(sub)
-        except ImportError:  # pragma: no cover - only while a module is being written
-            pass
+    from passerelle.bench.cli import add_parser as add_bench_parser
+    from passerelle.fake_backend import add_parser as add_fake_parser
+
+    add_bench_parser(sub)
+    add_fake_parser(sub)
     return parser
 
 

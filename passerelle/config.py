@@ -119,7 +119,7 @@ def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | Non
                     break
         else:
             return None
-    keypat = re.compile(rf"^\s*\"?{re.escape(key)}\"?\s*=")
+    keypat = re.compile(rf"^\s*(\"?{re.escape(key)}\"?\s*=|\[\[?\s*{re.escape(key)}\s*\]\]?)")
     for i in range(start, len(lines)):
         if i > start and header is not None and lines[i].lstrip().startswith("["):
             break

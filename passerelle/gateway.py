@@ -32,6 +32,7 @@ import aiohttp
 import orjson
 
 from passerelle.accesslog import AccessLog
+from passerelle.assemble import assemble
 from passerelle.config import Config
 from passerelle.errors import (
     BodyTooLarge,
@@ -137,6 +138,16 @@ def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
     return orjson.dumps(data)
 
 
+class _Collector:
+    """An ASGI ``send`` that keeps the body, for answers assembled from a stream."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        self.parts.append(message.get("body", b""))
+
+
 def header(scope: Scope, name: bytes) -> str | None:
     for k, v in scope["headers"]:
         if k == name:
@@ -197,7 +208,10 @@ class Gateway:
                 raise NoBackend(f"No backend serving '{rec.model}' is up right now.", retry_after=5)
             rec.backend = backend.name
             strip_usage = False
-            if rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
+            collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
+            if collect:
+                body = orjson.dumps({**data, "stream": True, "stream_options": {"include_usage": True}})
+            elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
                 body, strip_usage = with_usage_requested(body, data), True
             body = backend.prepare(body, 1)
             deadline = rec.t_arrival + self.cfg.timeouts.total_s
@@ -214,6 +228,14 @@ class Gateway:
                     await StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage).run(resp, deadline)
                     finishing = True
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
+                elif collect:
+                    sink = _Collector()
+                    await StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False).run(resp, deadline)
+                    raw = assemble(b"".join(sink.parts), endpoint)
+                    await start(200, [(b"content-type", b"application/json"),
+                                      (b"content-length", str(len(raw)).encode())])
+                    finishing = True
+                    await send({"type": "http.response.body", "body": raw, "more_body": False})
                 else:
                     raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
                     ctype = resp.headers.get("Content-Type", "application/json").encode()

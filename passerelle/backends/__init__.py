@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 
 from passerelle.backends.base import Backend, BackendStats
@@ -43,7 +41,7 @@ async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[
                 async with session.get(url + path) as resp:
                     text = await resp.text()
                     return resp.status == 200 and needle in text
-            except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+            except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
                 return False
 
         async with session.get(url + "/v1/models") as resp:
@@ -57,7 +55,7 @@ async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[
                 async with session.get(url + "/slots") as resp:
                     listed = await resp.json(content_type=None)
                     slots = len(listed) if resp.status == 200 and isinstance(listed, list) else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            except (TimeoutError, aiohttp.ClientError, ValueError):
                 slots = None
         elif await ok("/api/version", "version"):
             kind = "ollama"

@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -49,6 +48,9 @@ class Backend:
 
     kind = "openai"
     health_path = "/v1/models"
+    # Ask for a stream even when the client did not, and assemble the answer in the gateway:
+    # for runtimes that notice a departed client only while streaming.
+    stream_always = False
 
     def __init__(self, cfg: BackendConfig, timeouts: TimeoutConfig) -> None:
         self.cfg = cfg
@@ -127,7 +129,7 @@ class Backend:
             async with await self._get(self.health_path, timeout) as resp:
                 await resp.read()
                 return resp.status == 200
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def scrape(self) -> BackendStats:

@@ -9,6 +9,9 @@ from passerelle.backends.prom import parse_samples
 class LlamaServerBackend(Backend):
     kind = "llama-server"
     health_path = "/health"
+    # llama-server checks for a closed connection only between streamed chunks; a non-streaming
+    # request would hold its slot after the client left (see assemble.py).
+    stream_always = True
 
     async def _scrape_load(self, stats: BackendStats) -> None:
         async with await self._get("/slots") as resp:

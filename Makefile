@@ -1,0 +1,36 @@
+# passerelle — `make run` sets everything up and serves; `make test` runs every test.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test test-quick lint bench-ttft clean
+
+setup: $(STAMP)
+	@$(BIN)/passerelle setup
+
+$(STAMP): pyproject.toml
+	@echo "passerelle: creating the virtualenv in $(VENV) and installing the package"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install --quiet --upgrade pip
+	@$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+run: setup
+	$(BIN)/passerelle serve $(ARGS)
+
+# pytest exits 5 when it collected nothing: that is a failure here, never a pass.
+test: setup
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test-quick: $(STAMP)
+	$(BIN)/pytest -q -m "not llama" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check passerelle tests bench
+
+bench-ttft: setup
+	$(BIN)/python bench/ttft_gateway_vs_direct.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,194 @@
+"""Shared fixtures: a real llama-server (built by ``make setup``), the fake backend, and the
+gateway as a real subprocess on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+MODEL_ID = "gemma-3-270m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll ``cond`` until it returns a truthy value; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = cond()
+            if value:
+                return value
+        except (httpx.HTTPError, OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def http_ok(url: str) -> bool:
+    return httpx.get(url, timeout=1.0).status_code == 200
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    model: str = MODEL_ID
+    extra: dict = field(default_factory=dict)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait(10)
+        return self.proc.returncode
+
+
+@dataclass
+class Gateway(Server):
+    def access_log(self) -> list[dict]:
+        out = []
+        for line in self.log_text().splitlines():
+            if line.startswith("{") and '"request_id"' in line:
+                out.append(json.loads(line))
+        return out
+
+    def log_for(self, request_id: str, timeout: float = 5.0) -> dict:
+        return wait_until(lambda: next((r for r in self.access_log() if r["request_id"] == request_id), None),
+                          timeout, what=f"access log line of {request_id}")
+
+    def children(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+@pytest.fixture(scope="session")
+def llama_paths() -> tuple[Path, Path]:
+    from passerelle import embedded
+
+    return embedded.find_or_build_llama_server(), embedded.ensure_default_model()
+
+
+def start_llama(binary: Path, model: Path, log_path: Path, *, slots: int = 4, ctx_per_slot: int = 2048,
+                extra: tuple[str, ...] = ()) -> Server:
+    port = free_port()
+    logf = open(log_path, "wb")  # noqa: SIM115 - owned by the child
+    proc = subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL_ID, "--host", "127.0.0.1",
+                             "--port", str(port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+                             "--metrics", "--slots", "--no-webui", *extra],
+                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    logf.close()
+    server = Server(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
+    try:
+        wait_until(lambda: (proc.poll() is not None and (_ for _ in ()).throw(
+            AssertionError(f"llama-server exited:\n{server.log_text()[-2000:]}"))) or http_ok(server.url + "/health"),
+            120, what="llama-server /health")
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def llama_server(llama_paths, tmp_path_factory) -> Iterator[Server]:
+    """A real llama-server (Gemma 3 270M, 4 slots) shared by the session."""
+    binary, model = llama_paths
+    server = start_llama(binary, model, tmp_path_factory.mktemp("llama") / "llama-server.log")
+    yield server
+    server.stop()
+
+
+def slots_busy(server_url: str) -> int:
+    return sum(1 for s in httpx.get(server_url + "/slots", timeout=2).json() if s.get("is_processing"))
+
+
+@pytest.fixture
+def fake_backend(tmp_path) -> Callable[..., Server]:
+    """Start ``passerelle fake-backend`` with the given options; stopped after the test."""
+    started: list[Server] = []
+
+    def start(**opts) -> Server:
+        port = free_port()
+        args = [sys.executable, "-m", "passerelle", "fake-backend", "--port", str(port)]
+        for k, v in opts.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        log_path = tmp_path / f"fake-{port}.log"
+        with open(log_path, "wb") as logf:
+            proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT)
+        server = Server(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path,
+                        model=opts.get("model", "fake-model"))
+        started.append(server)
+        wait_until(lambda: http_ok(server.url + "/health"), 30, what="fake backend /health")
+        return server
+
+    yield start
+    for s in started:
+        s.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def gateway(tmp_path) -> Callable[..., Gateway]:
+    """Start ``passerelle serve`` as a subprocess with a TOML configuration text."""
+    started: list[Gateway] = []
+
+    def start(config: str = "", *, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+              wait_ready: bool = True, timeout: float = 120) -> Gateway:
+        port = free_port()
+        cfg_path = tmp_path / f"gateway-{port}.toml"
+        cfg_path.write_text(textwrap.dedent(config))
+        log_path = tmp_path / f"gateway-{port}.log"
+        cmd = [sys.executable, "-m", "passerelle", "serve", "--config", str(cfg_path), "--port", str(port), *args]
+        with open(log_path, "wb") as logf:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        gw = Gateway(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
+        started.append(gw)
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"gateway exited with {proc.returncode}:\n{gw.log_text()[-3000:]}")
+            return http_ok(gw.url + ("/ready" if wait_ready else "/health"))
+
+        wait_until(up, timeout, what="gateway readiness")
+        return gw
+
+    yield start
+    for gw in started:
+        gw.stop()
+
+
+def upstream_config(url: str, *, model: str = MODEL_ID, kind: str = "llama-server", slots: int = 4,
+                    extra: str = "") -> str:
+    return f"""
+    [[backends]]
+    name = "b1"
+    kind = "{kind}"
+    url = "{url}"
+    models = ["{model}"]
+    max_concurrency = {slots}
+    {extra}
+    """

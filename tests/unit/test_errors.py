@@ -1,0 +1,56 @@
+import orjson
+import pytest
+
+from passerelle import errors as e
+
+
+@pytest.mark.parametrize(("err", "status", "cause"), [
+    (e.InvalidRequest("bad"), 400, "invalid_request"),
+    (e.UnknownModel("x", ["a", "b"]), 404, "invalid_request"),
+    (e.BodyTooLarge(10), 413, "invalid_request"),
+    (e.Unauthorized("no"), 401, "unauthorized"),
+    (e.RateLimited("slow", retry_after=1.2), 429, "rate_limited"),
+    (e.QueueFull("full"), 429, "queue_full"),
+    (e.QueueTimeout("late"), 429, "queue_timeout"),
+    (e.NoBackend("none"), 503, "no_backend"),
+    (e.UpstreamError("broke"), 502, "upstream_error"),
+    (e.UpstreamTimeout("first token", 3), 504, "upstream_timeout"),
+])
+def test_openai_error_shape(err, status, cause):
+    body = orjson.loads(err.body())
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "code"}
+    assert body["error"]["message"]
+    assert err.status == status
+    assert err.cause.value == cause
+
+
+def test_unknown_model_lists_served_models():
+    assert "a, b" in e.UnknownModel("x", ["a", "b"]).message
+
+
+def test_retry_after_rounds_up_and_is_at_least_one():
+    assert e.RateLimited("x", retry_after=1.2).headers() == [(b"retry-after", b"2")]
+    assert e.RateLimited("x", retry_after=0.01).headers() == [(b"retry-after", b"1")]
+    assert e.InvalidRequest("x").headers() == []
+
+
+def test_sse_error_event_is_one_data_event():
+    ev = e.UpstreamError("gone").sse_event()
+    assert ev.startswith(b"data: {") and ev.endswith(b"\n\n") and ev.count(b"\n\n") == 1
+    assert orjson.loads(ev[6:])["error"]["code"] == "upstream_error"
+
+
+def test_upstream_status_passes_openai_bodies_and_wraps_others():
+    raw = b'{"error":{"message":"context too long","type":"invalid_request_error","code":400}}'
+    err = e.UpstreamStatus(400, raw)
+    assert err.body() == raw and err.cause is e.Cause.INVALID_REQUEST
+    wrapped = orjson.loads(e.UpstreamStatus(503, b"Service Unavailable").body())
+    assert wrapped["error"]["message"] == "Service Unavailable"
+    assert e.UpstreamStatus(503, b"").cause is e.Cause.UPSTREAM_ERROR
+
+
+def test_one_enum_of_causes_matches_the_contract():
+    assert {c.value for c in e.Cause} == {
+        "ok", "client_disconnect", "upstream_error", "upstream_timeout", "queue_timeout", "queue_full",
+        "rate_limited", "unauthorized", "invalid_request", "no_backend"}

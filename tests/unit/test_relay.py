@@ -1,0 +1,165 @@
+import asyncio
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from passerelle.config import TimeoutConfig
+from passerelle.errors import UpstreamError, UpstreamTimeout
+from passerelle.relay import SSEScanner, StreamRelay
+from passerelle.request import RequestRecord, State
+
+CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
+FINAL = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n'
+DONE = b"data: [DONE]\n\n"
+STREAM = ROLE + CHUNK % b"a" + CHUNK % b"b" + CHUNK % b"c" + FINAL + USAGE + DONE
+
+
+class FakeContent:
+    def __init__(self, parts, *, delays=None, fail_with=None):
+        self.parts = list(parts)
+        self.delays = list(delays or [])
+        self.fail_with = fail_with
+
+    async def readany(self):
+        if self.delays:
+            await asyncio.sleep(self.delays.pop(0))
+        if self.parts:
+            return self.parts.pop(0)
+        if self.fail_with is not None:
+            raise self.fail_with
+        return b""
+
+
+class FakeResponse:
+    def __init__(self, parts, **kw):
+        self.content = FakeContent(parts, **kw)
+
+
+class Client:
+    def __init__(self):
+        self.messages = []
+
+    async def __call__(self, msg):
+        self.messages.append(msg)
+
+    @property
+    def body(self):
+        return b"".join(m.get("body", b"") for m in self.messages)
+
+
+def record():
+    rec = RequestRecord(id="r", endpoint="chat", stream=True, backend="b")
+    rec.to(State.DISPATCHED)
+    return rec
+
+
+async def relay(parts, strip_usage=False, timeouts=None, **kw):
+    timeouts = timeouts or TimeoutConfig()
+    rec, client = record(), Client()
+    r = StreamRelay(rec, client, timeouts, strip_usage=strip_usage)
+    await r.run(FakeResponse(parts, **kw), time.perf_counter() + timeouts.total_s)
+    return rec, client
+
+
+def test_scanner_handles_every_split_position():
+    for cut in range(1, len(STREAM)):
+        s = SSEScanner()
+        events = s.feed(STREAM[:cut]) + s.feed(STREAM[cut:])
+        assert b"".join(events) == STREAM
+        assert len(events) == 7
+        assert s.pending == b""
+
+
+def test_scanner_crlf_comments_and_mixed_terminators():
+    s = SSEScanner()
+    data = b": keep-alive\r\n\r\ndata: {\"a\":1}\r\n\r\ndata: x\n\n"
+    assert s.feed(data) == [b": keep-alive\r\n\r\n", b'data: {"a":1}\r\n\r\n', b"data: x\n\n"]
+    assert s.feed(b"data: partial") == [] and s.pending == b"data: partial"
+
+
+async def test_bytes_pass_through_untouched_and_tokens_counted():
+    rec, client = await relay([STREAM[:50], STREAM[50:200], STREAM[200:]])
+    assert client.body == STREAM
+    assert rec.content_chunks == 3 and len(rec.gaps) == 2
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server) == (7, 3, True)
+    assert rec.state is State.STREAMING and rec.t_first > 0
+
+
+async def test_usage_chunk_removed_when_client_did_not_ask():
+    rec, client = await relay([STREAM], strip_usage=True)
+    assert client.body == STREAM.replace(USAGE, b"")
+    assert rec.completion_tokens == 3
+
+
+async def test_usage_inside_a_content_chunk_is_never_dropped():
+    # llama-server's /v1/completions puts usage on the last chunk, which still has choices.
+    last = b'data: {"choices":[{"text":"z","index":0}],"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n'
+    rec, client = await relay([last + DONE], strip_usage=True)
+    assert client.body == last + DONE and rec.completion_tokens == 1
+
+
+async def test_empty_and_null_content_are_not_tokens():
+    parts = [ROLE, b'data: {"choices":[{"delta":{"content":""}}]}\n\n', CHUNK % b"\\\"q", DONE]
+    rec, _ = await relay(parts)
+    assert rec.content_chunks == 1
+
+
+async def test_tool_calls_and_reasoning_count_as_content():
+    tool = b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}\n\n'
+    think = b'data: {"choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n'
+    rec, _ = await relay([think, tool, DONE])
+    assert rec.content_chunks == 2
+
+
+async def test_stream_without_done_is_an_error():
+    with pytest.raises(UpstreamError, match="closed the stream"):
+        await relay([ROLE + CHUNK % b"a"])
+
+
+async def test_broken_connection_is_an_error():
+    with pytest.raises(UpstreamError, match="broke the stream"):
+        await relay([ROLE], fail_with=aiohttp.ClientPayloadError("cut"))
+
+
+async def test_error_event_from_runtime_is_relayed_then_reported():
+    err = b'data: {"error":{"message":"oom","type":"server_error","code":500}}\n\n'
+    client = Client()
+    r = StreamRelay(record(), client, TimeoutConfig(), strip_usage=False)
+    with pytest.raises(UpstreamError):
+        await r.run(FakeResponse([CHUNK % b"a", err]), time.perf_counter() + 10)
+    assert err in client.body
+
+
+async def test_last_event_without_blank_line_is_delivered():
+    _, client = await relay([CHUNK % b"a" + b"data: [DONE]"])
+    assert client.body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_first_token_timeout():
+    t = TimeoutConfig(first_token_s=0.05, between_tokens_s=10, total_s=10)
+    with pytest.raises(UpstreamTimeout) as info:
+        await relay([ROLE, CHUNK % b"a", DONE], timeouts=t, delays=[0, 0.3])
+    assert info.value.phase == "first token"
+
+
+async def test_between_tokens_timeout():
+    t = TimeoutConfig(first_token_s=10, between_tokens_s=0.05, total_s=10)
+    with pytest.raises(UpstreamTimeout) as info:
+        await relay([CHUNK % b"a", CHUNK % b"b", DONE], timeouts=t, delays=[0, 0.3])
+    assert info.value.phase == "between tokens"
+
+
+async def test_total_timeout():
+    t = TimeoutConfig(first_token_s=10, between_tokens_s=0.2, total_s=0.25)
+    with pytest.raises(UpstreamTimeout) as info:
+        await relay([CHUNK % b"a"] * 20 + [DONE], timeouts=t, delays=[0.05] * 21)
+    assert info.value.phase == "total"
+
+
+def test_error_event_body_is_openai_shaped():
+    ev = UpstreamTimeout("between tokens", 1).sse_event()
+    assert orjson.loads(ev.removeprefix(b"data: "))["error"]["code"] == "upstream_timeout"
