@@ -161,6 +161,8 @@ class Gateway:
         self.router = router
         self.metrics = metrics
         self.access_log = access_log
+        # Called with every finished request's record (e.g. the dashboard's rolling window).
+        self.listeners: list[Callable[[RequestRecord], None]] = []
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         client = scope.get("client")
@@ -309,3 +311,5 @@ class Gateway:
             if rec.completion_tokens:
                 gtok.inc(rec.completion_tokens)
         self.access_log.write(rec)
+        for listener in self.listeners:
+            listener(rec)

@@ -1,0 +1,125 @@
+"""TTFT straight to llama-server vs through passerelle, same run, alternating request by request.
+
+Starts the embedded llama-server (Gemma 3 270M, 4 slots) and a gateway in front of it, then sends
+the same kind of streaming request to each in turn (fresh prompts, so the prompt cache helps
+neither side) and prints median / p95 TTFT for both and their ratio.
+
+    .venv/bin/python bench/ttft_gateway_vs_direct.py [--requests 60] [--max-tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from passerelle import embedded
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 120) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{url} not ready")
+
+
+async def ttft(session: aiohttp.ClientSession, base: str, prompt: str, max_tokens: int) -> float:
+    body = {"model": "gemma-3-270m", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": prompt}]}
+    t0 = time.perf_counter()
+    first = None
+    async with session.post(base + "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if first is None and line.startswith(b"data: {") and b'"content":"' in line:
+                first = time.perf_counter() - t0
+    assert first is not None
+    return first
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+async def run(direct: str, gateway: str, n: int, max_tokens: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"direct": [], "gateway": []}
+    # A new connection per request for both: llama-server drops reused keep-alive connections.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        for i in range(3):  # warm-up, not counted
+            await ttft(session, direct, f"warm-up {i}", 2)
+            await ttft(session, gateway, f"warm-up {i}", 2)
+        for i in range(n):
+            order = [("direct", direct), ("gateway", gateway)]
+            if i % 2:
+                order.reverse()
+            for name, base in order:
+                prompt = f"Request {i} to {name} at {time.time_ns()}: describe a lighthouse."
+                out[name].append(await ttft(session, base, prompt, max_tokens))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    args = ap.parse_args()
+    binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
+    lport, gport = free_port(), free_port()
+    work = Path(tempfile.mkdtemp(prefix="passerelle-bench-"))
+    llama = subprocess.Popen([str(binary), "-m", str(model), "--alias", "gemma-3-270m", "--port", str(lport),
+                              "-np", "4", "-c", "8192", "--metrics", "--slots", "--no-webui"],
+                             stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)
+    cfg = work / "gw.toml"
+    cfg.write_text(f'[[backends]]\nname = "b"\nkind = "llama-server"\nurl = "http://127.0.0.1:{lport}"\n'
+                   f'models = ["gemma-3-270m"]\nmax_concurrency = 4\n')
+    gw = subprocess.Popen([sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(gport)],
+                          stdout=open(work / "gateway.log", "wb"), stderr=subprocess.STDOUT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_http(f"http://127.0.0.1:{lport}/health")
+        wait_http(f"http://127.0.0.1:{gport}/ready")
+        res = asyncio.run(run(f"http://127.0.0.1:{lport}", f"http://127.0.0.1:{gport}", args.requests,
+                              args.max_tokens))
+    finally:
+        gw.send_signal(signal.SIGTERM)
+        gw.wait(30)
+        llama.terminate()
+        llama.wait(30)
+    d, g = res["direct"], res["gateway"]
+    print(f"TTFT over {args.requests} streaming requests each, alternating, Gemma 3 270M on llama-server (4 slots)")
+    print(f"{'':10}{'median ms':>12}{'p95 ms':>10}{'mean ms':>10}")
+    for name, xs in (("direct", d), ("gateway", g)):
+        print(f"{name:10}{statistics.median(xs) * 1000:12.1f}{pct(xs, 95) * 1000:10.1f}{statistics.mean(xs) * 1000:10.1f}")
+    print(f"{'added':10}{(statistics.median(g) - statistics.median(d)) * 1000:12.1f}"
+          f"{(pct(g, 95) - pct(d, 95)) * 1000:10.1f}{(statistics.mean(g) - statistics.mean(d)) * 1000:10.1f}")
+    print(f"ratio gateway/direct: median {statistics.median(g) / statistics.median(d):.3f}, "
+          f"p95 {pct(g, 95) / pct(d, 95):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
