@@ -297,7 +297,7 @@ class Gateway:
         m.count_request(model, rec.priority, rec.cause.value, rec.tenant)  # type: ignore[union-attr]
         if rec.backend:
             ttft, itl, tpot, e2e, ptok, gtok = m.request_children(rec.backend, model, rec.priority, rec.tenant)
-            if rec.cause is Cause.OK:
+            if rec.cause is Cause.OK and m.enabled:  # [metrics] enabled = false: no histograms
                 e2e.observe(rec.duration)
                 if rec.ttft is not None:
                     ttft.observe(rec.ttft)
