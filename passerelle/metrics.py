@@ -18,9 +18,12 @@ TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.0
 class Metrics:
     """All of passerelle's metrics, in one registry (one per app, so tests stay independent)."""
 
-    def __init__(self, *, tenant_label: bool = True) -> None:
+    def __init__(self, *, tenant_label: bool = True, enabled: bool = True) -> None:
         self.registry = r = CollectorRegistry()
         self.tenant_label = tenant_label
+        # False ([metrics] enabled = false): the gateway skips the per-request latency histograms;
+        # counters and gauges are still kept (they cost one addition per request).
+        self.enabled = enabled
         req = ["backend", "model", "priority", *(["tenant"] if tenant_label else [])]
         self.ttft = Histogram("passerelle_time_to_first_token_seconds",
                               "Request arrival at the gateway to the first content chunk sent to the client.",
