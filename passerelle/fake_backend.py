@@ -71,6 +71,7 @@ _WORDS_JSON = tuple(_dumps(w) for w in VOCAB)
 # The part of a chunk after the per-request prefix, one per vocabulary word.
 _CHAT_MID = tuple(b'"content":' + w + b'},"logprobs":null,"finish_reason":null}]}\n\n' for w in _WORDS_JSON)
 _COMPL_MID = tuple(b'"text":' + w + b',"logprobs":null,"finish_reason":null}]}\n\n' for w in _WORDS_JSON)
+_ROLE_MID = b'"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -170,9 +171,148 @@ async def _sleep_until(deadline: float) -> None:
         await asyncio.sleep(delay)
 
 
+_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
+            500: b"Internal Server Error"}
+
+
+class Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection: httptools parses, the backend answers, one request at a time.
+
+    A plain protocol rather than a web framework: the fake must stay far faster than any client
+    it measures, at hundreds of streams. Losing the connection cancels the request's task, which
+    frees its slot.
+    """
+
+    def __init__(self, backend: FakeBackend) -> None:
+        import httptools
+
+        self.backend = backend
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.body: list[bytes] = []
+        self.pending: deque[tuple[bytes, bytes, bytes, bool]] = deque()
+        self.task: asyncio.Task[None] | None = None
+        self.closed = False
+        self._drain: asyncio.Future[None] | None = None
+        self._paused = False
+        self.received = 0.0  # when the current request's last byte arrived
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        import httptools
+
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.respond(400, _error_body("malformed HTTP request", "invalid_request_error", 400), False)
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.task is not None:
+            self.task.cancel()  # the client went away: stop generating, free the slot
+        self._wake()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake()
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.body = []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        request = (self.parser.get_method(), self.url.split(b"?", 1)[0], b"".join(self.body),
+                   self.parser.should_keep_alive())
+        if self.task is None:
+            self._start(request)
+        else:  # pipelined: answer in order
+            self.pending.append(request)
+
+    def _start(self, request: tuple[bytes, bytes, bytes, bool]) -> None:
+        self.received = time.perf_counter()
+        self.task = asyncio.get_running_loop().create_task(self._handle(request))
+
+    async def _handle(self, request: tuple[bytes, bytes, bytes, bool]) -> None:
+        try:
+            await self.backend.dispatch(self, *request)
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:  # a bug in a handler must not hang the client
+            if not self.closed:
+                self.respond(500, _error_body(f"fake-backend error: {exc}", "server_error", 500), False)
+                self.close()
+            return
+        finally:
+            self.task = None
+        if self.pending and not self.closed:
+            self._start(self.pending.popleft())
+
+    # writing
+    def respond(self, status: int, body: bytes, keep_alive: bool,
+                content_type: bytes = b"application/json") -> None:
+        if self.closed or self.transport is None:
+            return
+        head = (b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n"
+                % (status, _REASONS.get(status, b"Error"), content_type, len(body),
+                   b"" if keep_alive else b"Connection: close\r\n"))
+        self.transport.write(head + body)
+        if not keep_alive:
+            self.close()
+
+    def start_stream(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                 b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+    async def write_chunk(self, data: bytes) -> None:
+        if self.closed or self.transport is None:
+            raise ConnectionResetError("client disconnected")
+        self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        if self._paused:
+            await self._wait_drain()
+
+    def end_stream(self, keep_alive: bool) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(b"0\r\n\r\n")
+            if not keep_alive:
+                self.close()
+
+    def close(self) -> None:
+        """Close after flushing what was written (mid-stream: the client sees a cut stream)."""
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+    async def _wait_drain(self) -> None:
+        while self._paused and not self.closed:
+            self._drain = asyncio.get_running_loop().create_future()
+            await self._drain
+        if self.closed:
+            raise ConnectionResetError("client disconnected")
+
+    def _wake(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+
 @dataclass
 class FakeBackend:
-    """The aiohttp application's state and handlers."""
+    """The routes and their state (slots, counters, the seeded failure draws)."""
 
     config: FakeConfig
     slots: Slots = field(init=False)
@@ -183,47 +323,52 @@ class FakeBackend:
     def __post_init__(self) -> None:
         self.slots = Slots(self.config.slots)
         self.rng = random.Random(self.config.seed)
+        self.routes = {
+            (b"POST", b"/v1/chat/completions"): self.chat,
+            (b"POST", b"/v1/completions"): self.completions,
+            (b"POST", b"/v1/embeddings"): self.embeddings,
+            (b"GET", b"/v1/models"): self.models,
+            (b"GET", b"/health"): self.health,
+            (b"GET", b"/slots"): self.slots_view,
+            (b"GET", b"/metrics"): self.metrics,
+            (b"GET", b"/props"): self.props,
+            (b"GET", b"/fake/stats"): self.stats,
+        }
 
-    def make_app(self) -> Any:
-        from aiohttp import web
-
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/embeddings", self.embeddings)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/slots", self.slots_view)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/props", self.props)
-        app.router.add_get("/fake/stats", self.stats)
-        return app
+    async def dispatch(self, conn: Connection, method: bytes, path: bytes, body: bytes, keep_alive: bool) -> None:
+        handler = self.routes.get((method, path))
+        if handler is None:
+            known = any(p == path for _, p in self.routes)
+            status = 405 if known else 404
+            conn.respond(status, _error_body(f"{method.decode()} {path.decode(errors='replace')}: "
+                                             f"{'method not allowed' if known else 'not found'}",
+                                             "invalid_request_error", status), keep_alive)
+            return
+        await handler(conn, body, keep_alive)
 
     # --- small endpoints -------------------------------------------------------------------
-    async def models(self, request: Any) -> Any:
-        body = {"object": "list", "data": [
-            {"id": self.config.model, "object": "model", "created": 0, "owned_by": "passerelle-fake"}]}
-        return self._json(body)
+    async def models(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
+        conn.respond(200, _dumps({"object": "list", "data": [
+            {"id": self.config.model, "object": "model", "created": 0, "owned_by": "passerelle-fake"}]}),
+            keep_alive)
 
-    async def health(self, request: Any) -> Any:
-        return self._json({"status": "ok"})
+    async def health(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
+        conn.respond(200, b'{"status":"ok"}', keep_alive)
 
-    async def slots_view(self, request: Any) -> Any:
+    async def slots_view(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
         ids = range(self.config.slots) if self.config.slots else sorted(self.slots.busy)
-        return self._json([{"id": i, "is_processing": i in self.slots.busy} for i in ids])
+        conn.respond(200, _dumps([{"id": i, "is_processing": i in self.slots.busy} for i in ids]), keep_alive)
 
-    async def props(self, request: Any) -> Any:
+    async def props(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
         from passerelle import __version__
 
-        return self._json({"build_info": f"passerelle-fake-backend {__version__}",
-                           "model_path": self.config.model, "total_slots": self.config.slots})
+        conn.respond(200, _dumps({"build_info": f"passerelle-fake-backend {__version__}",
+                                  "model_path": self.config.model, "total_slots": self.config.slots}), keep_alive)
 
-    async def stats(self, request: Any) -> Any:
-        return self._json(vars(self.counters))
+    async def stats(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
+        conn.respond(200, _dumps(vars(self.counters)), keep_alive)
 
-    async def metrics(self, request: Any) -> Any:
-        from aiohttp import web
-
+    async def metrics(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
         c = self.counters
         text = (
             "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
@@ -239,25 +384,26 @@ class FakeBackend:
             "# TYPE llamacpp:requests_deferred gauge\n"
             f"llamacpp:requests_deferred {len(self.slots.waiters)}\n"
         )
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        conn.respond(200, text.encode(), keep_alive, b"text/plain; version=0.0.4; charset=utf-8")
 
-    async def embeddings(self, request: Any) -> Any:
+    async def embeddings(self, conn: Connection, raw: bytes, keep_alive: bool) -> None:
         try:
-            body = await self._body(request)
+            body = self._body(raw)
             inputs = body.get("input")
             if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
                 inputs = [inputs]
             if not isinstance(inputs, list) or not inputs:
                 raise BadRequest("'input' must be a string or a list")
         except BadRequest as exc:
-            return self._error(400, str(exc), "invalid_request_error")
+            conn.respond(400, _error_body(str(exc), "invalid_request_error", 400), keep_alive)
+            return
         data, tokens = [], 0
         for i, item in enumerate(inputs):
             text = item if isinstance(item, str) else " ".join(map(str, item))
             tokens += len(item) if isinstance(item, list) else _count_words(text)
             data.append({"object": "embedding", "index": i, "embedding": self._vector(text)})
-        return self._json({"object": "list", "data": data, "model": body.get("model") or self.config.model,
-                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        conn.respond(200, _dumps({"object": "list", "data": data, "model": body.get("model") or self.config.model,
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}), keep_alive)
 
     def _vector(self, text: str) -> list[float]:
         rng = random.Random(hashlib.sha256(text.encode()).digest())
@@ -266,23 +412,23 @@ class FakeBackend:
         return [v / norm for v in vec]
 
     # --- generation ------------------------------------------------------------------------
-    async def chat(self, request: Any) -> Any:
-        return await self._generate(request, chat=True)
+    async def chat(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
+        await self._generate(conn, body, keep_alive, chat=True)
 
-    async def completions(self, request: Any) -> Any:
-        return await self._generate(request, chat=False)
+    async def completions(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
+        await self._generate(conn, body, keep_alive, chat=False)
 
-    async def _generate(self, request: Any, *, chat: bool) -> Any:
-        from aiohttp import web
-
+    async def _generate(self, conn: Connection, raw: bytes, keep_alive: bool, *, chat: bool) -> None:
+        received = conn.received
         try:
-            body = await self._body(request)
+            body = self._body(raw)
             n_tokens = self._max_tokens(body)
             prompt = body.get("messages") if chat else body.get("prompt")
             if prompt is None:
                 raise BadRequest("'messages' is required" if chat else "'prompt' is required")
         except BadRequest as exc:
-            return self._error(400, str(exc), "invalid_request_error")
+            conn.respond(400, _error_body(str(exc), "invalid_request_error", 400), keep_alive)
+            return
         cfg = self.config
         self.counters.requests += 1
         # Draw both decisions for every request so one rate does not shift the other's sequence.
@@ -290,7 +436,9 @@ class FakeBackend:
         abort = self.rng.random() < cfg.abort_rate
         if fail:
             self.counters.failed += 1
-            return self._error(500, "injected failure (fake-backend --fail-rate)", "server_error")
+            conn.respond(500, _error_body("injected failure (fake-backend --fail-rate)", "server_error", 500),
+                         keep_alive)
+            return
         prompt_tokens = _count_words(prompt)
         stream = bool(body.get("stream"))
         include_usage = cfg.usage and bool((body.get("stream_options") or {}).get("include_usage"))
@@ -299,39 +447,38 @@ class FakeBackend:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-fake{self._ids:x}"
         finish = "length" if ("max_tokens" in body or "max_completion_tokens" in body) else "stop"
 
+        waited = bool(self.slots.waiters) or (self.slots.limit and not self.slots.free)
         slot = await self.slots.acquire()
         try:
-            start = time.perf_counter()
+            # The schedule starts when the request arrived, or when it got its slot after a wait.
+            start = time.perf_counter() if waited else received
             self.counters.prompt_tokens += prompt_tokens
             if not stream:
                 await _sleep_until(start + (cfg.ttft_ms + max(n_tokens - 1, 0) * cfg.itl_ms) / 1000)
                 self.counters.completed += 1
                 self.counters.completion_tokens += n_tokens
-                return web.Response(body=self._full_body(chat, rid, model, n_tokens, prompt_tokens, finish),
-                                    content_type="application/json")
-            return await self._stream(request, chat, rid, model, n_tokens, prompt_tokens, finish,
-                                      include_usage, abort, start)
-        except asyncio.CancelledError:
+                conn.respond(200, self._full_body(chat, rid, model, n_tokens, prompt_tokens, finish), keep_alive)
+                return
+            await self._stream(conn, chat, rid, model, n_tokens, prompt_tokens, finish, include_usage, abort,
+                               start, keep_alive)
+        except (asyncio.CancelledError, ConnectionResetError):
             self.counters.disconnected += 1
             raise
         finally:
             self.slots.release(slot)
 
-    async def _stream(self, request: Any, chat: bool, rid: str, model: str, n_tokens: int,
-                      prompt_tokens: int, finish: str, include_usage: bool, abort: bool,
-                      start: float) -> Any:
-        from aiohttp import web
-
+    async def _stream(self, conn: Connection, chat: bool, rid: str, model: str, n_tokens: int,
+                      prompt_tokens: int, finish: str, include_usage: bool, abort: bool, start: float,
+                      keep_alive: bool) -> None:
         cfg = self.config
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        conn.start_stream()
         head = (b'data: {"id":"' + rid.encode() + b'","object":"'
                 + (b"chat.completion.chunk" if chat else b"text_completion")
                 + b'","created":' + str(int(time.time())).encode() + b',"model":' + _dumps(model))
         prefix = head + (b',"choices":[{"index":0,"delta":{' if chat else b',"choices":[{"index":0,')
         mids = _CHAT_MID if chat else _COMPL_MID
         if chat:  # OpenAI's first chunk: the role, empty content; never a token
-            await resp.write(prefix + b'"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')
+            await conn.write_chunk(prefix + _ROLE_MID)
         cut_at = max(1, n_tokens // 2) if abort else -1
         ttft, itl = cfg.ttft_ms / 1000, cfg.itl_ms / 1000
         sent = 0
@@ -348,21 +495,19 @@ class FakeBackend:
             out = b"".join([prefix + mids[i % len(mids)] for i in range(sent, upto)])
             sent = upto
             if sent == cut_at:
-                await resp.write(out)
+                await conn.write_chunk(out)
                 self.counters.aborted += 1
                 self.counters.completion_tokens += sent
-                # Close the TCP connection without the chunked terminator: the client sees a cut stream.
-                request.transport.close()
-                return resp
+                conn.close()  # no chunked terminator, no [DONE]: the client sees a cut stream
+                return
             if sent == n_tokens:
                 out += self._tail(chat, prefix, head, finish, n_tokens, prompt_tokens, include_usage)
-            await resp.write(out)
+            await conn.write_chunk(out)
         if n_tokens == 0:
-            await resp.write(self._tail(chat, prefix, head, finish, 0, prompt_tokens, include_usage))
+            await conn.write_chunk(self._tail(chat, prefix, head, finish, 0, prompt_tokens, include_usage))
         self.counters.completed += 1
         self.counters.completion_tokens += n_tokens
-        await resp.write_eof()
-        return resp
+        conn.end_stream(keep_alive)
 
     @staticmethod
     def _tail(chat: bool, prefix: bytes, head: bytes, finish: str, n_tokens: int, prompt_tokens: int,
@@ -399,44 +544,27 @@ class FakeBackend:
         return value
 
     @staticmethod
-    async def _body(request: Any) -> dict[str, Any]:
+    def _body(raw: bytes) -> dict[str, Any]:
         try:
-            body = _loads(await request.read())
+            body = _loads(raw)
         except ValueError as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
         return body
 
-    @staticmethod
-    def _json(obj: Any, status: int = 200) -> Any:
-        from aiohttp import web
-
-        return web.Response(body=_dumps(obj), status=status, content_type="application/json")
-
-    def _error(self, status: int, message: str, type_: str) -> Any:
-        from aiohttp import web
-
-        return web.Response(body=_error_body(message, type_, status), status=status,
-                            content_type="application/json")
-
 
 async def serve(config: FakeConfig, *, announce: bool = True) -> None:
     """Serve until cancelled; prints ``fake-backend listening on http://HOST:PORT`` once bound."""
-    from aiohttp import web
-
     backend = FakeBackend(config)
-    runner = web.AppRunner(backend.make_app(), access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=4096, reuse_address=True)
-    await site.start()
-    port = runner.addresses[0][1]
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: Connection(backend), config.host, config.port, backlog=4096,
+                                      reuse_address=True)
+    port = server.sockets[0].getsockname()[1]
     if announce:
         print(f"fake-backend listening on http://{config.host}:{port}", flush=True)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
+    async with server:
+        await server.serve_forever()
 
 
 def run(config: FakeConfig) -> int:

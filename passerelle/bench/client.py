@@ -2,7 +2,11 @@
 
 Definitions (DESIGN): TTFT runs from the moment the request is sent to the arrival of the first
 chunk with content (a role-only or empty chunk does not count); ITL is the gap between content
-chunks; e2e ends when the stream ends. Token counts come from the server's ``usage`` when it sends
+chunks; e2e ends when the stream ends. "Sent" is when the request body is handed to the socket
+(reported by aiohttp's ``on_request_chunk_sent`` trace), not when the coroutine asked for it: on
+Python 3.11 aiohttp writes the body from a separate task, and under load that task runs
+milliseconds later — the generator's delay, not the server's. A fresh connection's set-up is
+outside the clock for the same reason. Token counts come from the server's ``usage`` when it sends
 one, otherwise from the number of content chunks.
 
 The stream is scanned as bytes: a content chunk is recognised by a ``"content":"x`` (or
@@ -35,6 +39,8 @@ class RequestResult:
     error: str | None = None  # kind: http_500, connect, timeout, stream_aborted, stream_error, no_content...
     detail: str = ""
     t_send: float = 0.0
+    t_done: float = 0.0
+    t_written: float = 0.0  # set by the trace hook when the body reaches the socket
     ttft: float | None = None
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
@@ -55,10 +61,9 @@ class StreamScanner:
     """Feeds on raw bytes as they arrive; splits SSE events and classifies them."""
 
     __slots__ = ("buf", "chunks", "done", "error", "finished", "first", "itl", "last", "prompt_tokens",
-                 "sep", "t0", "usage_tokens")
+                 "sep", "usage_tokens")
 
-    def __init__(self, t0: float) -> None:
-        self.t0 = t0
+    def __init__(self) -> None:
         self.buf = b""
         self.sep: bytes | None = None
         self.first: float | None = None
@@ -156,17 +161,18 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
     data = orjson.dumps(body)  # encoded before the clock starts: encoding is not the server's time
     result = RequestResult(cls=cls, max_tokens=body.get("max_tokens", 0))
     got_response = False
-    t0 = time.perf_counter()
-    result.t_send = t0
-    scan = StreamScanner(t0)
+    asked = time.perf_counter()
+    scan = StreamScanner()
     try:
-        async with session.post(url, data=data, headers=headers,
+        async with session.post(url, data=data, headers=headers, trace_request_ctx=result,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             got_response = True
             if resp.status != 200:
                 text = await resp.read()
                 result.error = f"http_{resp.status}"
                 result.detail = _error_message(text)
+                result.t_send = result.t_written or asked
+                result.t_done = time.perf_counter()
                 return result
             content = resp.content
             while True:
@@ -174,10 +180,13 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
                 if not chunk:
                     break
                 scan.feed(chunk, time.perf_counter())
-    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
         result.error = _error_kind(exc, got_response)
         result.detail = f"{type(exc).__name__}: {exc}"[:300]
     end = time.perf_counter()
+    t0 = result.t_written or asked  # no trace (session without it, or failed before sending)
+    result.t_send = t0
+    result.t_done = end
     result.chunks = scan.chunks
     result.itl = scan.itl
     result.prompt_tokens = scan.prompt_tokens
@@ -200,6 +209,20 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
     return result
 
 
+def trace_config() -> Any:
+    """The aiohttp trace that stamps when each request's body reaches the socket."""
+    import aiohttp
+
+    async def on_chunk_sent(session: Any, ctx: Any, params: Any) -> None:
+        result = ctx.trace_request_ctx
+        if isinstance(result, RequestResult) and not result.t_written:
+            result.t_written = time.perf_counter()
+
+    config = aiohttp.TraceConfig()
+    config.on_request_chunk_sent.append(on_chunk_sent)
+    return config
+
+
 def _error_message(body: bytes) -> str:
     try:
         obj = orjson.loads(body)
@@ -217,5 +240,5 @@ async def get_json(session: Any, url: str, headers: dict[str, str], timeout: flo
             if resp.status != 200:
                 return None
             return orjson.loads(await resp.read())
-    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, ConnectionError):
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, ConnectionError):
         return None

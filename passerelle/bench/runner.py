@@ -1,0 +1,459 @@
+"""Load generation: closed loops, open loops, warm-up, prompt calibration, several processes.
+
+A closed loop keeps ``concurrency`` requests in flight: each worker sends its next request when
+the previous one ends. An open loop sends at a constant or Poisson ``rate`` whatever the answers
+do; with a ``concurrency`` cap as well, a request that waits for a free place has its clock
+started only when it is actually sent, so the generator's own queue never counts in TTFT.
+
+Everything runs on one event loop per process (uvloop). ``processes > 1`` splits every class's
+concurrency, request count and rate over that many processes, started together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import queue as queue_mod
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from passerelle.bench.client import RequestResult, send, trace_config
+from passerelle.bench.progress import Progress, Tally
+from passerelle.bench.target import Target, discover
+from passerelle.bench.workload import Conversation, TrafficClass, Workload
+
+T = TypeVar("T")
+WARMUP_INDEX = 10_000_000  # warm-up and probe prompts never coincide with measured ones
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Level:
+    """One point of a sweep: the classes sent together (a single one for a plain bench)."""
+
+    classes: tuple[TrafficClass, ...]
+    duration: float | None = None
+    concurrency: int | None = None  # the level's label in results (closed loop or cap)
+    rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.rate is not None:
+            parts.append(f"rate {self.rate:g}/s")
+        if self.concurrency is not None:
+            parts.append(f"concurrency {self.concurrency}")
+        return ", ".join(parts) or "scenario"
+
+    @property
+    def total_requests(self) -> int | None:
+        if self.duration is not None or any(c.requests is None for c in self.classes):
+            return None
+        return sum(c.requests or 0 for c in self.classes)
+
+
+@dataclass
+class LevelResult:
+    level: Level
+    results: list[RequestResult]
+    loop_lag: list[float] = field(default_factory=list)  # oversleep of a 10 ms ticker: generator load
+    send_lag: list[float] = field(default_factory=list)  # open loop: lateness of each arrival
+
+    @property
+    def started(self) -> float:
+        return min((r.t_send for r in self.results), default=0.0)
+
+    @property
+    def ended(self) -> float:
+        return max((r.t_done for r in self.results), default=0.0)
+
+    @property
+    def wall_s(self) -> float:
+        return max(self.ended - self.started, 1e-9)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    warmup: int = 1
+    timeout: float | None = 300.0
+    processes: int = 1
+
+
+def run_loop(coro: Awaitable[T]) -> T:
+    """Run a coroutine on a fresh uvloop (asyncio where uvloop is missing)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    return uvloop.run(coro)  # type: ignore[arg-type]
+
+
+def make_session(limit: int) -> Any:
+    """A client session whose pool never makes a request wait for a connection (0: unlimited)."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=limit + 8 if limit else 0, limit_per_host=0, ttl_dns_cache=300,
+                                     keepalive_timeout=120)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                 read_bufsize=1 << 16, trace_configs=[trace_config()])
+
+
+def pool_size(level: Level) -> int:
+    if any(c.rate is not None and c.concurrency is None for c in level.classes):
+        return 0
+    return sum(c.concurrency or 0 for c in level.classes)
+
+
+async def sleep_until(deadline: float) -> None:
+    while (delay := deadline - time.perf_counter()) > 0:
+        await asyncio.sleep(delay)
+
+
+# --- one level -----------------------------------------------------------------------------
+async def run_load(session: Any, target: Target, level: Level, *, timeout: float | None,
+                   tally: Tally | None = None, start_at: float | None = None,
+                   index_base: int = 0, index_step: int = 1, phase: float = 0.0) -> LevelResult:
+    """Send one level's load and return every request's measurement."""
+    if start_at is not None:
+        await sleep_until(start_at)
+    out = LevelResult(level, [])
+    start = time.perf_counter()
+    deadline = start + level.duration if level.duration is not None else None
+    lag_task = asyncio.create_task(_watch_loop_lag(out.loop_lag))
+
+    def record(result: RequestResult) -> None:
+        out.results.append(result)
+        if tally is not None:
+            tally.add(result.ok, result.ttft, result.output_tokens)
+
+    async def one(cls: TrafficClass, conv: Conversation) -> RequestResult:
+        body, _ = conv.next_body()
+        result = await send(session, url[cls.workload.endpoint], body, {**target.headers(), **cls.headers()},
+                            cls.name, timeout)
+        record(result)
+        return result
+
+    url = {e: target.base_url + Workload(endpoint=e).path for e in ("chat", "completions")}
+    assert target.model is not None
+    model = target.model
+    jobs = []
+    for k, cls in enumerate(level.classes):
+        base = index_base + k * 1_000_000  # disjoint prompt indexes per class and per process
+        if cls.rate is None:
+            jobs.append(_closed(cls, model, one, deadline, base, index_step))
+        else:
+            jobs.append(_open(cls, model, one, deadline, base, index_step, start + phase, out.send_lag))
+    try:
+        await asyncio.gather(*jobs)
+    finally:
+        lag_task.cancel()
+    return out
+
+
+async def _closed(cls: TrafficClass, model: str, one: Callable[..., Awaitable[RequestResult]],
+                  deadline: float | None, base: int, step: int) -> None:
+    sent = itertools.count()
+    conversations = itertools.count()
+
+    async def worker() -> None:
+        conv: Conversation | None = None
+        while True:
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
+            if cls.requests is not None and next(sent) >= cls.requests:
+                return
+            if conv is None or conv.finished:
+                conv = Conversation(cls.workload, base + next(conversations) * step, model)
+            if not (await one(cls, conv)).ok:
+                conv = None  # a chat whose turn failed is abandoned, as a user would
+
+    await asyncio.gather(*(worker() for _ in range(cls.concurrency or 0)))
+
+
+async def _open(cls: TrafficClass, model: str, one: Callable[..., Awaitable[RequestResult]],
+                deadline: float | None, base: int, step: int, first: float, send_lag: list[float]) -> None:
+    assert cls.rate is not None and cls.rate > 0
+    rng = random.Random(f"arrivals:{cls.workload.seed}:{base}")
+    cap = asyncio.Semaphore(cls.concurrency) if cls.concurrency else None
+    turns = cls.workload.turns
+    n_conv = math.ceil(cls.requests / turns) if cls.requests is not None else None
+    pending: set[asyncio.Task[None]] = set()
+
+    async def conversation(index: int) -> None:
+        conv = Conversation(cls.workload, index, model)
+        while not conv.finished:
+            if cap is None:
+                result = await one(cls, conv)
+            else:
+                async with cap:  # waiting here is the generator's queue, outside the request's clock
+                    result = await one(cls, conv)
+            if not result.ok:
+                return
+
+    at = first
+    for i in itertools.count():
+        if (n_conv is not None and i >= n_conv) or (deadline is not None and at >= deadline):
+            break
+        await sleep_until(at)
+        send_lag.append(time.perf_counter() - at)
+        task = asyncio.create_task(conversation(base + i * step))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        at += rng.expovariate(cls.rate) if cls.poisson else 1.0 / cls.rate
+    if pending:
+        await asyncio.gather(*list(pending))
+
+
+async def _watch_loop_lag(out: list[float], interval: float = 0.01) -> None:
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(interval)
+        out.append(max(time.perf_counter() - t - interval, 0.0))
+
+
+async def preconnect(session: Any, target: Target, n: int) -> None:
+    """Open ``n`` pooled connections with cheap GETs, so measured requests find them ready."""
+    from passerelle.bench.client import get_json
+
+    if n > 0:
+        await asyncio.gather(*(get_json(session, f"{target.base_url}/v1/models", target.headers())
+                               for _ in range(min(n, 1024))))
+
+
+async def warm_up(session: Any, target: Target, level: Level, n: int, timeout: float | None) -> None:
+    """``n`` requests of the first class at the level's concurrency, not measured; then fill the pool."""
+    expected = pool_size(level) or max(1, math.ceil(sum(c.rate or 0 for c in level.classes)))
+    await preconnect(session, target, expected)
+    if n <= 0:
+        return
+    cls = level.classes[0]
+    conc = max(1, min(n, cls.concurrency or n))
+    warm = Level((replace(cls, rate=None, concurrency=conc, requests=n),))
+    result = await run_load(session, target, warm, timeout=timeout, index_base=WARMUP_INDEX)
+    if not any(r.ok for r in result.results):
+        first = result.results[0]
+        raise BenchError(f"{target.name}: every warm-up request failed: {first.error} {first.detail}".strip())
+
+
+# --- preparation ---------------------------------------------------------------------------
+async def calibrate(session: Any, target: Target, workload: Workload,
+                    timeout: float | None = 120.0) -> tuple[Workload, str]:
+    """Measure the target's tokens per word of the prompt text with two probe prompts.
+
+    Returns the adjusted workload and a sentence for the report.
+    """
+    assert target.model is not None
+    probe = replace(workload, turns=1, include_usage=True, prompt_spread=0)
+    points = []
+    for i, n_words in enumerate((40, 320)):
+        conv = Conversation(probe, WARMUP_INDEX + 900_000 + i, target.model)
+        body = conv.body_for_words(n_words, 1)
+        r = await send(session, target.base_url + workload.path, body, target.headers(), timeout=timeout)
+        if not r.ok or r.prompt_tokens is None:
+            reason = f"{r.error} {r.detail}".strip() if not r.ok else "the server reports no usage"
+            return workload, (f"prompt lengths estimated at {workload.tokens_per_word:g} tokens/word "
+                              f"({reason})")
+        points.append((n_words, r.prompt_tokens))
+    (w1, p1), (w2, p2) = points
+    ratio = (p2 - p1) / (w2 - w1)
+    overhead = p1 - ratio * w1
+    if not (0.3 <= ratio <= 4.0 and -5.0 <= overhead <= 1000.0):
+        return workload, f"prompt calibration gave implausible values ({ratio:.2f} tokens/word); kept defaults"
+    return (replace(workload, tokens_per_word=round(ratio, 4), prompt_overhead=round(max(overhead, 0.0), 1)),
+            f"prompt lengths calibrated on the target: {ratio:.3f} tokens/word + {max(overhead, 0):.0f} "
+            "tokens of template")
+
+
+def prepare(target: Target, workload: Workload, *, calibrate_prompts: bool = True) -> tuple[Target, Workload, str]:
+    """Discover the target's model and versions, then size prompts for its tokenizer."""
+
+    async def go() -> tuple[Target, Workload, str]:
+        async with make_session(4) as session:
+            found = await discover(session, target)
+            if not calibrate_prompts:
+                return found, workload, "prompt calibration off"
+            tuned, note = await calibrate(session, found, workload)
+            return found, tuned, note
+
+    return run_loop(go())
+
+
+# --- a sweep against one target --------------------------------------------------------------
+def run_levels(target: Target, levels: list[Level], options: RunOptions,
+               progress: Progress) -> list[LevelResult]:
+    if options.processes > 1:
+        return [_run_level_processes(target, level, options, progress) for level in levels]
+    return run_loop(_run_levels(target, levels, options, progress))
+
+
+def _summary(result: LevelResult) -> str:
+    ok = [r for r in result.results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    ttfts = sorted(r.ttft for r in ok if r.ttft is not None)
+    p50 = f"TTFT p50 {ttfts[len(ttfts) // 2] * 1000:.1f} ms, " if ttfts else ""
+    return (f"{len(ok)} ok, {len(result.results) - len(ok)} errors, {p50}"
+            f"{tokens / result.wall_s:.1f} output tok/s")
+
+
+async def _refresh(progress: Progress) -> None:
+    while True:
+        progress.refresh()
+        await asyncio.sleep(0.25)
+
+
+async def _run_levels(target: Target, levels: list[Level], options: RunOptions,
+                      progress: Progress) -> list[LevelResult]:
+    sizes = [pool_size(level) for level in levels]
+    out = []
+    async with make_session(0 if 0 in sizes else max(sizes)) as session:
+        for level in levels:
+            await warm_up(session, target, level, options.warmup, options.timeout)
+            tally = Tally()
+            progress.start_level(f"{target.name} {level.label}", level.total_requests, tally)
+            ticker = asyncio.create_task(_refresh(progress))
+            try:
+                result = await run_load(session, target, level, timeout=options.timeout, tally=tally)
+            finally:
+                ticker.cancel()
+            progress.end_level(_summary(result))
+            out.append(result)
+    return out
+
+
+# --- several processes ---------------------------------------------------------------------
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if j < total % parts else 0) for j in range(parts)]
+
+
+def share_level(level: Level, j: int, n: int) -> Level:
+    """Process ``j`` of ``n``'s part of a level: concurrency, requests and rate divided."""
+    classes = []
+    for cls in level.classes:
+        conc = _split(cls.concurrency, n)[j] if cls.concurrency else None
+        if cls.rate is None:
+            reqs = None
+            if cls.requests is not None:
+                weights = _split(cls.concurrency or 0, n)
+                total_w = sum(weights) or 1
+                shares = [cls.requests * w // total_w for w in weights]
+                for k in range(cls.requests - sum(shares)):
+                    shares[k % n] += 1
+                reqs = shares[j] if weights[j] else 0
+            classes.append(replace(cls, concurrency=conc or 0, requests=reqs))
+        else:
+            reqs = _split(cls.requests, n)[j] if cls.requests is not None else None
+            classes.append(replace(cls, rate=cls.rate / n, concurrency=conc if cls.concurrency else None,
+                                   requests=reqs))
+    return replace(level, classes=tuple(classes))
+
+
+class _Forwarding(Tally):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh: list[float] = []
+        self.sent = (0, 0, 0, 0)
+
+    def add(self, ok: bool, ttft: float | None, tokens: int) -> None:
+        super().add(ok, ttft, tokens)
+        if ttft is not None:
+            self.fresh.append(ttft)
+
+    def delta(self) -> tuple[int, int, int, int, list[float]]:
+        now = (self.done, self.ok, self.errors, self.tokens)
+        d = tuple(a - b for a, b in zip(now, self.sent, strict=True))
+        self.sent, fresh, self.fresh = now, self.fresh, []
+        return (*d, fresh)  # type: ignore[return-value]
+
+
+def _child(target: Target, level: Level, options: RunOptions, j: int, n: int, out: Any, go: Any,
+           start_at: Any) -> None:
+    try:
+        run_loop(_child_async(target, level, options, j, n, out, go, start_at))
+    except BaseException as exc:
+        out.put(("error", j, f"{type(exc).__name__}: {exc}"))
+
+
+async def _child_async(target: Target, level: Level, options: RunOptions, j: int, n: int, out: Any,
+                       go: Any, start_at: Any) -> None:
+    mine = share_level(level, j, n)
+    async with make_session(pool_size(mine)) as session:
+        if any(c.concurrency or c.rate for c in mine.classes):
+            await warm_up(session, target, mine, math.ceil(options.warmup / n), options.timeout)
+        out.put(("ready", j))
+        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        tally = _Forwarding()
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(0.25)
+                out.put(("tick", j, *tally.delta()))
+
+        ticker = asyncio.create_task(tick())
+        try:
+            result = await run_load(session, target, mine, timeout=options.timeout, tally=tally,
+                                    start_at=start_at.value, index_base=j, index_step=n,
+                                    phase=j / level.classes[0].rate if level.classes[0].rate else 0.0)
+        finally:
+            ticker.cancel()
+        out.put(("tick", j, *tally.delta()))
+        out.put(("done", j, result))
+
+
+def _run_level_processes(target: Target, level: Level, options: RunOptions, progress: Progress) -> LevelResult:
+    import multiprocessing as mp
+
+    # spawn: a fresh interpreter per process, safe whatever threads the parent has
+    ctx = mp.get_context("spawn")
+    n = options.processes
+    out = ctx.Queue()
+    go = ctx.Event()
+    start_at = ctx.Value("d", 0.0)
+    procs = [ctx.Process(target=_child, args=(target, level, options, j, n, out, go, start_at), daemon=True)
+             for j in range(n)]
+    for p in procs:
+        p.start()
+    tally = Tally()
+    done: dict[int, LevelResult] = {}
+    ready = 0
+    try:
+        while len(done) < n:
+            try:
+                msg = out.get(timeout=0.25)
+            except queue_mod.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise BenchError("a load process died") from None
+                progress.refresh()
+                continue
+            kind = msg[0]
+            if kind == "error":
+                raise BenchError(f"load process {msg[1]}: {msg[2]}")
+            if kind == "ready":
+                ready += 1
+                if ready == n:  # all warmed up: start together, on the shared monotonic clock
+                    start_at.value = time.perf_counter() + 0.05
+                    tally.started = start_at.value
+                    progress.start_level(f"{target.name} {level.label}", level.total_requests, tally)
+                    go.set()
+            elif kind == "tick":
+                tally.merge(*msg[2:])
+                progress.refresh()
+            elif kind == "done":
+                done[msg[1]] = msg[2]
+    finally:
+        go.set()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    merged = LevelResult(level, [r for j in sorted(done) for r in done[j].results],
+                         [x for res in done.values() for x in res.loop_lag],
+                         [x for res in done.values() for x in res.send_lag])
+    progress.end_level(_summary(merged) + f" ({n} processes)")
+    return merged

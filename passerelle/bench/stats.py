@@ -1,0 +1,262 @@
+"""From request measurements to the numbers of ``results.json``: percentiles, SLOs, goodput, verdict.
+
+Definitions (DESIGN): TTFT = request sent → first content chunk; TPOT = (e2e − TTFT) / (output
+tokens − 1), per request; ITL = gaps between content chunks, pooled over all requests of a run;
+e2e = request sent → end of stream. Percentiles interpolate linearly between order statistics.
+Throughput counts successful requests over the run's wall time (first send → last answer).
+
+Goodput counts the successful requests that meet every latency SLO on their own (TTFT, TPOT and
+e2e of the request; for ITL, the request's own percentile of its gaps), per second.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from passerelle.bench.client import RequestResult
+from passerelle.bench.runner import LevelResult
+from passerelle.bench.workload import parse_duration
+
+STATS = ("mean", "p50", "p90", "p95", "p99")
+METRICS = ("ttft", "tpot", "itl", "e2e")
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0–100) of already sorted values, linear interpolation."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize_ms(values_s: Iterable[float]) -> dict[str, float | None]:
+    """mean/p50/p90/p95/p99 in milliseconds (``None`` each when there is no value)."""
+    values = sorted(v * 1000.0 for v in values_s)
+    if not values:
+        return dict.fromkeys(STATS)
+    out: dict[str, float | None] = {"mean": round(sum(values) / len(values), 3)}
+    for name in STATS[1:]:
+        out[name] = round(percentile(values, float(name[1:])), 3)
+    return out
+
+
+# --- SLOs ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Slo:
+    metric: str  # ttft, tpot, itl, e2e, or error_rate
+    stat: str | None  # mean, p50, ... (None for error_rate)
+    threshold: float  # milliseconds, or a fraction for error_rate
+
+    @property
+    def key(self) -> str:
+        return f"{self.metric}_{self.stat}" if self.stat else self.metric
+
+    def describe(self) -> str:
+        if self.metric == "error_rate":
+            return f"error_rate ≤ {self.threshold * 100:g} %"
+        return f"{self.key} ≤ {self.threshold:g} ms"
+
+
+def parse_slos(text: str | None) -> list[Slo]:
+    """``ttft_p95=2s,tpot_p95=100ms,e2e_p99=30s,error_rate=1%``; a bare number is milliseconds."""
+    if not text:
+        return []
+    out = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not sep or not value:
+            raise ValueError(f"SLO {item.strip()!r}: expected KEY=VALUE, e.g. ttft_p95=2s")
+        if key == "error_rate":
+            frac = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+            out.append(Slo("error_rate", None, frac))
+            continue
+        metric, _, stat = key.partition("_")
+        if metric not in METRICS or stat not in STATS:
+            raise ValueError(f"SLO {key!r}: expected METRIC_STAT with METRIC in {', '.join(METRICS)} and "
+                             f"STAT in {', '.join(STATS)} (or error_rate)")
+        out.append(Slo(metric, stat, parse_duration(value, default_unit="ms") * 1000.0))
+    return out
+
+
+def _request_meets(r: RequestResult, slos: Sequence[Slo]) -> bool:
+    for slo in slos:
+        if slo.metric == "error_rate":
+            continue
+        if slo.metric == "itl":
+            if not r.itl:
+                continue
+            gaps = sorted(r.itl)
+            value = sum(gaps) / len(gaps) if slo.stat == "mean" else percentile(gaps, float(slo.stat[1:]))
+        else:
+            value = {"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e}[slo.metric]
+            if value is None:
+                if slo.metric == "tpot":
+                    continue  # a one-token answer has no TPOT
+                return False
+        if value * 1000.0 > slo.threshold:
+            return False
+    return True
+
+
+def run_failures(run: dict[str, Any], slos: Sequence[Slo]) -> list[str]:
+    """The SLO keys a run misses (a run without a single success misses all)."""
+    failed = []
+    if not run["requests_ok"]:
+        return [s.key for s in slos] or ["no successful request"]
+    for slo in slos:
+        if slo.metric == "error_rate":
+            total = run["requests_ok"] + run["errors"]
+            if run["errors"] / total > slo.threshold:
+                failed.append(slo.key)
+            continue
+        value = run[f"{slo.metric}_ms"][slo.stat]
+        if value is not None and value > slo.threshold:
+            failed.append(slo.key)
+    return failed
+
+
+# --- one run (a level, or one class of a scenario) ------------------------------------------
+def run_record(target: str, level: LevelResult, results: Sequence[RequestResult], slos: Sequence[Slo],
+               cls: str | None = None, concurrency: int | None = None, rate: float | None = None,
+               prompt_tokens_requested: float | None = None) -> dict[str, Any]:
+    """The ``results.json`` entry of one run; DESIGN's keys first, additions after."""
+    ok = [r for r in results if r.ok]
+    errors = [r for r in results if not r.ok]
+    wall = level.wall_s
+    kinds = Counter(r.error or "unknown" for r in errors)
+    samples: dict[str, str] = {}
+    for r in errors:
+        samples.setdefault(r.error or "unknown", r.detail)
+    usage = sum(1 for r in ok if r.usage)
+    source = None if not ok else "usage" if usage == len(ok) else "chunks" if usage == 0 else "mixed"
+    out_tokens = sum(r.output_tokens for r in ok)
+    chunks = sum(r.chunks for r in ok)
+    good = sum(1 for r in ok if _request_meets(r, slos))
+    prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    record: dict[str, Any] = {
+        "target": target,
+        "concurrency": concurrency,
+        "rate": rate,
+        "requests_ok": len(ok),
+        "errors": len(errors),
+        "ttft_ms": summarize_ms(r.ttft for r in ok if r.ttft is not None),
+        "tpot_ms": summarize_ms(t for r in ok if (t := r.tpot) is not None),
+        "itl_ms": summarize_ms(g for r in ok for g in r.itl),
+        "e2e_ms": summarize_ms(r.e2e for r in ok if r.e2e is not None),
+        "output_tokens_per_s": round(out_tokens / wall, 3),
+        "requests_per_s": round(len(ok) / wall, 4),
+        "goodput_rps": round(good / wall, 4),
+        "token_count_source": source,
+        # additions to the DESIGN schema
+        "class": cls,
+        "requests": len(results),
+        "errors_by_kind": dict(sorted(kinds.items())),
+        "error_samples": samples,
+        "duration_s": round(wall, 3),
+        "output_tokens": out_tokens,
+        "output_tokens_mean": round(out_tokens / len(ok), 3) if ok else None,
+        "prompt_tokens_mean": round(sum(prompts) / len(prompts), 1) if prompts else None,
+        "prompt_tokens_requested": prompt_tokens_requested,
+        "tokens_per_chunk": round(out_tokens / chunks, 3) if chunks else None,
+        "generator": {
+            "loop_lag_ms_p99": round(percentile(sorted(level.loop_lag), 99) * 1000, 3) if level.loop_lag else None,
+            "send_lag_ms_p99": round(percentile(sorted(level.send_lag), 99) * 1000, 3) if level.send_lag else None,
+        },
+    }
+    record["slo_failures"] = run_failures(record, slos)
+    record["meets_slo"] = not record["slo_failures"]
+    return record
+
+
+def level_records(target: str, level: LevelResult, slos: Sequence[Slo]) -> list[dict[str, Any]]:
+    """One record per class of the level, plus an ``all`` record when there are several classes."""
+    classes = level.level.classes
+    if len(classes) == 1 and classes[0].name is None:
+        c = classes[0]
+        return [run_record(target, level, level.results, slos, None, level.level.concurrency,
+                           level.level.rate, c.workload.prompt_tokens)]
+    records = []
+    for c in classes:
+        mine = [r for r in level.results if r.cls == c.name]
+        records.append(run_record(target, level, mine, slos, c.name, c.concurrency, c.rate,
+                                  c.workload.prompt_tokens))
+    conc = sum(c.concurrency or 0 for c in classes) or None
+    rate = sum(c.rate or 0 for c in classes) or None
+    records.append(run_record(target, level, level.results, slos, "all", conc, rate))
+    return records
+
+
+# --- verdict -------------------------------------------------------------------------------
+def _load_key(run: dict[str, Any]) -> tuple[float, float]:
+    return (run["concurrency"] or 0, run["rate"] or 0.0)
+
+
+def verdict(runs: Sequence[dict[str, Any]], slos: Sequence[Slo], models: dict[str, str | None]) -> dict[str, Any]:
+    """Per target, the highest load meeting every SLO and the throughput there; the winner.
+
+    The winner holds the highest load within the SLOs; a tie goes to the higher output tokens/s.
+    Only whole-load runs count (a plain level, or a scenario's ``all``).
+    """
+    targets: dict[str, Any] = {}
+    for name in dict.fromkeys(r["target"] for r in runs):
+        mine = [r for r in runs if r["target"] == name and r["class"] in (None, "all")]
+        passing = [r for r in mine if r["meets_slo"]]
+        best = max(passing, key=lambda r: (_load_key(r), r["output_tokens_per_s"]), default=None)
+        targets[name] = {
+            "max_concurrency": best["concurrency"] if best else None,
+            "max_rate": best["rate"] if best else None,
+            "output_tokens_per_s": best["output_tokens_per_s"] if best else None,
+            "requests_per_s": best["requests_per_s"] if best else None,
+            "goodput_rps": best["goodput_rps"] if best else None,
+            "loads_meeting_slo": [_label(r) for r in sorted(passing, key=_load_key)],
+            "loads_tested": [_label(r) for r in sorted(mine, key=_load_key)],
+        }
+    ranked = sorted(((n, t) for n, t in targets.items() if t["loads_meeting_slo"]),
+                    key=lambda item: ((item[1]["max_concurrency"] or 0, item[1]["max_rate"] or 0.0),
+                                      item[1]["output_tokens_per_s"] or 0.0), reverse=True)
+    winner = ranked[0][0] if ranked else None
+    slo_text = ", ".join(s.describe() for s in slos) or "no SLO given"
+    if winner is None:
+        reason = f"no target meets the SLOs ({slo_text}) at any tested load"
+    else:
+        w = targets[winner]
+        reason = (f"{winner} holds {_load_phrase(w)} within the SLOs ({slo_text}) at "
+                  f"{w['output_tokens_per_s']:.1f} output tokens/s")
+        others = [f"{n}: {_load_phrase(t) if t['loads_meeting_slo'] else 'none'}"
+                  for n, t in targets.items() if n != winner]
+        if others:
+            reason += " (" + "; ".join(others) + ")"
+    distinct = {m for m in models.values() if m}
+    return {
+        "slo": [{"key": s.key, "threshold": s.threshold, "unit": "fraction" if s.stat is None else "ms"}
+                for s in slos],
+        "targets": targets,
+        "winner": winner,
+        "reason": reason,
+        "models": dict(models),
+        "model_ids_differ": len(distinct) > 1,
+    }
+
+
+def _label(run: dict[str, Any]) -> str:
+    parts = []
+    if run["rate"] is not None:
+        parts.append(f"rate {run['rate']:g}/s")
+    if run["concurrency"] is not None:
+        parts.append(f"concurrency {run['concurrency']}")
+    return ", ".join(parts)
+
+
+def _load_phrase(t: dict[str, Any]) -> str:
+    if t["max_rate"] is not None:
+        return f"{t['max_rate']:g} requests/s"
+    return f"{t['max_concurrency']} concurrent requests"
