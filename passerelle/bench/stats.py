@@ -259,4 +259,4 @@ def _label(run: dict[str, Any]) -> str:
 def _load_phrase(t: dict[str, Any]) -> str:
     if t["max_rate"] is not None:
         return f"{t['max_rate']:g} requests/s"
-    return f"{t['max_concurrency']} concurrent requests"
+    return f"{t['max_concurrency']} concurrent request{'' if t['max_concurrency'] == 1 else 's'}"

@@ -63,7 +63,8 @@ async def discover(session: Any, target: Target) -> Target:
                     owners.add(item["owned_by"])
     model = target.model or (models[0] if models else None)
     if model is None:
-        raise RuntimeError(f"{target.name}: GET {target.base_url}/v1/models listed no model; pass --model")
+        why = "did not answer (is the server running?)" if listing is None else "listed no model; pass --model"
+        raise RuntimeError(f"GET {target.base_url}/v1/models {why}")
     version: dict[str, Any] = {}
     props = await get_json(session, f"{target.base_url}/props", headers)
     if isinstance(props, dict):

@@ -1,0 +1,121 @@
+"""Percentiles, run records, SLO parsing and checks, goodput, and the compare verdict."""
+
+from __future__ import annotations
+
+import pytest
+
+from passerelle.bench.client import RequestResult
+from passerelle.bench.runner import Level, LevelResult
+from passerelle.bench.stats import parse_slos, percentile, run_record, summarize_ms, verdict
+from passerelle.bench.workload import TrafficClass, Workload
+
+
+def test_percentile_interpolates_like_numpy_linear():
+    values = [1.0, 2.0, 3.0, 4.0]
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile(values, 90) == pytest.approx(3.7)
+    assert percentile([5.0], 99) == 5.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_summary_in_ms_and_empty():
+    s = summarize_ms([0.1, 0.2, 0.3])
+    assert s == {"mean": 200.0, "p50": 200.0, "p90": 280.0, "p95": 290.0, "p99": 298.0}
+    assert summarize_ms([]) == {"mean": None, "p50": None, "p90": None, "p95": None, "p99": None}
+
+
+def test_parse_slos():
+    slos = parse_slos("ttft_p95=2s,tpot_p50=100ms, e2e_p99=1.5m,itl_mean=40,error_rate=1%")
+    assert [(s.key, s.threshold) for s in slos] == [
+        ("ttft_p95", 2000.0), ("tpot_p50", 100.0), ("e2e_p99", 90000.0), ("itl_mean", 40.0),
+        ("error_rate", 0.01)]
+    assert parse_slos(None) == [] and parse_slos("") == []
+    for bad in ("ttft=2s", "latency_p95=1s", "ttft_p95", "ttft_p42=1s", "ttft_p95=soon"):
+        with pytest.raises(ValueError):
+            parse_slos(bad)
+
+
+def ok(ttft: float, e2e: float, tokens: int = 11, t_send: float = 0.0, itl: list[float] | None = None):
+    return RequestResult(ok=True, ttft=ttft, e2e=e2e, output_tokens=tokens, chunks=tokens, usage=True,
+                         t_send=t_send, t_done=t_send + e2e, itl=itl or [], prompt_tokens=100)
+
+
+def level_result(results: list[RequestResult], concurrency: int = 2) -> LevelResult:
+    cls = TrafficClass(None, Workload(), concurrency=concurrency, requests=len(results))
+    return LevelResult(Level((cls,), concurrency=concurrency), results)
+
+
+def test_run_record_counts_throughput_and_errors():
+    results = [ok(0.1, 1.1, t_send=0.0), ok(0.3, 1.3, t_send=0.7),
+               RequestResult(ok=False, error="http_500", detail="boom", t_send=0.2, t_done=0.25),
+               RequestResult(ok=False, error="stream_aborted", t_send=0.3, t_done=0.9, output_tokens=3)]
+    lvl = level_result(results)
+    run = run_record("t", lvl, results, parse_slos("ttft_p95=200ms"), concurrency=2)
+    assert run["requests_ok"] == 2 and run["errors"] == 2
+    assert run["errors_by_kind"] == {"http_500": 1, "stream_aborted": 1}
+    assert run["error_samples"]["http_500"] == "boom"
+    assert run["duration_s"] == pytest.approx(2.0)  # first send 0.0 → last answer 2.0
+    assert run["output_tokens"] == 22  # the aborted request's 3 tokens are not output
+    assert run["output_tokens_per_s"] == pytest.approx(11.0)
+    assert run["requests_per_s"] == pytest.approx(1.0)
+    assert run["goodput_rps"] == pytest.approx(0.5)  # only the 100 ms TTFT request meets 200 ms
+    assert run["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert run["tpot_ms"]["mean"] == pytest.approx(100.0)  # (1.1 - 0.1) / 10
+    assert run["token_count_source"] == "usage"
+    assert run["slo_failures"] == ["ttft_p95"] and run["meets_slo"] is False
+
+
+def test_token_count_source_flags_fallback():
+    a, b = ok(0.1, 1.0), ok(0.1, 1.0)
+    b.usage = False
+    run = run_record("t", level_result([a, b]), [a, b], [])
+    assert run["token_count_source"] == "mixed"
+    a.usage = False
+    assert run_record("t", level_result([a, b]), [a, b], [])["token_count_source"] == "chunks"
+
+
+def test_error_rate_slo_and_a_run_without_success_fails():
+    bad = RequestResult(ok=False, error="connect", t_send=0.0, t_done=0.1)
+    results = [ok(0.1, 1.0), bad]
+    run = run_record("t", level_result(results), results, parse_slos("error_rate=10%"))
+    assert run["slo_failures"] == ["error_rate"]
+    none = run_record("t", level_result([bad]), [bad], [])
+    assert none["meets_slo"] is False and none["ttft_ms"]["p50"] is None
+
+
+def run(target: str, conc: int, ttft_p95: float, tok_s: float, meets: bool, model_cls=None) -> dict:
+    return {"target": target, "class": model_cls, "concurrency": conc, "rate": None, "meets_slo": meets,
+            "ttft_ms": {"p95": ttft_p95}, "output_tokens_per_s": tok_s, "requests_per_s": tok_s / 10,
+            "goodput_rps": tok_s / 20}
+
+
+def test_verdict_highest_passing_concurrency_wins():
+    runs = [run("vulkan", 1, 100, 30, True), run("vulkan", 5, 900, 120, True), run("vulkan", 10, 3000, 150, False),
+            run("rocm", 1, 90, 35, True), run("rocm", 5, 2500, 140, False), run("rocm", 10, 5000, 160, False)]
+    v = verdict(runs, parse_slos("ttft_p95=2s"), {"vulkan": "m", "rocm": "m"})
+    assert v["winner"] == "vulkan"
+    assert v["targets"]["vulkan"]["max_concurrency"] == 5
+    assert v["targets"]["vulkan"]["output_tokens_per_s"] == 120
+    assert v["targets"]["rocm"]["max_concurrency"] == 1
+    assert "vulkan holds 5 concurrent requests" in v["reason"] and "rocm: 1 concurrent" in v["reason"]
+    assert v["model_ids_differ"] is False
+
+
+def test_verdict_tie_goes_to_throughput_and_flags_models():
+    runs = [run("a", 4, 10, 100, True), run("b", 4, 10, 130, True)]
+    v = verdict(runs, [], {"a": "llama-q4", "b": "llama-q8"})
+    assert v["winner"] == "b"
+    assert v["model_ids_differ"] is True
+
+
+def test_verdict_without_any_passing_level():
+    v = verdict([run("a", 1, 5000, 10, False)], parse_slos("ttft_p95=1s"), {"a": "m"})
+    assert v["winner"] is None and v["targets"]["a"]["max_concurrency"] is None
+    assert "no target meets" in v["reason"]
+
+
+def test_verdict_ignores_per_class_runs():
+    runs = [run("a", 4, 10, 100, True, "interactive"), run("a", 6, 10, 50, False, "all")]
+    assert verdict(runs, [], {"a": "m"})["winner"] is None

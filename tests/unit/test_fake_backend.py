@@ -1,0 +1,224 @@
+"""passerelle fake-backend: OpenAI shapes, SSE framing, deterministic timing, slots, injected faults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+import pytest
+
+from passerelle.fake_backend import VOCAB, start_fake_backend
+
+
+def sse_events(text: str) -> list[str]:
+    assert text.endswith("\n\n"), "every SSE event ends with a blank line"
+    events = text.split("\n\n")[:-1]
+    for e in events:
+        assert e.startswith("data: "), e
+    return [e[len("data: "):] for e in events]
+
+
+def chat(max_tokens: int | None = 4, stream: bool = True, usage: bool = False, **extra) -> dict:
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "one two three four five"}],
+            "stream": stream, **extra}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+@pytest.fixture(scope="module")
+def fast():
+    with start_fake_backend(ttft_ms=0, itl_ms=0, tokens=5, model="fake-model") as fake:
+        yield fake
+
+
+def test_chat_stream_format_and_exact_token_count(fast):
+    r = httpx.post(fast.url + "/v1/chat/completions", json=chat(max_tokens=7, usage=True))
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(content) == 7
+    assert "".join(c["choices"][0]["delta"]["content"] for c in content) == "".join(VOCAB[:7])
+    finish = chunks[-2]
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["choices"][0]["delta"] == {}
+    usage = chunks[-1]
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "fake-model" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_usage_chunk_only_when_asked(fast):
+    events = sse_events(httpx.post(fast.url + "/v1/chat/completions", json=chat(usage=False)).text)
+    assert not any('"usage"' in e for e in events)
+    assert events[-1] == "[DONE]"
+
+
+def test_no_usage_flag_ignores_include_usage():
+    with start_fake_backend(ttft_ms=0, itl_ms=0, usage=False) as fake:
+        events = sse_events(httpx.post(fake.url + "/v1/chat/completions", json=chat(usage=True)).text)
+    assert not any('"usage"' in e for e in events)
+
+
+def test_default_token_count_without_max_tokens(fast):
+    events = sse_events(httpx.post(fast.url + "/v1/chat/completions", json=chat(max_tokens=None)).text)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert sum(1 for c in chunks if c["choices"][0]["delta"].get("content")) == 5  # --tokens 5
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_completions_stream_and_non_stream(fast):
+    events = sse_events(httpx.post(fast.url + "/v1/completions",
+                                   json={"prompt": "a b c", "max_tokens": 3, "stream": True}).text)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == [*VOCAB[:3], ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" for c in chunks)
+    full = httpx.post(fast.url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 3}).json()
+    assert full["choices"][0]["text"] == "".join(VOCAB[:3])
+    assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_chat_non_stream(fast):
+    full = httpx.post(fast.url + "/v1/chat/completions", json=chat(max_tokens=2, stream=False)).json()
+    assert full["object"] == "chat.completion"
+    assert full["choices"][0]["message"] == {"role": "assistant", "content": "".join(VOCAB[:2])}
+    assert full["usage"]["completion_tokens"] == 2
+
+
+def test_embeddings_are_deterministic_unit_vectors(fast):
+    a = httpx.post(fast.url + "/v1/embeddings", json={"input": ["hello world", "other"]}).json()
+    b = httpx.post(fast.url + "/v1/embeddings", json={"input": "hello world"}).json()
+    va, vo, vb = a["data"][0]["embedding"], a["data"][1]["embedding"], b["data"][0]["embedding"]
+    assert va == vb and va != vo
+    assert len(va) == 64 and abs(sum(x * x for x in va) - 1.0) < 1e-9
+    assert a["usage"]["prompt_tokens"] == 3
+
+
+def test_side_endpoints(fast):
+    assert httpx.get(fast.url + "/health").json() == {"status": "ok"}
+    models = httpx.get(fast.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["fake-model"]
+    metrics = httpx.get(fast.url + "/metrics").text
+    assert "llamacpp:requests_processing 0" in metrics and "llamacpp:requests_deferred 0" in metrics
+    assert "passerelle-fake-backend" in httpx.get(fast.url + "/props").json()["build_info"]
+
+
+def test_errors_use_openai_shape(fast):
+    r = httpx.post(fast.url + "/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(fast.url + "/v1/chat/completions", json=chat(max_tokens=-1))
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert httpx.get(fast.url + "/nowhere").status_code == 404
+    assert httpx.get(fast.url + "/v1/chat/completions").status_code == 405
+
+
+def test_fail_rate_answers_500():
+    with start_fake_backend(ttft_ms=0, itl_ms=0, fail_rate=1.0) as fake:
+        r = httpx.post(fake.url + "/v1/chat/completions", json=chat())
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "code"} and err["type"] == "server_error"
+        assert fake.stats()["failed"] == 1
+
+
+def test_abort_rate_cuts_the_stream_without_done():
+    with start_fake_backend(ttft_ms=0, itl_ms=1, abort_rate=1.0) as fake:
+        received = b""
+        with pytest.raises(httpx.RemoteProtocolError):  # the chunked body never terminates properly
+            with httpx.stream("POST", fake.url + "/v1/chat/completions", json=chat(max_tokens=8)) as r:
+                for part in r.iter_raw():
+                    received += part
+        assert b"[DONE]" not in received
+        assert received.count(b'"content":" ') == 4  # cut after half of the tokens
+        assert fake.stats()["aborted"] == 1
+
+
+def test_schedule_does_not_drift():
+    """100 chunks 5 ms apart stay on the grid start + TTFT + k × ITL: no accumulated delay.
+
+    Sleeping 5 ms after each write would drift by the timer's overshoot per chunk (tens of ms over
+    100 chunks); medians over the first and last 20 chunks ignore a one-off scheduling hiccup.
+    """
+    with start_fake_backend(ttft_ms=50, itl_ms=5) as fake:
+        times = []
+        t0 = time.perf_counter()
+        with httpx.stream("POST", fake.url + "/v1/chat/completions", json=chat(max_tokens=100)) as r:
+            for line in r.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    times.append(time.perf_counter() - t0)
+    assert len(times) == 100
+    assert times[0] >= 0.045
+    offsets = [t - k * 0.005 for k, t in enumerate(times)]
+    drift = statistics.median(offsets[-20:]) - statistics.median(offsets[:20])
+    assert abs(drift) < 0.010, f"schedule drifted by {drift * 1000:.1f} ms over 100 chunks"
+
+
+async def test_slots_queue_in_fifo_order_and_show_in_metrics():
+    with start_fake_backend(ttft_ms=60, itl_ms=10, slots=1) as fake:
+        async with httpx.AsyncClient(base_url=fake.url, timeout=10) as client:
+            order: list[str] = []
+
+            async def stream(name: str) -> float:
+                t0 = time.perf_counter()
+                first = None
+                async with client.stream("POST", "/v1/chat/completions", json=chat(max_tokens=4)) as r:
+                    async for line in r.aiter_lines():
+                        if first is None and '"content":" ' in line:
+                            first = time.perf_counter() - t0
+                order.append(name)
+                return first
+
+            async def metric(name: str) -> int:
+                text = (await client.get("/metrics")).text
+                return int(next(ln.split()[1] for ln in text.splitlines() if ln.startswith(name + " ")))
+
+            async def until(cond) -> None:
+                for _ in range(500):
+                    if await cond():
+                        return
+                    await asyncio.sleep(0.005)
+                raise AssertionError("condition not reached")
+
+            a = asyncio.create_task(stream("a"))
+            await until(lambda: _eq(metric("llamacpp:requests_processing"), 1))
+            b = asyncio.create_task(stream("b"))
+            await until(lambda: _eq(metric("llamacpp:requests_deferred"), 1))
+            c = asyncio.create_task(stream("c"))
+            await until(lambda: _eq(metric("llamacpp:requests_deferred"), 2))
+            slots = (await client.get("/slots")).json()
+            assert slots == [{"id": 0, "is_processing": True}]
+            first_a, first_b, _ = await asyncio.gather(a, b, c)
+    assert order == ["a", "b", "c"]
+    assert first_a < 0.12
+    # b waited for a (60 + 3 × 10 ms) before its own 60 ms to the first token
+    assert first_b > 0.13
+
+
+async def _eq(value_coro, expected: int) -> bool:
+    return (await value_coro) == expected
+
+
+def test_client_disconnect_frees_the_slot():
+    with start_fake_backend(ttft_ms=20, itl_ms=50, slots=1) as fake:
+        with httpx.stream("POST", fake.url + "/v1/chat/completions", json=chat(max_tokens=200)) as r:
+            for line in r.iter_lines():
+                if '"content":" ' in line:
+                    break  # leave after the first token of a 10 s answer
+        deadline = time.monotonic() + 3
+        while httpx.get(fake.url + "/slots").json()[0]["is_processing"]:
+            assert time.monotonic() < deadline, "slot still busy after the client left"
+            time.sleep(0.01)
+        assert fake.stats()["disconnected"] == 1
+        t0 = time.perf_counter()
+        r = httpx.post(fake.url + "/v1/chat/completions", json=chat(max_tokens=1))
+        assert r.status_code == 200 and time.perf_counter() - t0 < 1.0
