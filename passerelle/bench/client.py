@@ -41,6 +41,7 @@ class RequestResult:
     t_send: float = 0.0
     t_done: float = 0.0
     t_written: float = 0.0  # set by the trace hook when the body reaches the socket
+    retries: int = 0  # re-sent after a pooled connection turned out closed
     ttft: float | None = None
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
@@ -155,35 +156,26 @@ def _error_kind(exc: BaseException, got_response: bool) -> str:
 
 async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, str],
                cls: str | None = None, timeout: float | None = None) -> RequestResult:
-    """Send one streaming request and measure it; never raises for HTTP or network failures."""
-    import aiohttp
+    """Send one streaming request and measure it; never raises for HTTP or network failures.
 
+    A request that dies on a pooled connection before any response byte is sent once more on a
+    fresh one: servers close keep-alive connections at will (llama-server closes one after most
+    streamed answers) and a request can be written just before the close reaches us. The server
+    never saw it, so the retry is not a second request; ``retries`` counts them.
+    """
     data = orjson.dumps(body)  # encoded before the clock starts: encoding is not the server's time
     result = RequestResult(cls=cls, max_tokens=body.get("max_tokens", 0))
-    got_response = False
-    asked = time.perf_counter()
-    scan = StreamScanner()
-    try:
-        async with session.post(url, data=data, headers=headers, trace_request_ctx=result,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            got_response = True
-            if resp.status != 200:
-                text = await resp.read()
-                result.error = f"http_{resp.status}"
-                result.detail = _error_message(text)
-                result.t_send = result.t_written or asked
-                result.t_done = time.perf_counter()
-                return result
-            content = resp.content
-            while True:
-                chunk = await content.readany()
-                if not chunk:
-                    break
-                scan.feed(chunk, time.perf_counter())
-    except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
-        result.error = _error_kind(exc, got_response)
-        result.detail = f"{type(exc).__name__}: {exc}"[:300]
+    for attempt in range(STALE_RETRIES + 1):
+        result.t_written = 0.0
+        scan = StreamScanner()
+        asked = time.perf_counter()
+        stale = await _attempt(session, url, data, headers, timeout, result, scan, attempt < STALE_RETRIES)
+        if not stale:
+            break
+        result.retries += 1
     end = time.perf_counter()
+    if result.t_done:  # an HTTP error answer, already complete
+        return result
     t0 = result.t_written or asked  # no trace (session without it, or failed before sending)
     result.t_send = t0
     result.t_done = end
@@ -207,6 +199,43 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
     else:
         result.output_tokens = scan.chunks
     return result
+
+
+STALE_RETRIES = 1
+
+
+async def _attempt(session: Any, url: str, data: bytes, headers: dict[str, str], timeout: float | None,
+                   result: RequestResult, scan: StreamScanner, may_retry: bool) -> bool:
+    """One try; True when it failed on a stale pooled connection and may be retried."""
+    import aiohttp
+
+    got_response = False
+    asked = time.perf_counter()
+    try:
+        async with session.post(url, data=data, headers=headers, trace_request_ctx=result,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            got_response = True
+            if resp.status != 200:
+                text = await resp.read()
+                result.error = f"http_{resp.status}"
+                result.detail = _error_message(text)
+                result.t_send = result.t_written or asked
+                result.t_done = time.perf_counter()
+                return False
+            content = resp.content
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                scan.feed(chunk, time.perf_counter())
+    except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+        stale = (not got_response and not isinstance(exc, aiohttp.ClientConnectorError)
+                 and isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | ConnectionResetError))
+        if stale and may_retry:
+            return True
+        result.error = _error_kind(exc, got_response)
+        result.detail = f"{type(exc).__name__}: {exc}"[:300]
+    return False
 
 
 def trace_config() -> Any:

@@ -102,6 +102,10 @@ def notes(results: dict[str, Any]) -> list[str]:
         if tpc and tpc > 1.05:
             out.append(f"{where}: the server packs {tpc:.2f} tokens per chunk on average; ITL measures "
                        "gaps between chunks, not between tokens.")
+        if run.get("retried_on_closed_connection"):
+            out.append(f"{where}: {run['retried_on_closed_connection']} requests met a keep-alive connection "
+                       "the server had just closed and were sent again on a new one (their clocks start at "
+                       "the second send).")
         gen = run.get("generator") or {}
         if (gen.get("loop_lag_ms_p99") or 0) > 5:
             out.append(f"{where}: the generator's event loop lagged (p99 {gen['loop_lag_ms_p99']:.1f} ms); "

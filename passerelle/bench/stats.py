@@ -167,6 +167,7 @@ def run_record(target: str, level: LevelResult, results: Sequence[RequestResult]
         "prompt_tokens_mean": round(sum(prompts) / len(prompts), 1) if prompts else None,
         "prompt_tokens_requested": prompt_tokens_requested,
         "tokens_per_chunk": round(out_tokens / chunks, 3) if chunks else None,
+        "retried_on_closed_connection": sum(r.retries for r in results),
         "generator": {
             "loop_lag_ms_p99": round(percentile(sorted(level.loop_lag), 99) * 1000, 3) if level.loop_lag else None,
             "send_lag_ms_p99": round(percentile(sorted(level.send_lag), 99) * 1000, 3) if level.send_lag else None,
