@@ -89,6 +89,9 @@ class FakeConfig:
     seed: int | None = None
     usage: bool = True  # honour stream_options.include_usage (off: act like a runtime without it)
     embedding_dim: int = 64
+    # like llama-server: drop the connection this long after each streamed answer, ignoring any
+    # request already sent on it (None: keep it alive)
+    close_after_stream_ms: float | None = None
 
 
 class Slots:
@@ -197,6 +200,7 @@ class Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._paused = False
         self.received = 0.0  # when the current request's last byte arrived
+        self.draining = False  # closing soon: further requests are read and dropped
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -205,6 +209,8 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         import httptools
 
+        if self.draining:
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
@@ -508,6 +514,9 @@ class FakeBackend:
         self.counters.completed += 1
         self.counters.completion_tokens += n_tokens
         conn.end_stream(keep_alive)
+        if cfg.close_after_stream_ms is not None:
+            conn.draining = True
+            asyncio.get_running_loop().call_later(cfg.close_after_stream_ms / 1000, conn.close)
 
     @staticmethod
     def _tail(chat: bool, prefix: bytes, head: bytes, finish: str, n_tokens: int, prompt_tokens: int,
@@ -614,13 +623,17 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-usage", dest="usage", action="store_false",
                         help="ignore stream_options.include_usage, like runtimes that lack it")
     parser.add_argument("--embedding-dim", type=int, default=64, help="embedding size (default 64)")
+    parser.add_argument("--close-after-stream-ms", type=_non_negative, default=None, metavar="MS",
+                        help="close the connection MS ms after each streamed answer, dropping requests "
+                             "sent on it meanwhile (llama-server does so without notice)")
 
 
 def config_from_args(args: argparse.Namespace) -> FakeConfig:
     return FakeConfig(host=args.host, port=args.port, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
                       slots=max(args.slots, 0), tokens=args.tokens, model=args.model,
                       fail_rate=args.fail_rate, abort_rate=args.abort_rate, seed=args.seed,
-                      usage=args.usage, embedding_dim=args.embedding_dim)
+                      usage=args.usage, embedding_dim=args.embedding_dim,
+                      close_after_stream_ms=args.close_after_stream_ms)
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -169,7 +169,9 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
         result.t_written = 0.0
         scan = StreamScanner()
         asked = time.perf_counter()
-        stale = await _attempt(session, url, data, headers, timeout, result, scan, attempt < STALE_RETRIES)
+        # the retry goes out on a new connection: the others in the pool may be closing too
+        via = session if attempt == 0 else getattr(session, "fresh", session)
+        stale = await _attempt(via, url, data, headers, timeout, result, scan, attempt < STALE_RETRIES)
         if not stale:
             break
         result.retries += 1
@@ -236,6 +238,35 @@ async def _attempt(session: Any, url: str, data: bytes, headers: dict[str, str],
         result.error = _error_kind(exc, got_response)
         result.detail = f"{type(exc).__name__}: {exc}"[:300]
     return False
+
+
+class HttpClient:
+    """The benchmark's HTTP client: a keep-alive pool sized by the caller, and a session without
+    keep-alive for re-sending after a stale connection. Both stamp body writes (``trace_config``)."""
+
+    def __init__(self, limit: int) -> None:
+        import aiohttp
+
+        def session(connector: Any) -> Any:
+            return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                         read_bufsize=1 << 16, trace_configs=[trace_config()])
+
+        self.pooled = session(aiohttp.TCPConnector(limit=limit, limit_per_host=0, ttl_dns_cache=300,
+                                                   keepalive_timeout=120))
+        self.fresh = session(aiohttp.TCPConnector(limit=0, force_close=True))
+
+    def post(self, *args: Any, **kwargs: Any) -> Any:
+        return self.pooled.post(*args, **kwargs)
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        return self.pooled.get(*args, **kwargs)
+
+    async def __aenter__(self) -> HttpClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pooled.close()
+        await self.fresh.close()
 
 
 def trace_config() -> Any:

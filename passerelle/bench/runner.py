@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from passerelle.bench.client import RequestResult, send, trace_config
+from passerelle.bench.client import HttpClient, RequestResult, send
 from passerelle.bench.progress import Progress, Tally
 from passerelle.bench.target import Target, discover
 from passerelle.bench.workload import Conversation, TrafficClass, Workload
@@ -95,14 +95,9 @@ def run_loop(coro: Awaitable[T]) -> T:
     return uvloop.run(coro)  # type: ignore[arg-type]
 
 
-def make_session(limit: int) -> Any:
-    """A client session whose pool never makes a request wait for a connection (0: unlimited)."""
-    import aiohttp
-
-    connector = aiohttp.TCPConnector(limit=limit + 8 if limit else 0, limit_per_host=0, ttl_dns_cache=300,
-                                     keepalive_timeout=120)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
-                                 read_bufsize=1 << 16, trace_configs=[trace_config()])
+def make_session(limit: int) -> HttpClient:
+    """A client whose pool never makes a request wait for a connection (0: unlimited)."""
+    return HttpClient(limit + 8 if limit else 0)
 
 
 def pool_size(level: Level) -> int:
