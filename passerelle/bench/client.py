@@ -89,13 +89,27 @@ class StreamScanner:
                 self.buf = buf
                 return
         sep = self.sep
+        step = len(sep)
+        search = _CONTENT.search
         start = 0
+        # The hot loop: a content event is found in place (no slice, no call) and counted.
         while (end := buf.find(sep, start)) >= 0:
-            self._event(buf[start:end], now)
-            start = end + len(sep)
+            if search(buf, start, end):
+                self.chunks += 1
+                if self.first is None:
+                    self.first = now
+                else:
+                    self.itl.append(now - self.last)
+                self.last = now
+                if buf.find(b'"usage"', start, end) >= 0:  # a few servers put usage on a content chunk
+                    self._other(buf[start:end], usage_only=True)
+            else:
+                self._other(buf[start:end])
+            start = end + step
         self.buf = buf[start:]
 
-    def _event(self, event: bytes, now: float) -> None:
+    def _other(self, event: bytes, usage_only: bool = False) -> None:
+        """An event without generated text: role, finish, usage, error, [DONE], comment."""
         if event.startswith(b"data: "):
             payload = event[6:]
         elif event.startswith(b"data:"):
@@ -105,18 +119,9 @@ class StreamScanner:
             if i < 0:
                 return
             payload = event[i + 6:].lstrip()
-        if _CONTENT.search(payload):
-            self.chunks += 1
-            if self.first is None:
-                self.first = now
-            else:
-                self.itl.append(now - self.last)
-            self.last = now
-            if _USAGE.search(payload):  # a few servers put usage on the last content chunk
-                self._decode(payload)
-        elif payload.startswith(b"[DONE]"):
+        if payload.startswith(b"[DONE]"):
             self.done = True
-        else:
+        elif not usage_only or _USAGE.search(payload):
             self._decode(payload)
 
     def _decode(self, payload: bytes) -> None:

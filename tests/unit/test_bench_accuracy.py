@@ -135,3 +135,24 @@ def test_requests_on_a_just_closed_connection_are_sent_again(tmp_path):
     assert run["retried_on_closed_connection"] >= 1
     assert run["ttft_ms"]["p99"] < 40  # the retry's clock starts at its own send
     assert served == 10 + 1 + 2  # measured, warm-up and calibration probes: nothing served twice
+
+
+def test_duration_mode_stops_sending_at_the_deadline(tmp_path):
+    with start_fake_backend(ttft_ms=20, itl_ms=5) as fake:
+        results = bench(tmp_path, fake.url, "--concurrency", "2", "--duration", "600ms", "--max-tokens", "4")
+    run = results["runs"][0]
+    # each worker does one request per ~35 ms: about 2 × 0.6 / 0.035 ≈ 34 requests
+    assert 15 <= run["requests_ok"] <= 40 and run["errors"] == 0
+    assert 0.55 <= run["duration_s"] <= 0.9  # the last requests started before 0.6 s are awaited
+    assert results["load"]["duration"] == 0.6 and results["load"]["requests"] is None
+
+
+def test_poisson_arrivals_are_irregular_with_the_same_mean(tmp_path):
+    with start_fake_backend(ttft_ms=1, itl_ms=0) as fake:
+        bench(tmp_path, fake.url, "--rate", "100", "--poisson", "--requests", "60", "--max-tokens", "2",
+              "--seed", "1")
+    with (tmp_path / "requests.csv").open() as fh:
+        sends = sorted(float(r["t_send_s"]) for r in csv.DictReader(fh))
+    gaps = [b - a for a, b in itertools.pairwise(sends)]
+    assert statistics.mean(gaps) == pytest.approx(0.010, rel=0.25)
+    assert statistics.stdev(gaps) / statistics.mean(gaps) > 0.5  # exponential gaps: coefficient of variation ~1
