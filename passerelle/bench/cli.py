@@ -128,6 +128,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "results.csv, report.md, report.html and plots. `bench compare` runs the same workload "
                     "against several targets and names the one that holds the most load within the SLOs.")
     bench.add_argument("--url", help="base URL, e.g. http://127.0.0.1:8080 (with or without /v1)")
+    bench.add_argument("--name", help="the target's name in the report (default: HOST:PORT of the URL)")
     _add_common(bench)
     bench.set_defaults(func=bench_main)
     sub = bench.add_subparsers(dest="bench_command", metavar="{compare}")
@@ -143,7 +144,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def bench_main(args: argparse.Namespace) -> int:
     if not args.url:
         return _usage("bench: --url is required (or use `passerelle bench compare --target NAME=URL ...`)")
-    return _run(args, [("target", args.url)], "bench")
+    from urllib.parse import urlsplit
+
+    return _run(args, [(args.name or urlsplit(args.url).netloc or args.url, args.url)], "bench")
 
 
 def compare_main(args: argparse.Namespace) -> int:
@@ -170,10 +173,10 @@ def _command(args: argparse.Namespace, kind: str) -> str:
     """The command line that reproduces this run (the API key left out)."""
     parts = ["passerelle", *kind.split()]
     if kind == "bench":
-        parts += ["--url", args.url]
+        parts += ["--url", args.url] + (["--name", args.name] if args.name else [])
     for t in getattr(args, "target", []) or []:
         parts += ["--target", t]
-    skip = {"url", "target", "api_key", "func", "command", "bench_command", "progress", "out"}
+    skip = {"url", "name", "target", "api_key", "func", "command", "bench_command", "progress", "out"}
     defaults = {"warmup": 1, "processes": 1, "timeout": 300.0, "prompt_tokens": 128, "prompt_spread": 0,
                 "max_tokens": 64, "max_tokens_spread": 0, "turns": 1, "endpoint": "chat", "ignore_eos": True,
                 "usage": True, "calibrate": True, "extra_body": {}, "seed": 0, "poisson": False}

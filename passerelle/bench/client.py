@@ -194,6 +194,9 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
     if result.error is None:
         if scan.error:
             result.error = scan.error
+        elif scan.sep is None and scan.buf:
+            result.error = "not_streamed"  # a 200 answer without any SSE event (stream ignored?)
+            result.detail = scan.buf[:200].decode("utf-8", "replace")
         elif not scan.done and not scan.finished:
             result.error = "stream_incomplete"  # closed cleanly but without [DONE] or a finish_reason
         elif scan.chunks == 0:

@@ -20,7 +20,8 @@ def load_axis(runs: Sequence[dict[str, Any]]) -> str:
     """``concurrency``, ``rate`` or ``class``: what varies between the runs of a target."""
     if any(r["class"] not in (None, "all") for r in runs):
         return "class"
-    if any(r["rate"] is not None for r in runs) and len({r["rate"] for r in runs}) > 1:
+    rates = {r["rate"] for r in runs}
+    if None not in rates and (len(rates) > 1 or all(r["concurrency"] is None for r in runs)):
         return "rate"
     return "concurrency"
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.llama
 
 def test_short_sweep_against_llama_server(llama_server, tmp_path):
     rc = main(["bench", "--url", llama_server.url, "--concurrency", "1,2", "--requests", "4", "--max-tokens", "16",
-               "--prompt-tokens", "64", "--slo", "ttft_p95=10s", "--out", str(tmp_path)])
+               "--prompt-tokens", "64", "--slo", "ttft_p95=10s", "--name", "llama-server", "--out", str(tmp_path)])
     assert rc == 0
     results = assert_report_consistent(tmp_path)
     assert [r["concurrency"] for r in results["runs"]] == [1, 2]
@@ -29,4 +29,4 @@ def test_short_sweep_against_llama_server(llama_server, tmp_path):
     assert target["model"] == llama_server.model
     assert target["version"].get("build_info")  # llama-server's /props
     assert target["prompt_calibration"]["tokens_per_word"] != 1.3  # measured, not the default
-    assert results["verdict"]["winner"] == "target"
+    assert results["verdict"]["winner"] == "llama-server"

@@ -105,6 +105,7 @@ def test_open_loop_sends_at_the_requested_rate(tmp_path):
     with start_fake_backend(ttft_ms=5, itl_ms=1) as fake:
         results = bench(tmp_path, fake.url, "--rate", "40", "--requests", "20", "--max-tokens", "4")
     run = results["runs"][0]
+    assert (tmp_path / "ttft_vs_rate.png").exists()
     assert run["rate"] == 40 and run["concurrency"] is None and run["requests_ok"] == 20
     with (tmp_path / "requests.csv").open() as fh:
         sends = sorted(float(r["t_send_s"]) for r in csv.DictReader(fh))

@@ -13,7 +13,7 @@ def ev(payload: str, sep: str = "\n\n") -> bytes:
 
 def chunk(content: str | None, field: str = "content") -> str:
     value = "null" if content is None else f'"{content}"'
-    return '{"choices":[{"index":0,"delta":{"%s":%s},"finish_reason":null}]}' % (field, value)
+    return '{"choices":[{"index":0,"delta":{"' + field + '":' + value + '},"finish_reason":null}]}'
 
 
 ROLE = '{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}'
@@ -105,3 +105,26 @@ def test_tpot_definition():
     assert r.tpot == pytest.approx(0.3 / 15)
     assert RequestResult(ok=True, ttft=0.1, e2e=0.1, output_tokens=1).tpot is None
     assert RequestResult(ok=False, ttft=0.1, e2e=0.4, output_tokens=16).tpot is None
+
+
+async def test_a_non_streamed_answer_is_an_error_not_a_silent_zero():
+    from aiohttp import web
+
+    from passerelle.bench.client import HttpClient, send
+
+    async def plain(request):
+        return web.json_response({"choices": [{"message": {"content": "hi"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", plain)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with HttpClient(4) as client:
+            r = await send(client, f"http://127.0.0.1:{port}/v1/chat/completions", {"max_tokens": 2}, {})
+    finally:
+        await runner.cleanup()
+    assert not r.ok and r.error == "not_streamed" and '"content"' in r.detail

@@ -73,10 +73,11 @@ def test_single_target_sweep_writes_consistent_outputs(tmp_path):
     with start_fake_backend(ttft_ms=5, itl_ms=1, model="fake-a") as fake:
         assert bench(["--url", fake.url + "/v1/", "--concurrency", "1,3", "--requests", "6", "--max-tokens", "5",
                       "--slo", "ttft_p95=1s,tpot_p95=200ms", "--out", str(tmp_path)]) == 0
+        name = fake.url.removeprefix("http://")  # the default name: HOST:PORT
     results = assert_report_consistent(tmp_path)
     assert [r["concurrency"] for r in results["runs"]] == [1, 3]
     assert all(r["requests_ok"] == 6 and r["meets_slo"] for r in results["runs"])
-    assert results["verdict"]["winner"] == "target" and results["verdict"]["targets"]["target"]["max_concurrency"] == 3
+    assert results["verdict"]["winner"] == name and results["verdict"]["targets"][name]["max_concurrency"] == 3
     assert results["targets"][0]["model"] == "fake-a"  # the first id of /v1/models
     assert "passerelle-fake-backend" in results["targets"][0]["version"]["build_info"]
     assert results["machine"]["cores"] >= 1 and results["machine"]["cpu"]
