@@ -9,16 +9,20 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable, Mapping
+from importlib import resources
 from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from passerelle.accesslog import AccessLog
+from passerelle.admin import AdminGuard, AdminListener, is_admin_path
 from passerelle.backends import Backend
 from passerelle.config import Config
 from passerelle.errors import GatewayError, InvalidRequest
 from passerelle.gateway import ENDPOINTS, Gateway, Receive, Scope, Send, header
+from passerelle.livestats import LiveStats, waiting_from_gauge
 from passerelle.metrics import Metrics
 from passerelle.request import new_request_id
 from passerelle.routing import Router
@@ -40,13 +44,23 @@ class App:
 
     def __init__(self, cfg: Config, backends: list[Backend], supervisor: Supervisor | None = None) -> None:
         self.cfg = cfg
-        self.metrics = Metrics()
+        self.metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
         self.router = Router(backends, self.metrics)
         self.supervisor = supervisor
         self.access_log = AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format)
         self.gateway = Gateway(cfg, self.router, self.metrics, self.access_log)
         self.started_at = time.time()
         self._cors = {o.encode() for o in cfg.server.cors_origins}
+        # The dashboard's rolling window (/admin/stats, /ui), fed with every finished request.
+        self.live = LiveStats(window_s=cfg.metrics.window_s)
+        if cfg.metrics.enabled:
+            self.gateway.listeners.append(self.live.observe)
+        # Requests waiting in passerelle's queue by class (the scheduler may put its own counter here).
+        self.waiting_by_class: Callable[[], Mapping[str, int]] = lambda: waiting_from_gauge(self.metrics)
+        self.admin_guard = AdminGuard(cfg.admin)
+        self.admin_listener = (AdminListener(self.admin_app, cfg.admin.host, cfg.admin.port)
+                               if cfg.admin.port else None)
+        self._ui_page: bytes | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -73,11 +87,53 @@ class App:
             await self._error(send, NotFound(f"No route for {method} {path}.")
                               if path not in ROUTES else MethodNotAllowed(f"Use GET for {path}."))
             return
+        if is_admin_path(path):
+            await self._admin(scope, send, on_admin_port=False)
+            return
         handler = ROUTES.get(path)
         if handler is None:
             await self._error(send, NotFound(f"No route for {method} {path}."))
             return
         await handler(self, scope, send)
+
+    # -- admin routes (/admin/*, /ui, /metrics): see admin.py ------------------------------
+    async def admin_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app of the separate admin port ([admin] port): admin routes only."""
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if not is_admin_path(path):
+            await self._error(send, NotFound(f"Only the admin routes are served on this port, not {path}."))
+        elif method not in ("GET", "HEAD"):
+            await self._error(send, MethodNotAllowed(f"Use GET for {path}."))
+        else:
+            await self._admin(scope, send, on_admin_port=True)
+
+    async def _admin(self, scope: Scope, send: Send, *, on_admin_port: bool) -> None:
+        path = scope["path"]
+        handler = ROUTES.get(path)
+        if handler is None or (self.admin_listener is not None) != on_admin_port:
+            where = " on this port" if self.admin_listener is not None and not on_admin_port else ""
+            await self._error(send, NotFound(f"No route for {scope['method']} {path}{where}."))
+            return
+        if (err := self.admin_guard.check(scope)) is not None:
+            await self._error(send, err)
+            return
+        await handler(self, scope, send)
+
+    async def admin_stats(self, scope: Scope, send: Send) -> None:
+        snap = self.live.snapshot(backends=self.router.backends, waiting=self.waiting_by_class())
+        snap["metrics_enabled"] = self.cfg.metrics.enabled
+        await self._raw(send, 200, orjson.dumps(snap), b"application/json", [(b"cache-control", b"no-store")])
+
+    async def ui(self, scope: Scope, send: Send) -> None:
+        if self._ui_page is None:
+            self._ui_page = (resources.files("passerelle") / "static" / "ui.html").read_bytes()
+        # The page is self-contained; the policy makes sure it never reaches anything but this server.
+        csp = (b"default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+               b"connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'")
+        await self._raw(send, 200, self._ui_page, b"text/html; charset=utf-8",
+                        [(b"cache-control", b"no-store"), (b"content-security-policy", csp)])
 
     # -- small routes ----------------------------------------------------------------------
     async def health(self, scope: Scope, send: Send) -> None:
@@ -148,14 +204,21 @@ class App:
             await self.supervisor.start_all()
         await self.router.start()
         s = self.cfg.server
-        lines = [f"passerelle serving on http://{s.host}:{s.port}/v1  (OpenAI-compatible; "
-                 f"metrics at /metrics, health at /health)"]
+        if self.admin_listener is not None:
+            await self.admin_listener.start()
+            admin = f"http://{self.cfg.admin.host}:{self.admin_listener.port}"
+        else:
+            admin = f"http://{s.host}:{s.port}"
+        lines = [f"passerelle serving on http://{s.host}:{s.port}/v1  (OpenAI-compatible; health at /health)",
+                 f"  dashboard at {admin}/ui, metrics at {admin}/metrics"]
         for b in self.router.backends:
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
                          f"[{', '.join(b.cfg.endpoints)}], {b.capacity} slots, {'up' if b.stats.up else 'DOWN'}")
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     async def shutdown(self) -> None:
+        if self.admin_listener is not None:
+            await self.admin_listener.stop()
         await self.router.stop()
         if self.supervisor is not None:
             await self.supervisor.stop_all()
@@ -166,4 +229,6 @@ ROUTES = {
     "/ready": App.ready,
     "/v1/models": App.models,
     "/metrics": App.prom,
+    "/admin/stats": App.admin_stats,
+    "/ui": App.ui,
 }

@@ -10,12 +10,14 @@ Example::
     cfg.backends[0].name   # "local"
 
 Environment overrides take ``PASSERELLE_<SECTION>_<KEY>`` for the scalar keys of ``[server]``,
-``[timeouts]`` and ``[embedded]`` (e.g. ``PASSERELLE_TIMEOUTS_TOTAL_S=900``).
+``[timeouts]``, ``[embedded]``, ``[admin]`` and ``[metrics]`` (e.g. ``PASSERELLE_TIMEOUTS_TOTAL_S=900``,
+``PASSERELLE_ADMIN_KEY=…``; lists as comma-separated values).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import tomllib
@@ -90,10 +92,29 @@ class EmbeddedConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    """Who may reach the admin routes (``/admin/*``, ``/ui``, ``/metrics``), and where."""
+
+    allow: tuple[str, ...] = ("127.0.0.0/8", "::1/128")  # client networks; default: loopback only
+    key: str = ""  # when set, admin routes also need "Authorization: Bearer KEY"
+    port: int = 0  # 0: admin routes on the main port; N: only on this port, not on the main one
+    host: str = "127.0.0.1"  # address of the admin port
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True  # per-request latency histograms and the dashboard's rolling window
+    tenant_label: bool = True  # false: no "tenant" label (bounds cardinality with many tenants)
+    window_s: float = 300.0  # what /admin/stats and /ui summarise: the last N seconds
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     backends: tuple[BackendConfig, ...] = ()
     source: str = "<defaults>"
 
@@ -102,7 +123,8 @@ class Config:
         return not self.backends
 
 
-_SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig}
+_SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
+                              "admin": AdminConfig, "metrics": MetricsConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -131,7 +153,7 @@ def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | Non
 def _describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is tuple:
-        return f"a list of {_describe(typing.get_args(tp)[0])}s"
+        return f"a list of {_describe(typing.get_args(tp)[0]).removeprefix('an ').removeprefix('a ')}s"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
@@ -247,6 +269,11 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         _check(getattr(timeouts, f.name) > 0, "expected a positive number of seconds", file=file,
                key=f"timeouts.{f.name}", text=text, header="timeouts", field_name=f.name)
 
+    _check_admin(sections["admin"], server, file=file, text=text)
+    metrics: MetricsConfig = sections["metrics"]
+    _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
+           key="metrics.window_s", text=text, header="metrics", field_name="window_s")
+
     raw_backends = data.get("backends", [])
     if not isinstance(raw_backends, list):
         raise ConfigError("expected an array of tables ([[backends]])", file=file, key="backends")
@@ -275,8 +302,24 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                key=f"{key}.name", field_name="name", **ck)
         backends.append(b)
     backends.extend(upstreams)
-    return Config(server=server, timeouts=timeouts, embedded=sections["embedded"],
-                  backends=tuple(backends), source=file)
+    return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
+                  metrics=metrics, backends=tuple(backends), source=file)
+
+
+def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: str) -> None:
+    ck = dict(file=file, text=text, header="admin")
+    for net in admin.allow:
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError:
+            raise ConfigError(f"expected an address or network like 127.0.0.0/8 or ::1, got {net!r}",
+                              key="admin.allow", line=_line_of(text, "admin", "allow"), file=file) from None
+    _check(0 <= admin.port < 65536, "expected 0 (the main port) or a port between 1 and 65535",
+           key="admin.port", field_name="port", **ck)
+    _check(admin.port != server.port, "the admin port must differ from server.port", key="admin.port",
+           field_name="port", **ck)
+    _check(admin.key == admin.key.strip(), "the key must not start or end with spaces", key="admin.key",
+           field_name="key", **ck)
 
 
 def with_server(cfg: Config, **changes: Any) -> Config:

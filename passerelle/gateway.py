@@ -33,21 +33,24 @@ import orjson
 
 from passerelle.accesslog import AccessLog
 from passerelle.assemble import assemble
-from passerelle.config import Config
+from passerelle.config import ClassConfig, Config
 from passerelle.errors import (
     BodyTooLarge,
     Cause,
     ClientDisconnect,
     GatewayError,
     InvalidRequest,
-    NoBackend,
+    Unauthorized,
     UnknownModel,
     UpstreamStatus,
 )
-from passerelle.metrics import Metrics
+from passerelle.keys import ApiKey, KeyRing
+from passerelle.limits import FailedAuthThrottle, Grant, KeyLimiter
+from passerelle.metrics import Metrics, observe_many
 from passerelle.relay import StreamRelay, read_body
 from passerelle.request import RequestRecord, State, new_request_id
 from passerelle.routing import Router
+from passerelle.scheduler import Job, Scheduler
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -156,14 +159,57 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 
 class Gateway:
-    def __init__(self, cfg: Config, router: Router, metrics: Metrics, access_log: AccessLog) -> None:
+    def __init__(self, cfg: Config, router: Router, metrics: Metrics, access_log: AccessLog,
+                 scheduler: Scheduler, keyring: KeyRing | None = None) -> None:
         self.cfg = cfg
         self.router = router
         self.metrics = metrics
         self.access_log = access_log
-        # Called with every finished request's record (e.g. the dashboard's rolling window).
+        self.scheduler = scheduler
+        self.keyring = keyring
+        self.limiter = KeyLimiter()
+        self.auth_throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
+        self.classes = {c.name: c for c in cfg.classes}
+        # Called with every finished request's record (usage store, the dashboard's window).
         self.listeners: list[Callable[[RequestRecord], None]] = []
 
+    # -- who is asking, and how urgent ---------------------------------------------------------
+    def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:
+        """The caller's key; None when keys are not in use. Raises Unauthorized / RateLimited."""
+        ring = self.keyring
+        if ring is None:
+            return None
+        ring.refresh()
+        if not (ring.any or self.cfg.auth.required):
+            return None
+        self.auth_throttle.check(rec.client)
+        value = header(scope, b"authorization") or ""
+        scheme, _, token = value.partition(" ")
+        key = ring.lookup(token.strip()) if scheme.lower() == "bearer" and token else None
+        if key is None:
+            self.auth_throttle.failed(rec.client)
+            raise Unauthorized("Missing or invalid API key. Send 'Authorization: Bearer <key>'.")
+        return key
+
+    def priority_class(self, scope: Scope, key: ApiKey | None) -> ClassConfig:
+        """The key's class (or the anonymous one), lowered by X-Priority, raised only up to the
+        key's ``max_priority``."""
+        auth = self.cfg.auth
+        base = self.classes[(key.priority if key and key.priority in self.classes else None)
+                            or auth.anonymous_priority]
+        ceiling = self.classes[(key.max_priority if key and key.max_priority in self.classes else None)
+                               or (base.name if key else auth.anonymous_max_priority)]
+        asked = header(scope, b"x-priority")
+        if not asked:
+            return base
+        wanted = self.classes.get(asked.strip().lower())
+        if wanted is None:
+            raise InvalidRequest(f"X-Priority must be one of: {', '.join(self.classes)}.", param="X-Priority")
+        if wanted.rank < min(ceiling.rank, base.rank):
+            return ceiling if ceiling.rank < base.rank else base
+        return wanted
+
+    # -- the request's life ----------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         client = scope.get("client")
         rec = RequestRecord(id=new_request_id(), endpoint=endpoint, client=client[0] if client else "")
@@ -174,6 +220,8 @@ class Gateway:
         disconnected = False
         watcher: asyncio.Task[None] | None = None
         resp: aiohttp.ClientResponse | None = None
+        job: Job | None = None
+        grant: Grant | None = None
 
         async def watch() -> None:
             nonlocal disconnected
@@ -194,33 +242,45 @@ class Gateway:
         try:
             body = await read_request_body(scope, receive, self.cfg.server.max_body_bytes)
             watcher = asyncio.create_task(watch())
+            key = self.authenticate(scope, rec)
             data = parse_request(body, endpoint)
             rec.model = data["model"]
             rec.stream = bool(data.get("stream")) and endpoint != "embeddings"
             rec.max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
-            if data.get("user"):
+            cls = self.priority_class(scope, key)
+            rec.priority = cls.name
+            if key is not None:
+                rec.tenant = key.tenant
+            elif data.get("user"):
                 rec.tenant = data["user"]
             pool = self.router.pool(rec.model, endpoint)
             if pool is None:
                 raise UnknownModel(rec.model, self.router.models)
             if not pool:
                 raise InvalidRequest(f"The model '{rec.model}' is not served on /v1/{endpoint}.", param="model")
-            backend = self.router.pick(pool)
-            if backend is None:
-                raise NoBackend(f"No backend serving '{rec.model}' is up right now.", retry_after=5)
+            est_prompt = len(body) // 4  # about 4 bytes of JSON per token; corrected by usage
+            est_output = 0 if endpoint == "embeddings" else (rec.max_tokens or 256)
+            if key is not None:
+                grant = self.limiter.admit(key, est_prompt + est_output)
+            job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=rec.model, weight=key.weight if key else 1.0,
+                      est_prompt_tokens=est_prompt, est_output_tokens=est_output,
+                      can_wait_for_start=any(b.supervised for b in pool))
+            rec.t_queued = time.perf_counter()
+            rec.to(State.QUEUED)
+            backend = await self.scheduler.acquire(job)
             rec.backend = backend.name
-            strip_usage = False
-            collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
-            if collect:
-                body = orjson.dumps({**data, "stream": True, "stream_options": {"include_usage": True}})
-            elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
-                body, strip_usage = with_usage_requested(body, data), True
-            body = backend.prepare(body, 1)
-            deadline = rec.t_arrival + self.cfg.timeouts.total_s
-            backend.in_flight += 1
+            rec.t_dispatch = time.perf_counter()
+            rec.to(State.DISPATCHED)
+            self.metrics.running.labels(backend.name, rec.model).inc()
             try:
-                rec.t_dispatch = time.perf_counter()
-                rec.to(State.DISPATCHED)
+                strip_usage = False
+                collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
+                if collect:
+                    body = orjson.dumps({**data, "stream": True, "stream_options": {"include_usage": True}})
+                elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
+                    body, strip_usage = with_usage_requested(body, data), True
+                body = backend.prepare(body, cls.rank)
+                deadline = rec.t_arrival + self.cfg.timeouts.total_s
                 resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body)
                 if resp.status != 200:
                     raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
@@ -246,7 +306,7 @@ class Gateway:
                     await send({"type": "http.response.body", "body": raw, "more_body": False})
                 rec.finish(Cause.OK, 200)
             finally:
-                backend.in_flight -= 1
+                self.metrics.running.labels(backend.name, rec.model).dec()
         except asyncio.CancelledError:
             if not disconnected:
                 raise
@@ -281,6 +341,11 @@ class Gateway:
                 watcher.cancel()
             if rec.cause is None:  # an unexpected exception: still one cause, one log line
                 rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
+            used = None if rec.completion_tokens is None else (rec.prompt_tokens or 0) + rec.completion_tokens
+            if job is not None:
+                self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
+            if grant is not None:
+                self.limiter.finish(grant, used)
             self.account(rec)
 
     async def _send_error(self, send: Send, rec: RequestRecord, err: GatewayError) -> None:
@@ -295,14 +360,18 @@ class Gateway:
         m = self.metrics
         model = rec.model if self.router.serves(rec.model) else "unknown"
         m.count_request(model, rec.priority, rec.cause.value, rec.tenant)  # type: ignore[union-attr]
+        if rec.t_queued and m.enabled:
+            if m.tenant_label:
+                m.queue_wait.labels(model, rec.priority, rec.tenant).observe(rec.queue_wait)
+            else:
+                m.queue_wait.labels(model, rec.priority).observe(rec.queue_wait)
         if rec.backend:
             ttft, itl, tpot, e2e, ptok, gtok = m.request_children(rec.backend, model, rec.priority, rec.tenant)
             if rec.cause is Cause.OK and m.enabled:  # [metrics] enabled = false: no histograms
                 e2e.observe(rec.duration)
                 if rec.ttft is not None:
                     ttft.observe(rec.ttft)
-                for g in rec.gaps:
-                    itl.observe(g)
+                observe_many(itl, rec.gaps)  # one bucket update per bucket, not per token
                 n = rec.output_tokens
                 if rec.stream and n > 1 and rec.ttft is not None:
                     tpot.observe((rec.t_end - rec.t_first) / (n - 1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from passerelle.backends import Backend
 from passerelle.metrics import Metrics
@@ -23,6 +24,8 @@ class Router:
         self.metrics = metrics
         self.poll_interval_s = poll_interval_s
         self._task: asyncio.Task[None] | None = None
+        self.on_up: Callable[[], None] | None = None  # a backend came up: queued requests may go
+        self._last_up: dict[str, bool] = {}
         self._by_model: dict[str, list[Backend]] = {}
         self._rebuild()
 
@@ -87,14 +90,17 @@ class Router:
         await asyncio.gather(*(self._poll(b) for b in self.backends))
 
     async def _poll(self, b: Backend) -> None:
-        was_up = b.stats.up
+        was_up = self._last_up.get(b.name, False)
         s = await b.scrape()
+        self._last_up[b.name] = s.up
         m, name = self.metrics, b.name
         m.backend_up.labels(name).set(1 if s.up else 0)
         for gauge, value in ((m.slots_busy, s.slots_busy), (m.slots_total, s.slots_total),
                              (m.kv_usage, s.kv_cache_usage_ratio), (m.backend_queue, s.queue_depth)):
             if value is not None:
                 gauge.labels(name).set(value)
+        if s.up and not was_up and self.on_up is not None:
+            self.on_up()
         if was_up != s.up:
             log.warning("backend %s is %s%s", name, "up" if s.up else "down", f" ({s.error})" if s.error else "")
 

@@ -66,6 +66,7 @@ class RuntimeProcess:
     def __init__(self, backend: Backend, command: tuple[str, ...], *, log_path: Path | None = None,
                  ready_timeout_s: float = 600.0, restart: bool = True) -> None:
         self.backend = backend
+        backend.supervised = True
         self.template = command
         self.log_path = log_path or cache_dir() / "logs" / f"{backend.name}.log"
         self.ready_timeout_s = ready_timeout_s

@@ -70,6 +70,19 @@ class Server:
 
 @dataclass
 class Gateway(Server):
+    def openai(self):
+        """An OpenAI SDK client for this gateway, closed when the test ends."""
+        import openai
+
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        self.extra.setdefault("clients", []).append(client)
+        return client
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        for client in self.extra.pop("clients", []):
+            client.close()
+        return super().stop(sig, timeout)
+
     def access_log(self) -> list[dict]:
         out = []
         for line in self.log_text().splitlines():
@@ -164,7 +177,8 @@ def gateway(tmp_path) -> Callable[..., Gateway]:
         cmd = [sys.executable, "-m", "passerelle", "serve", "--config", str(cfg_path), "--port", str(port), *args]
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                         "PASSERELLE_STATE": str(tmp_path / "state"), **(env or {})})
         gw = Gateway(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
         started.append(gw)
 

@@ -59,7 +59,8 @@ class Backend:
         self.capacity = cfg.max_concurrency
         self.url = cfg.url.rstrip("/")
         self.timeouts = timeouts
-        self.in_flight = 0
+        self.in_flight = 0  # requests dispatched and not finished; the scheduler keeps it
+        self.supervised = False  # launched by passerelle: may come back after a crash
         self.stats = BackendStats()
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None

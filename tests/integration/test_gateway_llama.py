@@ -25,7 +25,7 @@ def gw(gateway, llama_server):
 
 
 def sdk(gw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    return gw.openai()
 
 
 def test_openai_sdk_chat_non_streaming(gw):

@@ -1,0 +1,158 @@
+"""What passerelle's metrics cost on the hot path: tokens/s through the gateway with
+``[metrics] enabled = true`` and ``false``, same run, rounds alternating between the two.
+
+Two gateways (one per setting) stand in front of the same ``passerelle fake-backend`` with no
+delays, so the gateway's own work is what limits throughput. Each round sends the same streaming
+workload (``--concurrency`` clients, ``--requests`` requests of ``--tokens`` tokens) to one
+gateway, then to the other, in alternating order; the figure is the median over rounds.
+
+"enabled = false" skips the per-request latency histograms (TTFT, inter-token, TPOT, e2e, queue
+wait: one observation per token for inter-token latency) and the dashboard's rolling window;
+counters, gauges and the access log stay on in both.
+
+    .venv/bin/python bench/metrics_cost.py [--rounds 6] [--concurrency 16] [--requests 200] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from passerelle.fake_backend import start_fake_backend
+
+MODEL = "fake-model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"gateway exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"{url} not ready after {timeout} s")
+
+
+def start_gateway(backend_url: str, enabled: bool, workdir: Path) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    cfg = workdir / f"gateway-{'on' if enabled else 'off'}.toml"
+    cfg.write_text(f"""
+[metrics]
+enabled = {"true" if enabled else "false"}
+
+[[backends]]
+name = "fake"
+kind = "openai"
+url = "{backend_url}"
+models = ["{MODEL}"]
+max_concurrency = 256
+""")
+    log = open(workdir / f"gateway-{'on' if enabled else 'off'}.log", "wb")  # noqa: SIM115 - owned by the child
+    proc = subprocess.Popen([sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                                        "PASSERELLE_STATE": str(workdir / "state")})
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc)
+    return url, proc
+
+
+async def one_round(url: str, concurrency: int, requests: int, tokens: int) -> tuple[float, int]:
+    """(tokens/s, errors) for ``requests`` streams over ``concurrency`` clients."""
+    body = {"model": MODEL, "stream": True, "max_tokens": tokens, "messages": [{"role": "user", "content": "go"}]}
+    todo = iter(range(requests))
+    received = errors = 0
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal received, errors
+        for _ in todo:
+            async with session.post(url + "/v1/chat/completions", json=body) as r:
+                if r.status != 200:
+                    errors += 1
+                    await r.read()
+                    continue
+                async for line in r.content:
+                    if line.startswith(b"data: {") and b'"content":"' in line:
+                        received += 1
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    return received / elapsed, errors
+
+
+async def run(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {"on": [], "off": []}
+    for name in ("on", "off"):  # warm-up, not counted
+        await one_round(urls[name], args.concurrency, max(args.requests // 4, args.concurrency), args.tokens)
+    for i in range(args.rounds):
+        order = ["on", "off"] if i % 2 == 0 else ["off", "on"]
+        for name in order:
+            tps, errors = await one_round(urls[name], args.concurrency, args.requests, args.tokens)
+            if errors:
+                raise SystemExit(f"round {i + 1}, metrics {name}: {errors} failed requests")
+            results[name].append(tps)
+            print(f"  round {i + 1}  metrics {name:>3}: {tps:10.0f} tokens/s", flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=200, help="requests per round and setting")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="passerelle-metrics-cost-") as tmp, \
+            start_fake_backend(ttft_ms=0, itl_ms=0, tokens=args.tokens) as fake:
+        procs: list[subprocess.Popen] = []
+        try:
+            urls = {}
+            for name, enabled in (("on", True), ("off", False)):
+                url, proc = start_gateway(fake.url, enabled, Path(tmp))
+                urls[name] = url
+                procs.append(proc)
+            print(f"fake-backend (no delays) at {fake.url}; gateways: metrics on {urls['on']}, off {urls['off']}")
+            print(f"{args.rounds} rounds x {args.requests} streams x {args.tokens} tokens, "
+                  f"{args.concurrency} concurrent, alternating order; {os.cpu_count()} CPUs")
+            results = asyncio.run(run(args, urls))
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    on, off = statistics.median(results["on"]), statistics.median(results["off"])
+    print(f"\nmedian tokens/s through the gateway: metrics on {on:.0f}, metrics off {off:.0f}")
+    print(f"ratio on/off: {on / off:.3f}  (metrics cost {100 * (1 - on / off):+.1f}% of throughput)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

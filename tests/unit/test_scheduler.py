@@ -1,0 +1,300 @@
+"""The scheduling policy with an injected clock: no sleeps, no servers."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from passerelle.backends.base import BackendStats
+from passerelle.errors import NoBackend, QueueFull, QueueTimeout
+from passerelle.config import DEFAULT_CLASSES, ClassConfig
+from passerelle.scheduler import Job, Scheduler
+
+CLS = {c.name: c for c in DEFAULT_CLASSES}
+
+
+@dataclass(eq=False)
+class FakeBackend:
+    name: str = "b"
+    capacity: int = 1
+    in_flight: int = 0
+    stats: BackendStats = field(default_factory=lambda: BackendStats(up=True))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+def make(clock, **kw) -> Scheduler:
+    return Scheduler(clock=clock, **kw)
+
+
+def job(pool, cls="standard", tenant="t", loop=None, **kw) -> Job:
+    j = Job(pool=pool, cls=CLS[cls] if isinstance(cls, str) else cls, tenant=tenant, **kw)
+    j.future = (loop or asyncio.get_running_loop()).create_future()
+    return j
+
+
+def started(jobs):
+    return [j for j in jobs if j.backend is not None]
+
+
+async def test_capacity_is_never_exceeded(clock):
+    b = FakeBackend(capacity=2)
+    s = make(clock)
+    jobs = [job([b]) for _ in range(5)]
+    for j in jobs:
+        s.submit(j)
+    assert b.in_flight == 2 and len(started(jobs)) == 2 and len(s.waiting) == 3
+    s.release(jobs[0])
+    assert b.in_flight == 2 and jobs[2].backend is b
+
+
+async def test_interactive_queued_later_goes_before_batch(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    first = job([b], "standard")
+    s.submit(first)
+    batch = [job([b], "batch", tenant="bulk") for _ in range(3)]
+    for j in batch:
+        s.submit(j)
+    clock.now += 1
+    chat = job([b], "interactive", tenant="alice")
+    s.submit(chat)
+    s.release(first)
+    assert chat.backend is b and not started(batch)
+
+
+async def test_fifo_within_a_tenant(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    jobs = [job([b], tenant="a") for _ in range(4)]
+    for j in jobs:
+        s.submit(j)
+    order = []
+    for _ in range(4):
+        running = next(j for j in jobs if j.backend is not None)
+        order.append(jobs.index(running))
+        s.release(running)
+    assert order == [0, 1, 2, 3]
+
+
+async def test_aging_promotes_a_waiting_batch_request(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock, aging_s=30)
+    blocker = job([b])
+    s.submit(blocker)
+    old_batch = job([b], "batch", tenant="bulk")
+    s.submit(old_batch)
+    clock.now += 61  # two promotions: batch (2) now ranks with interactive (0)
+    chat = job([b], "interactive", tenant="alice")
+    s.submit(chat)
+    s.release(blocker)
+    assert old_batch.backend is b and chat.backend is None
+
+
+async def test_without_aging_time_batch_still_waits(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock, aging_s=30)
+    blocker = job([b])
+    s.submit(blocker)
+    old_batch = job([b], "batch", tenant="bulk")
+    s.submit(old_batch)
+    clock.now += 29
+    chat = job([b], "interactive", tenant="alice")
+    s.submit(chat)
+    s.release(blocker)
+    assert chat.backend is b and old_batch.backend is None
+
+
+def simulate_two_tenants(s: Scheduler, b: FakeBackend, loop, conc_a: int, conc_b: int, rounds: int) -> dict:
+    """Closed-loop clients: each keeps its concurrency outstanding; answers are 100 tokens."""
+    outstanding = {"a": [], "b": []}
+    served = {"a": 0, "b": 0}
+    for tenant, n in (("a", conc_a), ("b", conc_b)):
+        for _ in range(n):
+            j = job([b], "batch", tenant=tenant, loop=loop, est_prompt_tokens=10, est_output_tokens=100)
+            outstanding[tenant].append(j)
+            s.submit(j)
+    running_order: list[Job] = [j for js in outstanding.values() for j in js if j.backend is not None]
+    for _ in range(rounds):
+        done = running_order.pop(0)  # oldest running finishes first
+        served[done.tenant] += 100
+        outstanding[done.tenant].remove(done)
+        before = {id(j) for js in outstanding.values() for j in js if j.backend is not None}
+        s.release(done, prompt_tokens=10, completion_tokens=100)
+        nxt = job([b], "batch", tenant=done.tenant, loop=loop, est_prompt_tokens=10, est_output_tokens=100)
+        outstanding[done.tenant].append(nxt)
+        s.submit(nxt)
+        running_order += [j for js in outstanding.values() for j in js
+                          if j.backend is not None and id(j) not in before and j not in running_order]
+    return served
+
+
+async def test_vtc_fair_share_between_unequal_tenants(clock):
+    b = FakeBackend(capacity=4)  # batch may hold 3 of 4
+    s = make(clock)
+    served = simulate_two_tenants(s, b, asyncio.get_running_loop(), conc_a=8, conc_b=2, rounds=400)
+    share_b = served["b"] / (served["a"] + served["b"])
+    assert 0.45 <= share_b <= 0.55, served
+
+
+async def test_equal_demand_gets_equal_service(clock):
+    b = FakeBackend(capacity=4)
+    s = make(clock)
+    served = simulate_two_tenants(s, b, asyncio.get_running_loop(), conc_a=8, conc_b=8, rounds=200)
+    assert abs(served["a"] - served["b"]) / (served["a"] + served["b"]) <= 0.05
+
+
+async def test_tenant_back_from_idle_banks_no_credit(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    loop = asyncio.get_running_loop()
+    # a runs alone for a while and accumulates service
+    for _ in range(20):
+        j = job([b], tenant="a", loop=loop)
+        s.submit(j)
+        s.release(j, prompt_tokens=10, completion_tokens=100)
+    blocker = job([b], tenant="a", loop=loop)
+    s.submit(blocker)
+    a_jobs = [job([b], tenant="a", loop=loop) for _ in range(10)]
+    b_jobs = [job([b], tenant="newcomer", loop=loop) for _ in range(10)]
+    for x, y in zip(a_jobs, b_jobs, strict=True):
+        s.submit(x)
+        s.submit(y)
+    order, current = [], blocker
+    for _ in range(10):
+        s.release(current, prompt_tokens=10, completion_tokens=100)
+        current = next(j for j in a_jobs + b_jobs if j.backend is not None)
+        order.append(current.tenant)
+    # a newcomer does not get the next ten slots in a row: they alternate
+    assert order.count("newcomer") <= 6 and order.count("a") >= 4, order
+
+
+async def test_class_slot_share_keeps_a_slot_for_interactive(clock):
+    b = FakeBackend(capacity=4)
+    s = make(clock)
+    batch = [job([b], "batch", tenant="bulk") for _ in range(6)]
+    for j in batch:
+        s.submit(j)
+    assert len(started(batch)) == 3 and b.in_flight == 3  # 0.75 of 4
+    chat = job([b], "interactive")
+    s.submit(chat)
+    assert chat.backend is b
+
+
+async def test_slot_share_is_at_least_one(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    j = job([b], "batch")
+    s.submit(j)
+    assert j.backend is b
+
+
+async def test_bounded_queue_raises_queue_full_with_retry_after(clock):
+    b = FakeBackend(capacity=1)
+    tiny = ClassConfig("standard", 1, max_queue=2)
+    s = make(clock, classes=(tiny,))
+    for _ in range(3):
+        s.submit(job([b], tiny))
+    with pytest.raises(QueueFull) as info:
+        s.submit(job([b], tiny))
+    assert info.value.retry_after >= 1 and info.value.status == 429
+
+
+async def test_queue_deadline_expires_with_queue_timeout(clock):
+    b = FakeBackend(capacity=1)
+    short = ClassConfig("standard", 1, max_queue_wait_s=10)
+    s = make(clock, classes=(short,))
+    s.submit(job([b], short))
+    waiting = job([b], short)
+    s.submit(waiting)
+    clock.now += 9
+    s.expire_due()
+    assert not waiting.future.done()
+    clock.now += 2
+    s.expire_due()
+    assert isinstance(waiting.future.exception(), QueueTimeout)
+    assert s.waiting == []
+
+
+async def test_cancelled_waiter_is_removed_and_never_dispatched(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    first = job([b])
+    s.submit(first)
+    j = Job(pool=[b], cls=CLS["standard"], tenant="gone")
+    task = asyncio.ensure_future(s.acquire(j))
+    await asyncio.sleep(0)  # let it enqueue
+    assert j in s.waiting
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert j not in s.waiting and s.tenants["gone"].waiting == 0
+    s.release(first)
+    assert j.backend is None and b.in_flight == 0
+
+
+async def test_retry_after_follows_the_drain_rate(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    current = job([b])
+    s.submit(current)
+    for _ in range(10):  # ten dispatches, one every 0.5 s: 2 per second
+        clock.now += 0.5
+        nxt = job([b])
+        s.submit(nxt)
+        s.release(current)
+        current = nxt
+    for _ in range(4):
+        s.submit(job([b]))
+    # 4 waiting + this one, at about 2 per second
+    assert 2.0 <= s.retry_after() <= 3.0
+    clock.now += 0  # a slower drain gives a longer wait
+    slow = make(Clock())
+    assert slow.retry_after() != s.retry_after()
+
+
+async def test_no_backend_up_is_503_unless_one_is_starting(clock):
+    b = FakeBackend(capacity=1)
+    b.stats.up = False
+    s = make(clock)
+    with pytest.raises(NoBackend):
+        s.submit(job([b]))
+    waits = job([b], can_wait_for_start=True)
+    s.submit(waits)
+    assert waits in s.waiting
+    b.stats.up = True
+    s.dispatch()
+    assert waits.backend is b
+
+
+async def test_least_loaded_replica_is_chosen(clock):
+    b1, b2 = FakeBackend("b1", capacity=4), FakeBackend("b2", capacity=2)
+    s = make(clock)
+    jobs = [job([b1, b2]) for _ in range(4)]
+    for j in jobs:
+        s.submit(j)
+    assert (b1.in_flight, b2.in_flight) == (2, 2) or (b1.in_flight, b2.in_flight) == (3, 1)
+    assert b1.in_flight / 4 <= 0.75 and b2.in_flight / 2 <= 1
+
+
+async def test_usage_correction_changes_the_tenant_counter(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    j = job([b], tenant="x", est_prompt_tokens=10, est_output_tokens=256)
+    s.submit(j)
+    before = s.tenants["x"].counter
+    s.release(j, prompt_tokens=10, completion_tokens=6)
+    assert s.tenants["x"].counter == pytest.approx(before - 2 * 250)
