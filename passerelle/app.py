@@ -22,11 +22,14 @@ from passerelle.backends import Backend
 from passerelle.config import Config
 from passerelle.errors import GatewayError, InvalidRequest
 from passerelle.gateway import ENDPOINTS, Gateway, Receive, Scope, Send, header
-from passerelle.livestats import LiveStats, waiting_from_gauge
+from passerelle.keys import KeyRing, KeyStore
+from passerelle.livestats import LiveStats
 from passerelle.metrics import Metrics
 from passerelle.request import new_request_id
 from passerelle.routing import Router
+from passerelle.scheduler import Scheduler
 from passerelle.supervisor import Supervisor
+from passerelle.usage import UsageRecorder
 
 log = logging.getLogger("passerelle.app")
 
@@ -48,15 +51,20 @@ class App:
         self.router = Router(backends, self.metrics)
         self.supervisor = supervisor
         self.access_log = AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format)
-        self.gateway = Gateway(cfg, self.router, self.metrics, self.access_log)
+        self.scheduler = Scheduler(cfg.classes, aging_s=cfg.scheduler.aging_s, on_change=self._queue_changed)
+        self.keystore = KeyStore(cfg.auth.db or None)
+        self.gateway = Gateway(cfg, self.router, self.metrics, self.access_log, self.scheduler,
+                               KeyRing(self.keystore))
+        self.usage = UsageRecorder(self.keystore.conn)
+        self.gateway.listeners.append(self.usage.record)
         self.started_at = time.time()
         self._cors = {o.encode() for o in cfg.server.cors_origins}
         # The dashboard's rolling window (/admin/stats, /ui), fed with every finished request.
-        self.live = LiveStats(window_s=cfg.metrics.window_s)
+        self.live = LiveStats(window_s=cfg.metrics.window_s, classes=[c.name for c in cfg.classes])
         if cfg.metrics.enabled:
             self.gateway.listeners.append(self.live.observe)
         # Requests waiting in passerelle's queue by class (the scheduler may put its own counter here).
-        self.waiting_by_class: Callable[[], Mapping[str, int]] = lambda: waiting_from_gauge(self.metrics)
+        self.waiting_by_class: Callable[[], Mapping[str, int]] = self.scheduler.waiting_by_class
         self.admin_guard = AdminGuard(cfg.admin)
         self.admin_listener = (AdminListener(self.admin_app, cfg.admin.host, cfg.admin.port)
                                if cfg.admin.port else None)
@@ -199,10 +207,20 @@ class App:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    def _queue_changed(self) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for job in self.scheduler.waiting:
+            counts[(job.model, job.cls.name)] = counts.get((job.model, job.cls.name), 0) + 1
+        for model in self.router.models:
+            for cls in self.cfg.classes:
+                self.metrics.waiting.labels(model, cls.name).set(counts.get((model, cls.name), 0))
+
     async def startup(self) -> None:
         if self.supervisor is not None:
             await self.supervisor.start_all()
         await self.router.start()
+        self.router.on_up = self.scheduler.dispatch
+        self.usage.start()
         s = self.cfg.server
         if self.admin_listener is not None:
             await self.admin_listener.start()
@@ -219,6 +237,7 @@ class App:
     async def shutdown(self) -> None:
         if self.admin_listener is not None:
             await self.admin_listener.stop()
+        await self.usage.stop()
         await self.router.stop()
         if self.supervisor is not None:
             await self.supervisor.stop_all()

@@ -109,12 +109,49 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class AuthConfig:
+    """API keys (``passerelle keys``) and what a request without one may do."""
+
+    required: bool = False  # true: a key is needed even while none exists (else: once one exists)
+    db: str = ""  # SQLite file of keys and usage; default ~/.local/state/passerelle/passerelle.db
+    anonymous_priority: str = "standard"  # class of a request without a key
+    anonymous_max_priority: str = "standard"  # highest class X-Priority may ask for without a key
+    failed_attempts_per_minute: int = 20  # per client address; past it: 429 until the minute is over
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    aging_s: float = 30.0  # a waiting request moves up one class per aging_s waited (0: never)
+
+
+@dataclass(frozen=True)
+class ClassConfig:
+    """A priority class; lower rank is more urgent. The defaults are interactive, standard, batch."""
+
+    name: str
+    rank: int = 1
+    max_queue: int = 512  # waiting requests; past it: 429 queue_full
+    max_queue_wait_s: float = 120.0  # past it: 429 queue_timeout
+    slot_share: float = 1.0  # fraction of each backend's slots the class may hold (at least one)
+
+
+DEFAULT_CLASSES = (
+    ClassConfig("interactive", 0, max_queue=256, max_queue_wait_s=60.0, slot_share=1.0),
+    ClassConfig("standard", 1, max_queue=512, max_queue_wait_s=120.0, slot_share=1.0),
+    ClassConfig("batch", 2, max_queue=4096, max_queue_wait_s=1800.0, slot_share=0.75),
+)
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     source: str = "<defaults>"
 
@@ -124,7 +161,8 @@ class Config:
 
 
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
-                              "admin": AdminConfig, "metrics": MetricsConfig}
+                              "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
+                              "scheduler": SchedulerConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -247,8 +285,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"not valid TOML: {exc}", file=file) from None
     for key in data:
-        if key not in (*_SECTIONS, "backends"):
-            raise ConfigError(f"unknown section; expected one of: {', '.join([*_SECTIONS, 'backends'])}",
+        if key not in (*_SECTIONS, "backends", "classes"):
+            raise ConfigError(f"unknown section; expected one of: {', '.join([*_SECTIONS, 'backends', 'classes'])}",
                               file=file, key=key, line=_line_of(text, None, key))
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
@@ -273,6 +311,10 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     metrics: MetricsConfig = sections["metrics"]
     _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
            key="metrics.window_s", text=text, header="metrics", field_name="window_s")
+
+    classes = _load_classes(data.get("classes", []), sections["auth"], file=file, text=text)
+    _check(sections["scheduler"].aging_s >= 0, "expected zero or a positive number of seconds", file=file,
+           key="scheduler.aging_s", text=text, header="scheduler", field_name="aging_s")
 
     raw_backends = data.get("backends", [])
     if not isinstance(raw_backends, list):
@@ -303,7 +345,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         backends.append(b)
     backends.extend(upstreams)
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
-                  metrics=metrics, backends=tuple(backends), source=file)
+                  metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
+                  backends=tuple(backends), source=file)
 
 
 def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: str) -> None:
@@ -320,6 +363,27 @@ def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: s
            field_name="port", **ck)
     _check(admin.key == admin.key.strip(), "the key must not start or end with spaces", key="admin.key",
            field_name="key", **ck)
+
+
+def _load_classes(raw: Any, auth: AuthConfig, *, file: str, text: str) -> tuple[ClassConfig, ...]:
+    """``[[classes]]`` entries replace the default class of the same name or add a class."""
+    if not isinstance(raw, list):
+        raise ConfigError("expected an array of tables ([[classes]])", file=file, key="classes")
+    by_name = {c.name: c for c in DEFAULT_CLASSES}
+    for i, table in enumerate(raw):
+        c: ClassConfig = _build(ClassConfig, table, file=file, text=text, header="classes", nth=i)
+        ck = dict(file=file, text=text, header="classes", nth=i)
+        _check(c.max_queue > 0, "expected a positive integer", key=f"classes[{i}].max_queue",
+               field_name="max_queue", **ck)
+        _check(c.max_queue_wait_s > 0, "expected a positive number of seconds", key=f"classes[{i}].max_queue_wait_s",
+               field_name="max_queue_wait_s", **ck)
+        _check(0 < c.slot_share <= 1, "expected a fraction in (0, 1]", key=f"classes[{i}].slot_share",
+               field_name="slot_share", **ck)
+        by_name[c.name] = c
+    for key in ("anonymous_priority", "anonymous_max_priority"):
+        _check(getattr(auth, key) in by_name, f"expected one of the classes: {', '.join(by_name)}",
+               file=file, key=f"auth.{key}", text=text, header="auth", field_name=key)
+    return tuple(sorted(by_name.values(), key=lambda c: c.rank))
 
 
 def with_server(cfg: Config, **changes: Any) -> Config:
