@@ -4,7 +4,11 @@
 Two gateways (one per setting) stand in front of the same ``passerelle fake-backend`` with no
 delays, so the gateway's own work is what limits throughput. Each round sends the same streaming
 workload (``--concurrency`` clients, ``--requests`` requests of ``--tokens`` tokens) to one
-gateway, then to the other, in alternating order; the figure is the median over rounds.
+gateway, then to the other, in alternating order; the figures are medians over rounds.
+
+Two figures: tokens/s through the gateway (what a user sees, but noisy on a shared machine:
+the client, the fake and the gateway compete for the same cores), and the gateway process's own
+CPU time per relayed token (from /proc, so other processes barely disturb it).
 
 "enabled = false" skips the per-request latency histograms (TTFT, inter-token, TPOT, e2e, queue
 wait: one observation per token for inter-token latency) and the dashboard's rolling window;
@@ -79,8 +83,14 @@ max_concurrency = 256
     return url, proc
 
 
-async def one_round(url: str, concurrency: int, requests: int, tokens: int) -> tuple[float, int]:
-    """(tokens/s, errors) for ``requests`` streams over ``concurrency`` clients."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_round(url: str, concurrency: int, requests: int, tokens: int) -> tuple[float, int, int]:
+    """(tokens/s, tokens, errors) for ``requests`` streams over ``concurrency`` clients."""
     body = {"model": MODEL, "stream": True, "max_tokens": tokens, "messages": [{"role": "user", "content": "go"}]}
     todo = iter(range(requests))
     received = errors = 0
@@ -102,22 +112,29 @@ async def one_round(url: str, concurrency: int, requests: int, tokens: int) -> t
         t0 = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
-    return received / elapsed, errors
+    return received / elapsed, received, errors
 
 
-async def run(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, list[float]]:
+async def run(args: argparse.Namespace, urls: dict[str, str], pids: dict[str, int]
+              ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per setting: tokens/s of each round, and the gateway's CPU microseconds per token."""
     results: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
     for name in ("on", "off"):  # warm-up, not counted
         await one_round(urls[name], args.concurrency, max(args.requests // 4, args.concurrency), args.tokens)
     for i in range(args.rounds):
         order = ["on", "off"] if i % 2 == 0 else ["off", "on"]
         for name in order:
-            tps, errors = await one_round(urls[name], args.concurrency, args.requests, args.tokens)
+            c0 = cpu_seconds(pids[name])
+            tps, n, errors = await one_round(urls[name], args.concurrency, args.requests, args.tokens)
+            us = (cpu_seconds(pids[name]) - c0) / max(n, 1) * 1e6
             if errors:
                 raise SystemExit(f"round {i + 1}, metrics {name}: {errors} failed requests")
             results[name].append(tps)
-            print(f"  round {i + 1}  metrics {name:>3}: {tps:10.0f} tokens/s", flush=True)
-    return results
+            cpu[name].append(us)
+            print(f"  round {i + 1}  metrics {name:>3}: {tps:10.0f} tokens/s  {us:6.2f} µs gateway CPU per token",
+                  flush=True)
+    return results, cpu
 
 
 def main() -> int:
@@ -131,15 +148,15 @@ def main() -> int:
             start_fake_backend(ttft_ms=0, itl_ms=0, tokens=args.tokens) as fake:
         procs: list[subprocess.Popen] = []
         try:
-            urls = {}
+            urls, pids = {}, {}
             for name, enabled in (("on", True), ("off", False)):
                 url, proc = start_gateway(fake.url, enabled, Path(tmp))
-                urls[name] = url
+                urls[name], pids[name] = url, proc.pid
                 procs.append(proc)
             print(f"fake-backend (no delays) at {fake.url}; gateways: metrics on {urls['on']}, off {urls['off']}")
             print(f"{args.rounds} rounds x {args.requests} streams x {args.tokens} tokens, "
                   f"{args.concurrency} concurrent, alternating order; {os.cpu_count()} CPUs")
-            results = asyncio.run(run(args, urls))
+            results, cpu = asyncio.run(run(args, urls, pids))
         finally:
             for proc in procs:
                 proc.send_signal(signal.SIGTERM)
@@ -149,8 +166,11 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     proc.kill()
     on, off = statistics.median(results["on"]), statistics.median(results["off"])
-    print(f"\nmedian tokens/s through the gateway: metrics on {on:.0f}, metrics off {off:.0f}")
-    print(f"ratio on/off: {on / off:.3f}  (metrics cost {100 * (1 - on / off):+.1f}% of throughput)")
+    cpu_on, cpu_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
+    print(f"\nmedian tokens/s through the gateway: metrics on {on:.0f}, metrics off {off:.0f}; "
+          f"ratio on/off {on / off:.3f}")
+    print(f"median gateway CPU per token: metrics on {cpu_on:.2f} µs, off {cpu_off:.2f} µs; "
+          f"metrics cost {cpu_on - cpu_off:+.2f} µs per token ({100 * (cpu_on / cpu_off - 1):+.1f}%)")
     return 0
 
 

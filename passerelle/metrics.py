@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left
+import math
+from bisect import bisect_right
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -32,14 +33,19 @@ def observe_many(child: Histogram, values: Sequence[float]) -> None:
         for v in values:
             child.observe(v)
         return
-    counts: dict[int, int] = {}
-    for v in values:
-        i = bisect_left(bounds, v)  # the first bucket whose bound is >= v, as observe() picks
-        counts[i] = counts.get(i, 0) + 1
+    # observe() puts v in the first bucket whose bound is >= v: with the values sorted, the
+    # number of values up to each bound is one bisection, and a bucket gets the difference.
+    xs = sorted(values)
     buckets = child._buckets  # type: ignore[attr-defined]
-    for i, n in counts.items():
-        buckets[i].inc(n)
-    child._sum.inc(sum(values))  # type: ignore[attr-defined]
+    done = 0
+    for i, bound in enumerate(bounds):
+        upto = bisect_right(xs, bound)
+        if upto > done:
+            buckets[i].inc(upto - done)
+            done = upto
+            if done == len(xs):
+                break
+    child._sum.inc(math.fsum(xs))  # type: ignore[attr-defined]
 
 
 class Metrics:

@@ -80,7 +80,7 @@ async def traffic(url: str, stop: asyncio.Event, counts: dict[str, int]) -> None
             for i in range(40):
                 if stop.is_set():
                     return
-                body = {"model": MODEL_ID, "stream": True, "max_tokens": 12, "ignore_eos": True,
+                body = {"model": MODEL_ID, "stream": True, "max_tokens": 6, "ignore_eos": True,
                         "messages": [{"role": "user", "content": f"Write about lighthouse {i} ({priority})."}]}
                 async with session.post(url + "/v1/chat/completions", json=body,
                                         headers={"X-Priority": priority}) as r:
