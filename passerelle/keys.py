@@ -118,6 +118,7 @@ class KeyRing:
         self.store = store
         self.refresh_s = refresh_s
         self._keys: dict[str, ApiKey] = {}
+        self._ever = False
         self._version = -1
         self._checked = 0.0
         self.refresh(force=True)
@@ -130,11 +131,14 @@ class KeyRing:
         version = self.store.data_version()
         if force or version != self._version:
             self._version = version
-            self._keys = {k.id: k for k in self.store.list(include_revoked=False)}
+            every = self.store.list()
+            self._keys = {k.id: k for k in every if not k.revoked}
+            self._ever = bool(every)
 
     @property
     def any(self) -> bool:
-        return bool(self._keys)
+        """True once a key was ever created: revoking the last key must not open the gateway."""
+        return self._ever
 
     def lookup(self, presented: str) -> ApiKey | None:
         """The active key matching ``presented``, or None."""

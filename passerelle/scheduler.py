@@ -151,6 +151,8 @@ class Scheduler:
         t.waiting += 1
         self.waiting.append(job)
         self.dispatch()
+        if job.backend is None and self.on_change:
+            self.on_change()
 
     async def acquire(self, job: Job) -> Backend:
         """Wait for a slot; the backend it is on. Cancelling the caller removes the job at once."""
