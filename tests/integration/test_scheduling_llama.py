@@ -13,6 +13,7 @@ import time
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests.conftest import MODEL_ID, upstream_config, wait_until
@@ -88,8 +89,7 @@ def test_queued_request_whose_client_left_is_never_sent_upstream(gateway, llama_
     wait_until(lambda: any(s.get("is_processing") for s in httpx.get(llama_server.url + "/slots").json()),
                30, what="first request running")
     big = "lighthouse keeper " * 300  # about 900 prompt tokens if it ever reached llama-server
-    payload = ('{"model": "gemma-3-270m", "max_tokens": 4, "messages": [{"role": "user", "content": "%s"}]}'
-               % big).encode()
+    payload = orjson.dumps({"model": MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": big}]})
     host, port = gw.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from passerelle.backends.base import BackendStats
-from passerelle.errors import NoBackend, QueueFull, QueueTimeout
 from passerelle.config import DEFAULT_CLASSES, ClassConfig
+from passerelle.errors import NoBackend, QueueFull, QueueTimeout
 from passerelle.scheduler import Job, Scheduler
 
 CLS = {c.name: c for c in DEFAULT_CLASSES}
