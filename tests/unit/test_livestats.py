@@ -179,3 +179,28 @@ def test_tokens_are_spread_over_the_time_they_were_generated():
     assert snap["totals"]["tokens_per_s"] == 5.0  # 200 tokens over the 40 s since start
     clock.t = 3090.0  # the last minute (3030–3090) saw the second half of them
     assert live.snapshot()["totals"]["tokens_per_s"] == round(100 / 60, 2)
+
+
+def test_a_slow_snapshot_is_reused_for_ten_times_its_cost(monkeypatch):
+    import passerelle.livestats as livestats
+
+    ticks = iter(x * 0.1 for x in range(100))  # every perf_counter() call: 100 ms later
+    monkeypatch.setattr(livestats.time, "perf_counter", lambda: next(ticks))
+    clock = Clock()
+    live = LiveStats(window_s=300, clock=clock)
+    live.observe(record())
+    assert live.snapshot()["totals"]["requests"] == 1  # took "100 ms": reused for up to 1 s
+    live.observe(record())
+    waiting = live.snapshot(waiting={"batch": 2})
+    assert waiting["totals"]["requests"] == 1  # the cached figures...
+    assert waiting["classes"]["batch"]["waiting"] == 2  # ...with the queue read fresh
+    for _ in range(8):
+        next(ticks)
+    assert live.snapshot()["totals"]["requests"] == 2  # more than a second later: recomputed
+
+
+def test_a_fast_snapshot_is_never_reused():
+    live = LiveStats(window_s=300, clock=Clock())
+    for n in range(1, 4):
+        live.observe(record())
+        assert live.snapshot()["totals"]["requests"] == n
