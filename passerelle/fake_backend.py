@@ -29,7 +29,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -658,6 +657,8 @@ class FakeProcess:
     process: subprocess.Popen[str]
 
     def stats(self) -> dict[str, int]:
+        import urllib.request
+
         with urllib.request.urlopen(self.url + "/fake/stats", timeout=10) as resp:
             return _loads(resp.read())
 
@@ -680,6 +681,8 @@ def start_fake_backend(timeout: float = 30.0, **options: Any) -> Iterator[FakePr
 
     Options are the command-line flags with underscores (``ttft_ms=100, slots=4, usage=False``).
     """
+    import urllib.request
+
     argv = [sys.executable, "-m", "passerelle.fake_backend", "--port", "0"]
     for key, value in options.items():
         if key == "usage":

@@ -169,30 +169,34 @@ def _usage(message: str) -> int:
     return 2
 
 
+# The options a report's command line repeats, in order; workload sizes always, others when set.
+_ALWAYS = ("concurrency", "rate", "requests", "duration", "prompt_tokens", "max_tokens")
+_WHEN_SET = {"model": None, "poisson": False, "warmup": 1, "scenario": None, "processes": 1, "timeout": 300.0,
+             "prompt_spread": 0, "max_tokens_spread": 0, "turns": 1, "endpoint": "chat", "ignore_eos": True,
+             "usage": True, "calibrate": True, "extra_body": {}, "seed": 0, "slo": None}
+
+
 def _command(args: argparse.Namespace, kind: str) -> str:
     """The command line that reproduces this run (the API key left out)."""
+    import json
+
     parts = ["passerelle", *kind.split()]
     if kind == "bench":
         parts += ["--url", args.url] + (["--name", args.name] if args.name else [])
     for t in getattr(args, "target", []) or []:
         parts += ["--target", t]
-    skip = {"url", "name", "target", "api_key", "func", "command", "bench_command", "progress", "out"}
-    defaults = {"warmup": 1, "processes": 1, "timeout": 300.0, "prompt_tokens": 128, "prompt_spread": 0,
-                "max_tokens": 64, "max_tokens_spread": 0, "turns": 1, "endpoint": "chat", "ignore_eos": True,
-                "usage": True, "calibrate": True, "extra_body": {}, "seed": 0, "poisson": False}
-    for key, value in vars(args).items():
-        if key in skip or value is None or defaults.get(key, object()) == value:
+    for key in (*_ALWAYS, *_WHEN_SET):
+        value = getattr(args, key, None)
+        if value is None or (key in _WHEN_SET and value == _WHEN_SET[key]):
             continue
         flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
+        if key == "endpoint":
+            parts.append(f"--{value}")
+        elif isinstance(value, bool):
             parts.append(flag if value else f"--no-{key.replace('_', '-')}")
         elif isinstance(value, list):
             parts += [flag, ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)]
-        elif key == "endpoint":
-            parts.append(f"--{value}")
         elif isinstance(value, dict):
-            import json
-
             parts += [flag, json.dumps(value)]
         else:
             parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]

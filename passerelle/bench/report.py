@@ -87,6 +87,7 @@ def run_table(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]
 
 def notes(results: dict[str, Any]) -> list[str]:
     out = list(results.get("notes", []))
+    out += _retry_notes(results)
     v = results.get("verdict") or {}
     if v.get("model_ids_differ"):
         models = ", ".join(f"{t} → {m}" for t, m in v["models"].items())
@@ -102,14 +103,11 @@ def notes(results: dict[str, Any]) -> list[str]:
         if tpc and tpc > 1.05:
             out.append(f"{where}: the server packs {tpc:.2f} tokens per chunk on average; ITL measures "
                        "gaps between chunks, not between tokens.")
-        if run.get("retried_on_closed_connection"):
-            out.append(f"{where}: {run['retried_on_closed_connection']} requests met a keep-alive connection "
-                       "the server had just closed and were sent again on a new one (their clocks start at "
-                       "the second send).")
         gen = run.get("generator") or {}
         if (gen.get("loop_lag_ms_p99") or 0) > 5:
-            out.append(f"{where}: the generator's event loop lagged (p99 {gen['loop_lag_ms_p99']:.1f} ms); "
-                       "latencies include generator time — try --processes.")
+            out.append(f"{where}: the generator's event loop ran late (p99 {gen['loop_lag_ms_p99']:.1f} ms): the "
+                       "machine was busy or the generator saturated (then try --processes); latencies may "
+                       "include that much generator time.")
         if (gen.get("send_lag_ms_p99") or 0) > 5:
             out.append(f"{where}: arrivals were sent late (p99 {gen['send_lag_ms_p99']:.1f} ms); the "
                        "generator could not hold the rate.")
@@ -117,6 +115,16 @@ def notes(results: dict[str, Any]) -> list[str]:
             sample = run.get("error_samples", {}).get(kind, "")
             out.append(f"{where}: {n} × {kind}" + (f" — {sample}" if sample else ""))
     return out
+
+
+def _retry_notes(results: dict[str, Any]) -> list[str]:
+    totals: dict[str, int] = {}
+    for run in results["runs"]:
+        if run["class"] in (None, "all"):
+            totals[run["target"]] = totals.get(run["target"], 0) + (run.get("retried_on_closed_connection") or 0)
+    return [f"{name}: the server closed keep-alive connections right after answers (llama-server does); "
+            f"{n} requests written on such a connection were sent again on a new one, their clocks starting "
+            "at the second send." for name, n in totals.items() if n]
 
 
 def _load(run: dict[str, Any]) -> str:

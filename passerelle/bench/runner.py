@@ -240,30 +240,39 @@ async def warm_up(session: Any, target: Target, level: Level, n: int, timeout: f
 # --- preparation ---------------------------------------------------------------------------
 async def calibrate(session: Any, target: Target, workload: Workload,
                     timeout: float | None = 120.0) -> tuple[Workload, str]:
-    """Measure the target's tokens per word of the prompt text with two probe prompts.
+    """Measure the target's tokens per word of the prompt text with probe prompts (max_tokens 1).
 
-    Returns the adjusted workload and a sentence for the report.
+    Two passages, each sent at half and at one and a half times the estimated length: the slope is
+    tokens per word, the intercept the template's tokens. Bracketing the requested length keeps
+    the estimate right there even where tokenization is not quite linear. Returns the adjusted
+    workload and a sentence for the report.
     """
     assert target.model is not None
     probe = replace(workload, turns=1, include_usage=True, prompt_spread=0)
-    points = []
-    for i, n_words in enumerate((40, 320)):
-        conv = Conversation(probe, WARMUP_INDEX + 900_000 + i, target.model)
-        body = conv.body_for_words(n_words, 1)
-        r = await send(session, target.base_url + workload.path, body, target.headers(), timeout=timeout)
-        if not r.ok or r.prompt_tokens is None:
-            reason = f"{r.error} {r.detail}".strip() if not r.ok else "the server reports no usage"
-            return workload, (f"prompt lengths estimated at {workload.tokens_per_word:g} tokens/word "
-                              f"({reason})")
-        points.append((n_words, r.prompt_tokens))
-    (w1, p1), (w2, p2) = points
-    ratio = (p2 - p1) / (w2 - w1)
-    overhead = p1 - ratio * w1
-    if not (0.3 <= ratio <= 4.0 and -5.0 <= overhead <= 1000.0):
+    words = max(8.0, (workload.prompt_tokens - workload.prompt_overhead) / workload.tokens_per_word)
+    sizes = (max(4, round(words / 2)), max(12, round(words * 1.5)))
+    slopes, intercepts = [], []
+    for passage in range(2):
+        points = []
+        for n_words in sizes:
+            # the same index gives the same passage: the two sizes share their first words
+            conv = Conversation(probe, WARMUP_INDEX + 900_000 + passage, target.model)
+            body = conv.body_for_words(n_words, 1)
+            r = await send(session, target.base_url + workload.path, body, target.headers(), timeout=timeout)
+            if not r.ok or r.prompt_tokens is None:
+                reason = f"{r.error} {r.detail}".strip() if not r.ok else "the server reports no usage"
+                return workload, (f"prompt lengths estimated at {workload.tokens_per_word:g} tokens/word "
+                                  f"({reason})")
+            points.append((n_words, r.prompt_tokens))
+        (w1, p1), (w2, p2) = points
+        slopes.append((p2 - p1) / (w2 - w1))
+        intercepts.append(p1 - slopes[-1] * w1)
+    ratio, overhead = sum(slopes) / 2, sum(intercepts) / 2
+    if not (0.3 <= ratio <= 4.0 and -50.0 <= overhead <= 1000.0):
         return workload, f"prompt calibration gave implausible values ({ratio:.2f} tokens/word); kept defaults"
     return (replace(workload, tokens_per_word=round(ratio, 4), prompt_overhead=round(max(overhead, 0.0), 1)),
             f"prompt lengths calibrated on the target: {ratio:.3f} tokens/word + {max(overhead, 0):.0f} "
-            "tokens of template")
+            "tokens of template and instruction")
 
 
 def prepare(target: Target, workload: Workload, *, calibrate_prompts: bool = True) -> tuple[Target, Workload, str]:

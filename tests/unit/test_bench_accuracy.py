@@ -90,14 +90,15 @@ def test_without_usage_tokens_are_counted_from_chunks(tmp_path):
 def test_the_generators_own_queue_is_not_in_ttft(tmp_path):
     """Arrivals every 10 ms, one request in flight, each 50 ms long: requests queue in the generator.
 
-    Counting that wait would give TTFTs growing to ~500 ms; TTFT must stay the server's 50 ms.
+    Counting that wait would give TTFTs growing to ~500 ms (median ~250 ms); TTFT must stay the
+    server's 50 ms (with room for a busy machine).
     """
     with start_fake_backend(ttft_ms=50, itl_ms=0) as fake:
         results = bench(tmp_path, fake.url, "--rate", "100", "--concurrency", "1", "--requests", "12",
                         "--max-tokens", "2", "--warmup", "0")
     run = results["runs"][0]
     assert run["rate"] == 100 and run["concurrency"] == 1 and run["requests_ok"] == 12
-    assert run["ttft_ms"]["p99"] < 60
+    assert run["ttft_ms"]["p50"] < 65 and run["ttft_ms"]["p99"] < 150
     assert run["duration_s"] >= 12 * 0.050
 
 
@@ -135,7 +136,7 @@ def test_requests_on_a_just_closed_connection_are_sent_again(tmp_path):
     assert run["requests_ok"] == 10 and run["errors"] == 0
     assert run["retried_on_closed_connection"] >= 1
     assert run["ttft_ms"]["p99"] < 40  # the retry's clock starts at its own send
-    assert served == 10 + 1 + 2  # measured, warm-up and calibration probes: nothing served twice
+    assert served == 10 + 1 + 4  # measured, warm-up and calibration probes: nothing served twice
 
 
 def test_duration_mode_stops_sending_at_the_deadline(tmp_path):
