@@ -51,7 +51,8 @@ class App:
         self.router = Router(backends, self.metrics)
         self.supervisor = supervisor
         self.access_log = AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format)
-        self.scheduler = Scheduler(cfg.classes, aging_s=cfg.scheduler.aging_s, on_change=self._queue_changed)
+        self.scheduler = Scheduler(cfg.classes, aging_s=cfg.scheduler.aging_s, on_change=self._queue_changed,
+                                   policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack)
         self.keystore = KeyStore(cfg.auth.db or None)
         self.gateway = Gateway(cfg, self.router, self.metrics, self.access_log, self.scheduler,
                                KeyRing(self.keystore))

@@ -125,6 +125,16 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class RoutingConfig:
+    """How a request picks among the replicas serving its model."""
+
+    policy: str = "least_loaded"  # or "round_robin"
+    prefix_affinity: bool = True  # a chat stays on the replica that served its opening (prompt cache)
+    affinity_slack: float = 0.5  # ...while that replica is at most this much busier (fraction of slots)
+    session_header: str = "x-session-id"  # requests with the same value (or the same `user`) stick together
+
+
+@dataclass(frozen=True)
 class ClassConfig:
     """A priority class; lower rank is more urgent. The defaults are interactive, standard, batch."""
 
@@ -151,6 +161,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     source: str = "<defaults>"
@@ -162,7 +173,7 @@ class Config:
 
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
-                              "scheduler": SchedulerConfig}
+                              "scheduler": SchedulerConfig, "routing": RoutingConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -313,6 +324,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            key="metrics.window_s", text=text, header="metrics", field_name="window_s")
 
     classes = _load_classes(data.get("classes", []), sections["auth"], file=file, text=text)
+    _check(sections["routing"].policy in ("least_loaded", "round_robin"), "expected 'least_loaded' or 'round_robin'",
+           file=file, key="routing.policy", text=text, header="routing", field_name="policy")
     _check(sections["scheduler"].aging_s >= 0, "expected zero or a positive number of seconds", file=file,
            key="scheduler.aging_s", text=text, header="scheduler", field_name="aging_s")
 
@@ -346,6 +359,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     backends.extend(upstreams)
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
+                  routing=sections["routing"],
                   backends=tuple(backends), source=file)
 
 

@@ -138,6 +138,12 @@ class NoBackend(GatewayError):
 class UpstreamError(GatewayError):
     status, type, code, cause = 502, "server_error", "upstream_error", Cause.UPSTREAM_ERROR
 
+    def __init__(self, message: str, *, retryable: bool = False, retry_after: float | None = None) -> None:
+        super().__init__(message, retry_after=retry_after)
+        # True when the runtime could not take the request (unreachable, broke before answering,
+        # 503/429): another replica may, if the client has received nothing yet.
+        self.retryable = retryable
+
 
 class UpstreamStatus(UpstreamError):
     """The runtime answered with a non-2xx status; its status and body are passed to the client.
@@ -152,6 +158,7 @@ class UpstreamStatus(UpstreamError):
         self.raw = body
         self.content_type = content_type
         self.cause = Cause.INVALID_REQUEST if 400 <= status < 500 else Cause.UPSTREAM_ERROR
+        self.retryable = status in (429, 503)
 
     def body(self) -> bytes:
         if self.raw.lstrip().startswith(b'{"error"'):

@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 
 from passerelle.accesslog import AccessLog
 from passerelle.assemble import assemble
+from passerelle.backends import Backend
 from passerelle.config import ClassConfig, Config
 from passerelle.errors import (
     BodyTooLarge,
@@ -42,6 +43,7 @@ from passerelle.errors import (
     InvalidRequest,
     Unauthorized,
     UnknownModel,
+    UpstreamError,
     UpstreamStatus,
 )
 from passerelle.keys import ApiKey, KeyRing
@@ -170,6 +172,7 @@ class Gateway:
         self.limiter = KeyLimiter()
         self.auth_throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
         self.classes = {c.name: c for c in cfg.classes}
+        self._retry_budget = 10.0  # retries allowed now; refilled by 0.2 per request
         # Called with every finished request's record (usage store, the dashboard's window).
         self.listeners: list[Callable[[RequestRecord], None]] = []
 
@@ -209,6 +212,23 @@ class Gateway:
             return ceiling if ceiling.rank < base.rank else base
         return wanted
 
+    def affinity_key(self, scope: Scope, data: dict[str, Any], endpoint: str) -> str:
+        """What keeps related requests on one replica: a session header, else the chat's opening
+        (system prompt and first user message, shared by every turn, so llama-server's prompt
+        cache is reused), else the OpenAI ``user``."""
+        r = self.cfg.routing
+        session = header(scope, r.session_header.lower().encode()) if r.session_header else None
+        if session:
+            return "s:" + session
+        if r.prefix_affinity and endpoint == "chat":
+            opening = []
+            for m in data["messages"]:
+                opening.append(m)
+                if m.get("role") == "user":
+                    break
+            return "p:" + hashlib.blake2b(orjson.dumps(opening), digest_size=12).hexdigest()
+        return "u:" + data["user"] if isinstance(data.get("user"), str) else ""
+
     # -- the request's life ----------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         client = scope.get("client")
@@ -219,7 +239,6 @@ class Gateway:
         assert task is not None
         disconnected = False
         watcher: asyncio.Task[None] | None = None
-        resp: aiohttp.ClientResponse | None = None
         job: Job | None = None
         grant: Grant | None = None
 
@@ -232,6 +251,10 @@ class Gateway:
                         disconnected = True
                         task.cancel()
                     return
+
+        def mark_finishing() -> None:  # before the last send: see "Races" at the top
+            nonlocal finishing
+            finishing = True
 
         async def start(status: int, extra: list[tuple[bytes, bytes]]) -> None:
             nonlocal started
@@ -264,49 +287,37 @@ class Gateway:
                 grant = self.limiter.admit(key, est_prompt + est_output)
             job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=rec.model, weight=key.weight if key else 1.0,
                       est_prompt_tokens=est_prompt, est_output_tokens=est_output,
-                      can_wait_for_start=any(b.supervised for b in pool))
+                      can_wait_for_start=any(b.supervised for b in pool),
+                      affinity=self.affinity_key(scope, data, endpoint) if len(pool) > 1 else "")
             rec.t_queued = time.perf_counter()
             rec.to(State.QUEUED)
-            backend = await self.scheduler.acquire(job)
-            rec.backend = backend.name
-            rec.t_dispatch = time.perf_counter()
-            rec.to(State.DISPATCHED)
-            self.metrics.running.labels(backend.name, rec.model).inc()
-            try:
-                strip_usage = False
-                collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
-                if collect:
-                    body = orjson.dumps({**data, "stream": True, "stream_options": {"include_usage": True}})
-                elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
-                    body, strip_usage = with_usage_requested(body, data), True
-                body = backend.prepare(body, cls.rank)
-                deadline = rec.t_arrival + self.cfg.timeouts.total_s
-                resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body)
-                if resp.status != 200:
-                    raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
-                    raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
-                if rec.stream:
-                    await start(200, _SSE_HEADERS)
-                    await StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage).run(resp, deadline)
-                    finishing = True
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                elif collect:
-                    sink = _Collector()
-                    await StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False).run(resp, deadline)
-                    raw = assemble(b"".join(sink.parts), endpoint)
-                    await start(200, [(b"content-type", b"application/json"),
-                                      (b"content-length", str(len(raw)).encode())])
-                    finishing = True
-                    await send({"type": "http.response.body", "body": raw, "more_body": False})
-                else:
-                    raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
-                    ctype = resp.headers.get("Content-Type", "application/json").encode()
-                    await start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
-                    finishing = True
-                    await send({"type": "http.response.body", "body": raw, "more_body": False})
-                rec.finish(Cause.OK, 200)
-            finally:
-                self.metrics.running.labels(backend.name, rec.model).dec()
+            self._retry_budget = min(10.0, self._retry_budget + 0.2)
+            deadline = rec.t_arrival + self.cfg.timeouts.total_s
+            while True:
+                backend = await self.scheduler.acquire(job)
+                rec.backend = backend.name
+                rec.t_dispatch = time.perf_counter()
+                rec.to(State.DISPATCHED)
+                running = self.metrics.running.labels(backend.name, rec.model)
+                running.inc()
+                try:
+                    await self._attempt(backend, rec, data, body, endpoint, cls, deadline, send, start,
+                                        mark_finishing)
+                    break
+                except UpstreamError as err:
+                    if started or not self._may_retry(err, job, rec, deadline):
+                        raise
+                    log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
+                    backend.record_failure(time.monotonic())
+                    job.exclude.add(backend.name)
+                    rec.retries += 1
+                    self.scheduler.release(job)
+                    rec.to(State.QUEUED)
+                finally:
+                    running.dec()
+            if backend.failures:
+                backend.record_success()
+            rec.finish(Cause.OK, 200)
         except asyncio.CancelledError:
             if not disconnected:
                 raise
@@ -335,8 +346,6 @@ class Gateway:
                 else:
                     await send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
         finally:
-            if resp is not None:
-                resp.close()  # drops the connection if unread: the runtime stops generating
             if watcher is not None:
                 watcher.cancel()
             if rec.cause is None:  # an unexpected exception: still one cause, one log line
@@ -347,6 +356,57 @@ class Gateway:
             if grant is not None:
                 self.limiter.finish(grant, used)
             self.account(rec)
+
+    def _may_retry(self, err: UpstreamError, job: Job, rec: RequestRecord, deadline: float) -> bool:
+        """Retry on another replica only before the client got a byte, for a runtime that could
+        not be reached or said 503/429, within the total timeout and the retry budget."""
+        if not err.retryable or rec.retries >= 2 or time.perf_counter() >= deadline - 0.5:
+            return False
+        if all(b.name in job.exclude or b.name == rec.backend for b in job.pool):
+            return False
+        if self._retry_budget < 1.0:  # a bounded share of the traffic, so retries never snowball
+            return False
+        self._retry_budget -= 1.0
+        return True
+
+    async def _attempt(self, backend: Backend, rec: RequestRecord, data: dict[str, Any], body: bytes,
+                       endpoint: str, cls: ClassConfig, deadline: float, send: Send,
+                       start: Callable[[int, list[tuple[bytes, bytes]]], Awaitable[None]],
+                       mark_finishing: Callable[[], None]) -> None:
+        """One try on one replica. Response headers go out only when the first byte does, so a
+        replica that fails before that can be replaced without the client noticing."""
+        strip_usage = False
+        collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
+        if collect:
+            body = orjson.dumps({**data, "stream": True, "stream_options": {"include_usage": True}})
+        elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
+            body, strip_usage = with_usage_requested(body, data), True
+        body = backend.prepare(body, cls.rank)
+        resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body)
+        try:
+            if resp.status != 200:
+                raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
+                raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
+            if rec.stream:
+                relay = StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage,
+                                    before_first=lambda: start(200, _SSE_HEADERS))
+                await relay.run(resp, deadline)
+                mark_finishing()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            if collect:
+                sink = _Collector()
+                await StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False).run(resp, deadline)
+                raw = assemble(b"".join(sink.parts), endpoint)
+                ctype = b"application/json"
+            else:
+                raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
+                ctype = resp.headers.get("Content-Type", "application/json").encode()
+            await start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
+            mark_finishing()
+            await send({"type": "http.response.body", "body": raw, "more_body": False})
+        finally:
+            resp.close()  # drops the connection if unread: the runtime stops generating
 
     async def _send_error(self, send: Send, rec: RequestRecord, err: GatewayError) -> None:
         body = err.body()

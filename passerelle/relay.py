@@ -80,9 +80,11 @@ def parse_usage(obj: Any) -> tuple[int | None, int | None]:
 class StreamRelay:
     """Relay one upstream SSE response to an ASGI client, timing it into ``rec``."""
 
-    def __init__(self, rec: RequestRecord, send: Send, timeouts: TimeoutConfig, *, strip_usage: bool) -> None:
+    def __init__(self, rec: RequestRecord, send: Send, timeouts: TimeoutConfig, *, strip_usage: bool,
+                 before_first: Callable[[], Awaitable[None]] | None = None) -> None:
         self.rec = rec
         self.send = send
+        self.before_first = before_first  # e.g. send the response headers with the first bytes
         self.timeouts = timeouts
         self.strip_usage = strip_usage
         self.done = False
@@ -149,6 +151,9 @@ class StreamRelay:
                     if events:
                         payload = self._scan(events, time.perf_counter())
                         if payload:
+                            if self.before_first is not None:
+                                await self.before_first()
+                                self.before_first = None
                             await send({"type": "http.response.body", "body": payload, "more_body": True})
                     if rec.content_chunks:
                         budget.reschedule(min(total_at, loop.time() + t.between_tokens_s))
@@ -161,15 +166,19 @@ class StreamRelay:
             raise UpstreamTimeout("first token", t.first_token_s) from None
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "
-                                f"{exc.__class__.__name__}") from exc
+                                f"{exc.__class__.__name__}", retryable=True) from exc
         if scanner.pending.strip():
+            if self.before_first is not None:
+                await self.before_first()
+                self.before_first = None
             # A last event without its blank line: deliver it rather than lose it.
             await send({"type": "http.response.body", "body": self._scan([scanner.pending], time.perf_counter())
                         + b"\n\n", "more_body": True})
         if self.upstream_error:
             raise UpstreamError("The model runtime reported an error in the stream.")
         if not self.done:
-            raise UpstreamError(f"The model runtime '{rec.backend}' closed the stream before it was complete.")
+            raise UpstreamError(f"The model runtime '{rec.backend}' closed the stream before it was complete.",
+                                retryable=True)
 
 
 async def read_body(resp: aiohttp.ClientResponse, rec: RequestRecord, timeouts: TimeoutConfig,
@@ -186,7 +195,7 @@ async def read_body(resp: aiohttp.ClientResponse, rec: RequestRecord, timeouts: 
             from None
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
         raise UpstreamError(f"The model runtime '{rec.backend}' broke the response: "
-                            f"{exc.__class__.__name__}") from exc
+                            f"{exc.__class__.__name__}", retryable=True) from exc
     rec.t_first = rec.t_last = time.perf_counter()
     if b'"usage"' in body:
         try:

@@ -1,7 +1,9 @@
 """One request's record: its state machine and everything measured about it.
 
     RECEIVED ──► QUEUED ──► DISPATCHED ──► STREAMING ──► DONE
-        └───────────┴────────────┴──────────────┴───────► DONE   (with a cause other than ok)
+        │           ▲ retry on    │               │
+        │           └─another ────┘               │
+        └───────────┴─replica────┴──────────────┴───────► DONE   (with a cause other than ok)
 
 The record is created when the request arrives and written once, when it ends, to the access
 log and the metrics. Times are ``time.perf_counter()`` seconds.
@@ -28,7 +30,7 @@ class State(enum.Enum):
 _ALLOWED = {
     State.RECEIVED: {State.QUEUED, State.DISPATCHED, State.DONE},
     State.QUEUED: {State.DISPATCHED, State.DONE},
-    State.DISPATCHED: {State.STREAMING, State.DONE},
+    State.DISPATCHED: {State.STREAMING, State.QUEUED, State.DONE},  # QUEUED again: retry elsewhere
     State.STREAMING: {State.DONE},
     State.DONE: set(),
 }

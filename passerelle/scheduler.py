@@ -32,7 +32,7 @@ import asyncio
 import itertools
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,6 +57,8 @@ class Job:
     est_prompt_tokens: int = 0
     est_output_tokens: int = 256
     can_wait_for_start: bool = False  # a supervised backend of the pool may come up
+    affinity: str = ""  # conversation or session: prefer the replica that served it before
+    exclude: set[str] = field(default_factory=set)  # replicas that already failed this request
     seq: int = 0
     enqueued_at: float = 0.0
     backend: Backend | None = None
@@ -102,7 +104,8 @@ class _DrainRate:
 class Scheduler:
     def __init__(self, classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, aging_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
+                 affinity_slack: float = 0.5) -> None:
         self.classes = {c.name: c for c in classes}
         self.aging_s = aging_s
         self.clock = clock
@@ -114,6 +117,10 @@ class Scheduler:
         self._seq = itertools.count()
         self._drain = _DrainRate()
         self._vtime = 0.0  # counter of the tenant dispatched last: where a newcomer starts
+        self.policy = policy  # "least_loaded" (with affinity) or "round_robin"
+        self.affinity_slack = affinity_slack  # how much busier than the least loaded an affine replica may be
+        self.affinity: OrderedDict[str, str] = OrderedDict()  # conversation/session -> replica name
+        self._rr = itertools.count()
 
     # -- public ----------------------------------------------------------------------------
     def waiting_by_class(self) -> dict[str, int]:
@@ -132,7 +139,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         """Admit ``job`` (raise QueueFull/NoBackend) and dispatch what can go now."""
-        if not any(b.stats.up for b in job.pool) and not job.can_wait_for_start:
+        if not any(b.stats.up and not b.draining for b in job.pool) and not job.can_wait_for_start:
             raise NoBackend("No backend serving this model is up right now.", retry_after=self.retry_after())
         queued = sum(1 for j in self.waiting if j.cls is job.cls)
         if queued >= job.cls.max_queue:
@@ -220,17 +227,24 @@ class Scheduler:
         return max(1, math.floor(cls.slot_share * backend.capacity + 1e-9))
 
     def _fit(self, job: Job) -> Backend | None:
-        """The least loaded up replica with a free slot this job's class may take."""
-        best, best_load = None, 2.0
-        for b in job.pool:
-            if not b.stats.up or b.in_flight >= b.capacity:
-                continue
-            if self.running.get((b.name, job.cls.name), 0) >= self._limit(b, job.cls):
-                continue
-            load = b.in_flight / b.capacity
-            if load < best_load:
-                best, best_load = b, load
-        return best
+        """A replica with a free slot this job's class may take: the one that served the same
+        conversation before while it is at most ``affinity_slack`` busier than the least loaded
+        (prefix-only routing collapses under skew), else the least loaded (or the next in turn)."""
+        now = self.clock()
+        free = [b for b in job.pool
+                if b.in_flight < b.capacity and b.name not in job.exclude and b.routable(now)
+                and self.running.get((b.name, job.cls.name), 0) < self._limit(b, job.cls)]
+        if not free:
+            return None
+        if self.policy == "round_robin":
+            return free[next(self._rr) % len(free)]
+        least = min(free, key=lambda b: b.in_flight / b.capacity)
+        if job.affinity and (name := self.affinity.get(job.affinity)) is not None:
+            bound = least.in_flight / least.capacity + self.affinity_slack
+            for b in free:
+                if b.name == name and b.in_flight / b.capacity <= bound:
+                    return b
+        return least
 
     def _key(self, job: Job, now: float) -> tuple[float, float, int]:
         promoted = int((now - job.enqueued_at) // self.aging_s) if self.aging_s > 0 else 0
@@ -267,6 +281,13 @@ class Scheduler:
         t.running += 1
         job.backend = backend
         backend.in_flight += 1
+        if backend.ejected_until:
+            backend.probing = True  # half-open: this request decides whether it comes back
+        if job.affinity:
+            self.affinity[job.affinity] = backend.name
+            self.affinity.move_to_end(job.affinity)
+            if len(self.affinity) > 100_000:
+                self.affinity.popitem(last=False)
         self.running[(backend.name, job.cls.name)] = self.running.get((backend.name, job.cls.name), 0) + 1
         job.charged = job.estimate
         self._charge(job.tenant, job.estimate / job.weight, job.estimate)

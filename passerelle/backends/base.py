@@ -61,12 +61,37 @@ class Backend:
         self.timeouts = timeouts
         self.in_flight = 0  # requests dispatched and not finished; the scheduler keeps it
         self.supervised = False  # launched by passerelle: may come back after a crash
+        self.draining = False  # removed by a reload: finishes its requests, takes no new one
         self.stats = BackendStats()
+        # Passive ejection: after EJECT_AFTER failures in a row the replica gets no requests for a
+        # while; then one request probes it (half-open) and its outcome decides.
+        self.failures = 0
+        self.ejected_until = 0.0
+        self.probing = False
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         if cfg.health_path:
             self.health_path = cfg.health_path
+
+    EJECT_AFTER = 3
+
+    def routable(self, now: float) -> bool:
+        """May this replica take a new request now (up, not draining, not ejected)?"""
+        if not self.stats.up or self.draining:
+            return False
+        if self.ejected_until:
+            return now >= self.ejected_until and not self.probing
+        return True
+
+    def record_failure(self, now: float) -> None:
+        self.failures += 1
+        self.probing = False
+        if self.failures >= self.EJECT_AFTER:
+            self.ejected_until = now + min(60.0, 5.0 * 2 ** (self.failures - self.EJECT_AFTER))
+
+    def record_success(self) -> None:
+        self.failures, self.ejected_until, self.probing = 0, 0.0, False
 
     # -- lifecycle -------------------------------------------------------------------------
     def set_url(self, url: str) -> None:
@@ -117,9 +142,11 @@ class Backend:
             except _STALE_CONNECTION:
                 return await self._fresh_session().post(url, data=body, headers=headers)
         except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(f"The model runtime '{self.name}' is not reachable ({exc.strerror or exc}).") from exc
+            raise UpstreamError(f"The model runtime '{self.name}' is not reachable ({exc.strerror or exc}).",
+                                retryable=True) from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError(f"The model runtime '{self.name}' failed: {exc.__class__.__name__}: {exc}") from exc
+            raise UpstreamError(f"The model runtime '{self.name}' failed: {exc.__class__.__name__}: {exc}",
+                                retryable=True) from exc
 
     # -- health and load -------------------------------------------------------------------
     async def _get(self, path: str, timeout: float = 2.0) -> aiohttp.ClientResponse:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from passerelle.backends.base import BackendStats
+from passerelle.backends.base import Backend, BackendStats
 from passerelle.config import DEFAULT_CLASSES, ClassConfig
 from passerelle.errors import NoBackend, QueueFull, QueueTimeout
 from passerelle.scheduler import Job, Scheduler
@@ -17,10 +17,20 @@ CLS = {c.name: c for c in DEFAULT_CLASSES}
 
 @dataclass(eq=False)
 class FakeBackend:
+    """The scheduler's view of a backend, without a network."""
+
     name: str = "b"
     capacity: int = 1
     in_flight: int = 0
     stats: BackendStats = field(default_factory=lambda: BackendStats(up=True))
+    draining: bool = False
+    failures: int = 0
+    ejected_until: float = 0.0
+    probing: bool = False
+    EJECT_AFTER = Backend.EJECT_AFTER
+    routable = Backend.routable
+    record_failure = Backend.record_failure
+    record_success = Backend.record_success
 
 
 class Clock:
@@ -298,3 +308,63 @@ async def test_usage_correction_changes_the_tenant_counter(clock):
     before = s.tenants["x"].counter
     s.release(j, prompt_tokens=10, completion_tokens=6)
     assert s.tenants["x"].counter == pytest.approx(before - 2 * 250)
+
+
+async def test_prefix_affinity_keeps_a_conversation_on_its_replica_while_load_allows(clock):
+    b1, b2 = FakeBackend("b1", capacity=4), FakeBackend("b2", capacity=4)
+    s = make(clock)
+    first = job([b1, b2], affinity="conv-1")
+    s.submit(first)
+    home = first.backend
+    s.release(first)
+    other = job([b1, b2], affinity="conv-2")
+    s.submit(other)  # the other replica is now less loaded...
+    again = job([b1, b2], affinity="conv-1")
+    s.submit(again)
+    assert again.backend is home  # ...but the conversation stays home (within the slack)
+    # once home is much busier than the other replica, load wins
+    fillers = [job([home]) for _ in range(3)]
+    for f in fillers:
+        s.submit(f)
+    later = job([b1, b2], affinity="conv-1")
+    s.submit(later)
+    assert later.backend is not home
+
+
+async def test_round_robin_policy_alternates(clock):
+    b1, b2 = FakeBackend("b1", capacity=8), FakeBackend("b2", capacity=8)
+    s = make(clock, policy="round_robin")
+    got = []
+    for _ in range(4):
+        j = job([b1, b2], affinity="same")
+        s.submit(j)
+        got.append(j.backend.name)
+        s.release(j)
+    assert got in (["b1", "b2", "b1", "b2"], ["b2", "b1", "b2", "b1"])
+
+
+async def test_ejected_replica_gets_no_requests_then_one_probe(clock):
+    b1, b2 = FakeBackend("b1", capacity=8), FakeBackend("b2", capacity=8)
+    s = make(clock)
+    for _ in range(3):
+        b1.record_failure(clock())
+    assert not b1.routable(clock())
+    jobs = [job([b1, b2]) for _ in range(4)]
+    for j in jobs:
+        s.submit(j)
+    assert all(j.backend is b2 for j in jobs)
+    clock.now += 6  # past the ejection: half-open, exactly one probe
+    probe, after = job([b1, b2]), job([b1, b2])
+    s.submit(probe)
+    s.submit(after)
+    assert probe.backend is b1 and b1.probing and after.backend is b2
+    b1.record_success()
+    assert b1.routable(clock()) and b1.failures == 0
+
+
+async def test_excluded_replica_is_skipped_on_retry(clock):
+    b1, b2 = FakeBackend("b1", capacity=8), FakeBackend("b2", capacity=8)
+    s = make(clock)
+    j = job([b1, b2], exclude={"b1"})
+    s.submit(j)
+    assert j.backend is b2
