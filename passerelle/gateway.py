@@ -422,7 +422,7 @@ class Gateway:
         m.count_request(model, rec.priority, rec.cause.value, rec.tenant)  # type: ignore[union-attr]
         if rec.t_queued and m.enabled:
             if m.tenant_label:
-                m.queue_wait.labels(model, rec.priority, rec.tenant).observe(rec.queue_wait)
+                m.queue_wait.labels(model, rec.priority, m.tenant(rec.tenant)).observe(rec.queue_wait)
             else:
                 m.queue_wait.labels(model, rec.priority).observe(rec.queue_wait)
         if rec.backend:

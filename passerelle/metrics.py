@@ -96,10 +96,23 @@ class Metrics:
         self.backend_queue = Gauge("passerelle_backend_queue_depth",
                                    "Requests waiting inside the runtime itself.", ["backend"], registry=r)
         self._children: dict[tuple[str, ...], tuple] = {}
+        self._tenants: set[str] = set()
+
+    MAX_TENANTS = 200  # distinct tenant label values; later ones are counted as "other"
+
+    def tenant(self, name: str) -> str:
+        """The tenant label value: without keys the tenant is the client's ``user`` field, so the
+        number of series is bounded here."""
+        if name in self._tenants:
+            return name
+        if len(self._tenants) >= self.MAX_TENANTS:
+            return "other"
+        self._tenants.add(name)
+        return name
 
     def request_children(self, backend: str, model: str, priority: str, tenant: str) -> tuple:
         """(ttft, itl, tpot, e2e, prompt_tokens, generation_tokens) children for one label set."""
-        key = (backend, model, priority, tenant) if self.tenant_label else (backend, model, priority)
+        key = (backend, model, priority, self.tenant(tenant)) if self.tenant_label else (backend, model, priority)
         children = self._children.get(key)
         if children is None:
             children = tuple(m.labels(*key) for m in (self.ttft, self.itl, self.tpot, self.e2e,
@@ -109,6 +122,6 @@ class Metrics:
 
     def count_request(self, model: str, priority: str, cause: str, tenant: str) -> None:
         if self.tenant_label:
-            self.requests.labels(model, priority, cause, tenant).inc()
+            self.requests.labels(model, priority, cause, self.tenant(tenant)).inc()
         else:
             self.requests.labels(model, priority, cause).inc()

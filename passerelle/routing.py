@@ -94,11 +94,15 @@ class Router:
         s = await b.scrape()
         self._last_up[b.name] = s.up
         m, name = self.metrics, b.name
-        m.backend_up.labels(name).set(1 if s.up else 0)
+        # 0 for a runtime that is down or answers garbage; routing still follows its health
+        m.backend_up.labels(name).set(1 if s.up and not s.error else 0)
         for gauge, value in ((m.slots_busy, s.slots_busy), (m.slots_total, s.slots_total),
                              (m.kv_usage, s.kv_cache_usage_ratio), (m.backend_queue, s.queue_depth)):
             if value is not None:
                 gauge.labels(name).set(value)
+            else:  # a figure the runtime no longer reports must not stay frozen at its last value
+                with contextlib.suppress(KeyError):
+                    gauge.remove(name)
         if s.up and not was_up and self.on_up is not None:
             self.on_up()
         if was_up != s.up:
