@@ -6,7 +6,10 @@ here. Every response carries ``X-Request-Id``; every error has OpenAI's shape.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -16,19 +19,22 @@ from typing import Any
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from passerelle import control
 from passerelle.accesslog import AccessLog
 from passerelle.admin import AdminGuard, AdminListener, is_admin_path
 from passerelle.backends import Backend
 from passerelle.config import Config
-from passerelle.errors import GatewayError, InvalidRequest
+from passerelle.control import is_control_path
+from passerelle.errors import ConfigError, GatewayError, InvalidRequest
 from passerelle.gateway import ENDPOINTS, Gateway, Receive, Scope, Send, header
 from passerelle.keys import KeyRing, KeyStore
 from passerelle.livestats import LiveStats
 from passerelle.metrics import Metrics
 from passerelle.request import new_request_id
 from passerelle.routing import Router
+from passerelle.runtimes import build_runtime, expand
 from passerelle.scheduler import Scheduler
-from passerelle.supervisor import Supervisor
+from passerelle.supervisor import RuntimeProcess, Supervisor
 from passerelle.usage import UsageRecorder
 
 log = logging.getLogger("passerelle.app")
@@ -43,19 +49,27 @@ class MethodNotAllowed(InvalidRequest):
 
 
 class App:
-    """``App(cfg, backends, supervisor)`` is an ASGI 3 application."""
+    """``App(cfg, backends, processes)`` is an ASGI 3 application; ``processes`` are the runtimes
+    it launches, ``loader`` re-reads the configuration for a reload."""
 
-    def __init__(self, cfg: Config, backends: list[Backend], supervisor: Supervisor | None = None) -> None:
+    def __init__(self, cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] | None = None, *,
+                 loader: Callable[[], Config] | None = None) -> None:
         self.cfg = cfg
+        self.loader = loader
+        self._tasks: set[asyncio.Future[Any]] = set()
         self.metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
         self.router = Router(backends, self.metrics)
-        self.supervisor = supervisor
         self.access_log = AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format)
         self.scheduler = Scheduler(cfg.classes, aging_s=cfg.scheduler.aging_s, on_change=self._queue_changed,
                                    policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack)
+        self.supervisor = Supervisor(processes or [], max_loaded_gib=cfg.runtimes.max_loaded_gib,
+                                     on_ready=self.scheduler.dispatch)
+        for proc in self.supervisor.processes.values():
+            proc.on_ready = self.scheduler.dispatch
         self.keystore = KeyStore(cfg.auth.db or None)
         self.gateway = Gateway(cfg, self.router, self.metrics, self.access_log, self.scheduler,
                                KeyRing(self.keystore))
+        self.gateway.on_demand = self.supervisor.request_start
         self.usage = UsageRecorder(self.keystore.conn)
         self.gateway.listeners.append(self.usage.record)
         self.started_at = time.time()
@@ -92,12 +106,12 @@ class App:
                 return
             await self.gateway.handle(scope, receive, send, endpoint)
             return
-        if method not in ("GET", "HEAD"):
+        if method not in ("GET", "HEAD") and not is_control_path(path):
             await self._error(send, NotFound(f"No route for {method} {path}.")
                               if path not in ROUTES else MethodNotAllowed(f"Use GET for {path}."))
             return
         if is_admin_path(path):
-            await self._admin(scope, send, on_admin_port=False)
+            await self._admin(scope, send, on_admin_port=False, receive=receive)
             return
         handler = ROUTES.get(path)
         if handler is None:
@@ -113,13 +127,19 @@ class App:
         path, method = scope["path"], scope["method"]
         if not is_admin_path(path):
             await self._error(send, NotFound(f"Only the admin routes are served on this port, not {path}."))
-        elif method not in ("GET", "HEAD"):
+        elif method not in ("GET", "HEAD") and not is_control_path(path):
             await self._error(send, MethodNotAllowed(f"Use GET for {path}."))
         else:
-            await self._admin(scope, send, on_admin_port=True)
+            await self._admin(scope, send, on_admin_port=True, receive=receive)
 
-    async def _admin(self, scope: Scope, send: Send, *, on_admin_port: bool) -> None:
+    async def _admin(self, scope: Scope, send: Send, *, on_admin_port: bool, receive: Receive | None = None) -> None:
         path = scope["path"]
+        if is_control_path(path) and (self.admin_listener is not None) == on_admin_port and receive is not None:
+            if (err := self.admin_guard.check(scope)) is not None:
+                await self._error(send, err)
+                return
+            await control.handle(self, scope, receive, send)
+            return
         handler = ROUTES.get(path)
         if handler is None or (self.admin_listener is not None) != on_admin_port:
             where = " on this port" if self.admin_listener is not None and not on_admin_port else ""
@@ -150,8 +170,11 @@ class App:
 
     async def ready(self, scope: Scope, send: Send) -> None:
         up = [b.name for b in self.router.backends if b.stats.up]
-        status = 200 if up else 503
-        await self._json(send, status, {"status": "ready" if up else "unavailable", "backends_up": up})
+        # an on-demand runtime can serve too: it starts when asked
+        on_demand = [b.name for b in self.router.backends if b.cfg.on_demand and not b.stats.up and not b.draining]
+        status = 200 if up or on_demand else 503
+        await self._json(send, status, {"status": "ready" if status == 200 else "unavailable", "backends_up": up,
+                                        "on_demand": on_demand})
 
     async def models(self, scope: Scope, send: Send) -> None:
         created = int(self.started_at)
@@ -222,6 +245,9 @@ class App:
         await self.router.start()
         self.router.on_up = self.scheduler.dispatch
         self.usage.start()
+        if self.loader is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not on Windows / off the main thread
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_in_background)
         s = self.cfg.server
         if self.admin_listener is not None:
             await self.admin_listener.start()
@@ -234,6 +260,63 @@ class App:
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
                          f"[{', '.join(b.cfg.endpoints)}], {b.capacity} slots, {'up' if b.stats.up else 'DOWN'}")
         print("\n".join(lines), file=sys.stderr, flush=True)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        """Run ``coro`` in the background, keeping a reference until it ends."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _reload_in_background(self) -> None:
+        async def run() -> None:
+            try:
+                await self.reload()
+            except InvalidRequest as exc:
+                log.error("%s", exc.message)
+
+        self._spawn(run(), "reload")
+
+    async def reload(self) -> dict[str, list[str]]:
+        """Re-read the configuration: added backends start, removed ones drain (finish their
+        requests, then stop), unchanged ones are not touched and keep their streams."""
+        if self.loader is None:
+            raise InvalidRequest("This gateway has no configuration file to reload.")
+        try:
+            new = expand(await asyncio.to_thread(self.loader))
+        except ConfigError as exc:
+            raise InvalidRequest(f"Reload refused, the running configuration stays: {exc}") from None
+        current = {b.name: b for b in self.router.backends}
+        wanted = {bc.name: bc for bc in new.backends}
+        kept = [n for n, b in current.items() if n in wanted and wanted[n] == b.cfg]
+        removed = [n for n in current if n not in kept]
+        added = [n for n in wanted if n not in kept]
+        for name in removed:
+            current[name].draining = True
+            self._spawn(self._retire(current[name]), f"retire-{name}")
+        backends = [current[n] for n in kept]
+        for name in added:
+            backend, proc = build_runtime(wanted[name], self.cfg.timeouts)
+            await backend.start()
+            backends.append(backend)
+            if proc is not None:
+                proc.on_ready = self.scheduler.dispatch
+                self.supervisor.processes[name] = proc
+                if not backend.cfg.on_demand:
+                    self._spawn(self.supervisor.start(name), f"start-{name}")
+        self.router.set_backends(backends + [current[n] for n in removed])
+        log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
+        return {"added": added, "removed": removed, "unchanged": kept}
+
+    async def _retire(self, backend: Backend) -> None:
+        while backend.in_flight:
+            await asyncio.sleep(0.2)
+        proc = self.supervisor.get(backend.name)
+        if proc is not None and proc.backend is backend:
+            await proc.stop()
+            del self.supervisor.processes[backend.name]
+        self.router.set_backends([b for b in self.router.backends if b is not backend])
+        await backend.close()
 
     async def shutdown(self) -> None:
         if self.admin_listener is not None:

@@ -50,51 +50,15 @@ def _parse_upstream(spec: str, index: int):
                          max_concurrency=slots or 16)
 
 
-def _embedded_backends(cfg):
-    """Build (once) and describe the embedded llama-server: one chat instance, one for embeddings."""
-    from passerelle import embedded
-    from passerelle.config import BackendConfig
-
-    e = cfg.embedded
-    binary = embedded.find_or_build_llama_server(e.llama_server or None)
-    model = Path(e.model_path).expanduser() if e.model_path else embedded.ensure_default_model()
-    if not model.is_file():
-        from passerelle.errors import ConfigError
-
-        raise ConfigError(f"model file {model} does not exist", file=cfg.source, key="embedded.model_path")
-    chat = BackendConfig(name="local", kind="llama-server", models=(e.model_id,), endpoints=("chat", "completions"),
-                         max_concurrency=e.slots,
-                         launch=embedded.launch_command(binary, model, alias=e.model_id, slots=e.slots,
-                                                        ctx_per_slot=e.ctx_per_slot, threads=e.threads,
-                                                        extra=e.extra_args))
-    out = [chat]
-    if e.embeddings:
-        out.append(BackendConfig(name="local-embed", kind="llama-server", models=(e.model_id,),
-                                 endpoints=("embeddings",), max_concurrency=1,
-                                 launch=embedded.launch_command(binary, model, alias=e.model_id, slots=1,
-                                                                ctx_per_slot=2048, threads=e.threads,
-                                                                embeddings=True)))
-    return out
-
-
-def build_app(cfg):
-    """The ASGI app for ``cfg`` with its supervised runtimes (nothing started yet)."""
-    import dataclasses
-
+def build_app(cfg, loader=None):
+    """The ASGI app for ``cfg`` with its supervised runtimes (nothing started yet); ``loader``
+    re-reads the configuration on reload."""
     from passerelle.app import App
-    from passerelle.backends import make_backend
-    from passerelle.supervisor import RuntimeProcess, Supervisor
+    from passerelle.runtimes import build_runtime, expand
 
-    if cfg.uses_embedded:
-        cfg = dataclasses.replace(cfg, backends=tuple(_embedded_backends(cfg)))
-    backends, processes = [], []
-    for bc in cfg.backends:
-        backend = make_backend(bc, cfg.timeouts)
-        backends.append(backend)
-        if bc.launch:
-            processes.append(RuntimeProcess(backend, bc.launch, ready_timeout_s=bc.ready_timeout_s,
-                                            log_path=Path(bc.log_file) if bc.log_file else None))
-    return App(cfg, backends, Supervisor(processes))
+    cfg = expand(cfg)
+    built = [build_runtime(bc, cfg.timeouts) for bc in cfg.backends]
+    return App(cfg, [b for b, _ in built], [p for _, p in built if p is not None], loader=loader)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -106,9 +70,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging()
     try:
         upstreams = tuple(_parse_upstream(u, i) for i, u in enumerate(args.upstream or [], 1))
-        cfg = load_config(args.config, upstreams=upstreams)
-        cfg = with_server(cfg, host=args.host, port=args.port, log_format=args.log_format)
-        app = build_app(cfg)
+        def loader():
+            return with_server(load_config(args.config, upstreams=upstreams), host=args.host, port=args.port,
+                               log_format=args.log_format)
+
+        cfg = loader()
+        app = build_app(cfg, loader)
     except ConfigError as exc:
         print(f"passerelle: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -210,6 +177,66 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_call(args: argparse.Namespace, method: str, path: str) -> tuple[int, bytes]:
+    import os
+    import urllib.error
+    import urllib.request
+
+    url = (args.url or os.environ.get("PASSERELLE_URL") or "http://127.0.0.1:8080").rstrip("/") + path
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    key = args.admin_key or os.environ.get("PASSERELLE_ADMIN_KEY")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except OSError as exc:
+        return 0, f"cannot reach the gateway at {url}: {exc}".encode()
+
+
+def _admin_result(status: int, body: bytes, ok_text: str | None = None) -> int:
+    if status == 200:
+        print(ok_text if ok_text is not None else body.decode(errors="replace").rstrip())
+        return 0
+    try:
+        import orjson
+
+        message = orjson.loads(body)["error"]["message"]
+    except Exception:
+        message = body.decode(errors="replace")
+    print(f"passerelle: {message}", file=sys.stderr)
+    return 1
+
+
+def cmd_runtime(args: argparse.Namespace) -> int:
+    from passerelle.control import render
+
+    if args.action == "list":
+        status, body = _admin_call(args, "GET", "/admin/runtimes")
+        return _admin_result(status, body, render(body) if status == 200 else None)
+    if not args.name:
+        print(f"passerelle: runtime {args.action} needs a NAME", file=sys.stderr)
+        return 2
+    if args.action == "logs":
+        status, body = _admin_call(args, "GET", f"/admin/runtimes/{args.name}/logs?lines={args.lines}")
+        return _admin_result(status, body)
+    status, body = _admin_call(args, "POST", f"/admin/runtimes/{args.name}/{args.action}")
+    return _admin_result(status, body)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    status, body = _admin_call(args, "POST", "/admin/reload")
+    return _admin_result(status, body)
+
+
+def _add_admin_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="the gateway (or its admin port); default $PASSERELLE_URL or http://127.0.0.1:8080")
+    p.add_argument("--admin-key", help="[admin] key, when set (default $PASSERELLE_ADMIN_KEY)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds to wait (a start may take long)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="passerelle",
@@ -251,6 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--db", help="the SQLite store")
     usage.add_argument("--since", help="2026-11-30, 2026-11-30T12:00, or back from now: 90m, 24h, 7d")
     usage.set_defaults(func=cmd_usage)
+
+    runtime = sub.add_parser("runtime", help="list, start, stop, restart the runtimes a running gateway launched, "
+                                             "or show their logs")
+    runtime.add_argument("action", choices=("list", "start", "stop", "restart", "logs"))
+    runtime.add_argument("name", nargs="?", help="the backend name (all but list)")
+    runtime.add_argument("--lines", type=int, default=100, help="lines of log to show (logs)")
+    _add_admin_client_flags(runtime)
+    runtime.set_defaults(func=cmd_runtime)
+
+    reload_ = sub.add_parser("reload", help="make a running gateway re-read its configuration (like SIGHUP)")
+    _add_admin_client_flags(reload_)
+    reload_.set_defaults(func=cmd_reload)
 
     setup = sub.add_parser("setup", help="build llama-server and assemble the default model (idempotent)")
     setup.set_defaults(func=cmd_setup)

@@ -75,6 +75,9 @@ class BackendConfig:
     api_key: str = ""  # sent upstream as Bearer, for remote OpenAI-compatible servers
     priority: bool = False  # vLLM started with --scheduling-policy priority: send the class
     log_file: str = ""
+    on_demand: bool = False  # launched when its model is first asked for, not at start
+    idle_ttl_s: float = 0.0  # stop a launched runtime after this long without requests (0: never)
+    memory_gib: float = 0.0  # what it needs loaded; 0: estimated from the GGUF size in `launch`
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,11 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class RuntimesConfig:
+    max_loaded_gib: float = 0.0  # memory budget of launched runtimes; 0: no budget
+
+
+@dataclass(frozen=True)
 class RoutingConfig:
     """How a request picks among the replicas serving its model."""
 
@@ -162,6 +170,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     source: str = "<defaults>"
@@ -173,7 +182,8 @@ class Config:
 
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
-                              "scheduler": SchedulerConfig, "routing": RoutingConfig}
+                              "scheduler": SchedulerConfig, "routing": RoutingConfig,
+                              "runtimes": RuntimesConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -353,13 +363,15 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                field_name="endpoints", **ck)
         _check(b.max_concurrency > 0, "expected a positive integer", key=f"{key}.max_concurrency",
                field_name="max_concurrency", **ck)
+        _check(not b.on_demand or bool(b.launch), "on_demand needs a 'launch' command", key=f"{key}.on_demand",
+               field_name="on_demand", **ck)
         _check(b.name not in {o.name for o in backends}, f"duplicate backend name '{b.name}'",
                key=f"{key}.name", field_name="name", **ck)
         backends.append(b)
     backends.extend(upstreams)
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
-                  routing=sections["routing"],
+                  routing=sections["routing"], runtimes=sections["runtimes"],
                   backends=tuple(backends), source=file)
 
 

@@ -173,6 +173,8 @@ class Gateway:
         self.auth_throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
         self.classes = {c.name: c for c in cfg.classes}
         self._retry_budget = 10.0  # retries allowed now; refilled by 0.2 per request
+        # Called with a pool none of whose replicas is up: starts an on-demand runtime.
+        self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
         self.listeners: list[Callable[[RequestRecord], None]] = []
 
@@ -289,6 +291,8 @@ class Gateway:
                       est_prompt_tokens=est_prompt, est_output_tokens=est_output,
                       can_wait_for_start=any(b.supervised for b in pool),
                       affinity=self.affinity_key(scope, data, endpoint) if len(pool) > 1 else "")
+            if self.on_demand is not None and not any(b.stats.up for b in pool):
+                self.on_demand(pool)
             rec.t_queued = time.perf_counter()
             rec.to(State.QUEUED)
             self._retry_budget = min(10.0, self._retry_budget + 0.2)

@@ -39,6 +39,11 @@ class Router:
                     pools.setdefault((m, e), []).append(b)
         self._by_model, self._pools = by_model, pools
 
+    def set_backends(self, backends: list[Backend]) -> None:
+        """Replace the backend list (a reload); requests already dispatched are not affected."""
+        self.backends = backends
+        self._rebuild()
+
     @property
     def models(self) -> list[str]:
         return list(self._by_model)

@@ -281,6 +281,7 @@ class Scheduler:
         t.running += 1
         job.backend = backend
         backend.in_flight += 1
+        backend.last_used = time.monotonic()
         if backend.ejected_until:
             backend.probing = True  # half-open: this request decides whether it comes back
         if job.affinity:

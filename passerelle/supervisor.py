@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from passerelle.backends import Backend
@@ -78,6 +79,7 @@ class RuntimeProcess:
         self.command: list[str] = []
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
+        self.on_ready: Callable[[], None] | None = None  # after a restart: queued requests may go
 
     @property
     def pid(self) -> int | None:
@@ -154,6 +156,8 @@ class RuntimeProcess:
                     await self._launch()
                     self.restarts += 1
                     backoff = 1.0
+                    if self.on_ready is not None:
+                        self.on_ready()
                     break
                 except RuntimeFailed as exc:
                     log.error("%s", exc)
@@ -184,14 +188,127 @@ class RuntimeProcess:
         self._set(ProcState.STOPPED)
 
 
-class Supervisor:
-    """All launched runtimes of one gateway."""
+def estimate_gib(command: tuple[str, ...]) -> float:
+    """What a runtime needs loaded, from the model file in its command line (GGUF size plus a
+    margin for the KV cache and buffers); 1 GiB when no model file can be found."""
+    for flag in ("-m", "--model"):
+        if flag in command:
+            i = command.index(flag)
+            if i + 1 < len(command):
+                try:
+                    return os.path.getsize(command[i + 1]) / 2**30 * 1.2 + 0.25
+                except OSError:
+                    break
+    return 1.0
 
-    def __init__(self, processes: list[RuntimeProcess]) -> None:
-        self.processes = processes
+
+class Supervisor:
+    """All launched runtimes of one gateway: start at boot or on demand, stop when idle, stay
+    within the memory budget (``[runtimes] max_loaded_gib``), and never start one twice."""
+
+    def __init__(self, processes: list[RuntimeProcess], *, max_loaded_gib: float = 0.0,
+                 on_ready: Callable[[], None] | None = None) -> None:
+        self.processes = {p.backend.name: p for p in processes}
+        self.max_loaded_gib = max_loaded_gib
+        self.on_ready = on_ready  # a runtime became ready: queued requests may go
+        self._lock = asyncio.Lock()  # one start decision at a time (budget, no double start)
+        self._starting: dict[str, asyncio.Task[None]] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    def get(self, name: str) -> RuntimeProcess | None:
+        return self.processes.get(name)
 
     async def start_all(self) -> None:
-        await asyncio.gather(*(p.start() for p in self.processes))
+        await asyncio.gather(*(p.start() for p in self.processes.values() if not p.backend.cfg.on_demand))
+        self._reaper = asyncio.create_task(self._reap_idle(), name="passerelle-idle-reaper")
 
     async def stop_all(self) -> None:
-        await asyncio.gather(*(p.stop() for p in self.processes), return_exceptions=True)
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for task in self._starting.values():
+            task.cancel()
+        await asyncio.gather(*(p.stop() for p in self.processes.values()), return_exceptions=True)
+
+    def need_gib(self, proc: RuntimeProcess) -> float:
+        return proc.backend.cfg.memory_gib or estimate_gib(proc.template)
+
+    def loaded_gib(self, *, besides: RuntimeProcess | None = None) -> float:
+        return sum(self.need_gib(p) for p in self.processes.values()
+                   if p is not besides and p.state in (ProcState.STARTING, ProcState.READY, ProcState.FAILED)
+                   and not p._stopping)
+
+    async def start(self, name: str) -> None:
+        """Start ``name`` (within the budget) and wait until it is ready; a second call while it
+        starts waits for the same start."""
+        proc = self.processes[name]
+        task = self._starting.get(name)
+        if task is None:
+            task = asyncio.create_task(self._start(proc), name=f"start-{name}")
+            self._starting[name] = task
+            task.add_done_callback(lambda _t: self._starting.pop(name, None))
+        await asyncio.shield(task)
+
+    async def _start(self, proc: RuntimeProcess) -> None:
+        async with self._lock:
+            if proc.state is ProcState.READY and not proc._stopping:
+                return
+            if self.max_loaded_gib:
+                need = self.need_gib(proc)
+                while self.loaded_gib(besides=proc) + need > self.max_loaded_gib:
+                    victim = self._idle_lru(besides=proc)
+                    if victim is None:
+                        raise RuntimeFailed(
+                            f"runtime {proc.backend.name} needs {need:.1f} GiB; {self.loaded_gib():.1f} of "
+                            f"{self.max_loaded_gib:g} GiB are held by busy runtimes")
+                    log.info("runtime %s: stopping idle %s to make room (memory budget %g GiB)",
+                             proc.backend.name, victim.backend.name, self.max_loaded_gib)
+                    await victim.stop()
+            await proc.start()
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def _idle_lru(self, *, besides: RuntimeProcess) -> RuntimeProcess | None:
+        idle = [p for p in self.processes.values()
+                if p is not besides and p.state is ProcState.READY and p.backend.in_flight == 0]
+        return min(idle, key=lambda p: p.backend.last_used, default=None)
+
+    def request_start(self, pool: list[Backend]) -> None:
+        """A request waits for ``pool``: start one of its stopped on-demand runtimes, once."""
+        if any(b.stats.up or b.name in self._starting for b in pool):
+            return
+        for b in pool:
+            proc = self.processes.get(b.name)
+            if proc is not None and b.cfg.on_demand and proc.state in (ProcState.STOPPED, ProcState.FAILED):
+                task = asyncio.ensure_future(self.start(b.name))
+                task.add_done_callback(_log_failure)
+                return
+
+    async def stop(self, name: str) -> None:
+        await self.processes[name].stop()
+
+    async def restart(self, name: str) -> None:
+        await self.processes[name].stop()
+        await self.start(name)
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for p in self.processes.values():
+                ttl = p.backend.cfg.idle_ttl_s
+                if (ttl and p.state is ProcState.READY and p.backend.in_flight == 0
+                        and now - p.backend.last_used >= ttl and p.backend.name not in self._starting):
+                    log.info("runtime %s: idle for %g s, stopping", p.backend.name, ttl)
+                    await p.stop()
+
+    def describe(self) -> list[dict[str, object]]:
+        return [{"name": name, "kind": p.backend.kind, "state": p.state.value, "pid": p.pid, "url": p.backend.url,
+                 "restarts": p.restarts, "in_flight": p.backend.in_flight, "up": p.backend.stats.up,
+                 "on_demand": p.backend.cfg.on_demand, "need_gib": round(self.need_gib(p), 2),
+                 "log": str(p.log_path), "command": p.command or list(p.template)}
+                for name, p in self.processes.items()]
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("on-demand start failed: %s", task.exception())

@@ -179,7 +179,7 @@ def gateway(tmp_path) -> Callable[..., Gateway]:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1",
                                          "PASSERELLE_STATE": str(tmp_path / "state"), **(env or {})})
-        gw = Gateway(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
+        gw = Gateway(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path, extra={"config": cfg_path})
         started.append(gw)
 
         def up() -> bool:

@@ -62,6 +62,7 @@ class Backend:
         self.in_flight = 0  # requests dispatched and not finished; the scheduler keeps it
         self.supervised = False  # launched by passerelle: may come back after a crash
         self.draining = False  # removed by a reload: finishes its requests, takes no new one
+        self.last_used = time.monotonic()  # last dispatch, for idle stop and LRU eviction
         self.stats = BackendStats()
         # Passive ejection: after EJECT_AFTER failures in a row the replica gets no requests for a
         # while; then one request probes it (half-open) and its outcome decides.
