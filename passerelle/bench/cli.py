@@ -246,7 +246,7 @@ def _run(args: argparse.Namespace, targets: list[tuple[str, str]], kind: str) ->
     from passerelle import __version__
     from passerelle.bench import report, runner, stats
     from passerelle.bench.progress import Progress
-    from passerelle.bench.target import Target, normalize_url
+    from passerelle.bench.target import normalize_url
     from passerelle.bench.workload import ScenarioError
 
     if args.out is None:
@@ -273,27 +273,13 @@ def _run(args: argparse.Namespace, targets: list[tuple[str, str]], kind: str) ->
     samples: dict[tuple[str, str], dict[str, list[float]]] = {}
     request_rows: list[dict[str, Any]] = []
     notes: list[str] = []
-    failed = 0
-    with Progress(args.progress) as progress:
-        for name, url in urls:
-            target = Target(name, url, model=args.model, api_key=args.api_key)
-            try:
-                target, tuned, note = runner.prepare(target, workload, calibrate_prompts=args.calibrate)
-                notes.append(f"{name}: {note}.")
-                calibration = {"tokens_per_word": tuned.tokens_per_word, "overhead_tokens": tuned.prompt_overhead}
-                mine = [_retune(level, workload, tuned) for level in levels]
-                results = runner.run_levels(target, mine, options, progress)
-            except (runner.BenchError, RuntimeError, OSError) as exc:
-                failed += 1
-                notes.append(f"{name}: not measured — {exc}")
-                progress.note(f"passerelle bench: {name}: {exc}")
-                described.append(target.describe())
-                continue
-            described.append({**target.describe(), "prompt_calibration": calibration})
-            for res in results:
-                records = stats.level_records(name, res, slos)
-                runs.extend(records)
-                _collect(name, res, samples, request_rows)
+    try:
+        with Progress(args.progress) as progress:
+            failed = _measure_all(args, urls, workload, levels, options, slos, progress, runs, described, samples,
+                                  request_rows, notes)
+    except KeyboardInterrupt:
+        print("passerelle: bench interrupted; nothing written", file=sys.stderr)
+        return 130
     if failed == len(urls):
         print(f"passerelle: {kind}: no target could be measured", file=sys.stderr)
         return 1
@@ -316,6 +302,36 @@ def _run(args: argparse.Namespace, targets: list[tuple[str, str]], kind: str) ->
     print(f"{results_doc['verdict']['reason']}.")
     print(f"wrote {', '.join(p.name for p in paths)} to {args.out}")
     return 0 if failed == 0 else 1
+
+
+def _measure_all(args: argparse.Namespace, urls: list[tuple[str, str]], workload: Workload, levels: list[Any],
+                 options: Any, slos: list[Any], progress: Any, runs: list[dict[str, Any]],
+                 described: list[dict[str, Any]], samples: dict[tuple[str, str], dict[str, list[float]]],
+                 request_rows: list[dict[str, Any]], notes: list[str]) -> int:
+    """Run the levels against each target in turn, filling the lists; returns how many failed."""
+    from passerelle.bench import runner, stats
+    from passerelle.bench.target import Target
+
+    failed = 0
+    for name, url in urls:
+        target = Target(name, url, model=args.model, api_key=args.api_key)
+        try:
+            target, tuned, note = runner.prepare(target, workload, calibrate_prompts=args.calibrate)
+            notes.append(f"{name}: {note}.")
+            calibration = {"tokens_per_word": tuned.tokens_per_word, "overhead_tokens": tuned.prompt_overhead}
+            mine = [_retune(level, workload, tuned) for level in levels]
+            results = runner.run_levels(target, mine, options, progress)
+        except (runner.BenchError, RuntimeError, OSError) as exc:
+            failed += 1
+            notes.append(f"{name}: not measured — {exc}")
+            progress.note(f"passerelle bench: {name}: {exc}")
+            described.append(target.describe())
+            continue
+        described.append({**target.describe(), "prompt_calibration": calibration})
+        for res in results:
+            runs.extend(stats.level_records(name, res, slos))
+            _collect(name, res, samples, request_rows)
+    return failed
 
 
 def _retune(level: Any, base: Workload, tuned: Workload) -> Any:

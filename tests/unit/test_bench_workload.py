@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from passerelle.bench.runner import Level, share_level
+from passerelle.bench.processes import share_level
+from passerelle.bench.runner import Level
 from passerelle.bench.target import normalize_url, parse_target
 from passerelle.bench.workload import (
     WORDS,
