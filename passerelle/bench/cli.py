@@ -268,6 +268,7 @@ def _run(args: argparse.Namespace, targets: list[tuple[str, str]], kind: str) ->
         return _usage(str(exc))
     options = runner.RunOptions(warmup=max(args.warmup, 0), timeout=args.timeout, processes=args.processes)
     created = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load_start = _loadavg()
     runs: list[dict[str, Any]] = []
     described: list[dict[str, Any]] = []
     samples: dict[tuple[str, str], dict[str, list[float]]] = {}
@@ -291,7 +292,7 @@ def _run(args: argparse.Namespace, targets: list[tuple[str, str]], kind: str) ->
         "created": created,
         "command": _command(args, kind),
         "passerelle_version": __version__,
-        "machine": report.machine_info(),
+        "machine": {**report.machine_info(), "load_average_start": load_start, "load_average_end": _loadavg()},
         "targets": described,
         "workload": {k: v for k, v in workload.describe().items()
                      if k not in ("tokens_per_word", "prompt_overhead")},
@@ -302,6 +303,16 @@ def _run(args: argparse.Namespace, targets: list[tuple[str, str]], kind: str) ->
     print(f"{results_doc['verdict']['reason']}.")
     print(f"wrote {', '.join(p.name for p in paths)} to {args.out}")
     return 0 if failed == 0 else 1
+
+
+def _loadavg() -> float | None:
+    """The 1-minute load average: a busy machine skews latencies, so the report says how busy."""
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def _measure_all(args: argparse.Namespace, urls: list[tuple[str, str]], workload: Workload, levels: list[Any],

@@ -136,6 +136,14 @@ def _load(run: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _machine(m: dict[str, Any]) -> str:
+    text = (f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB memory, {m['os']}, Python {m['python']}.")
+    if m.get("load_average_start") is not None:
+        text += (f" Load average (1 min) {m['load_average_start']:g} at the start, "
+                 f"{m.get('load_average_end', 0):g} at the end.")
+    return text
+
+
 def _version(t: dict[str, Any]) -> str:
     v = t.get("version") or {}
     keys = ("build_info", "version", "owned_by", "total_slots", "n_ctx")
@@ -232,9 +240,7 @@ def render_markdown(results: dict[str, Any], plots: Sequence[Path]) -> str:
              f"Measured {results['created']} with passerelle {results['passerelle_version']}: "
              f"`{results['command']}`", "", "## Verdict", "", v["reason"] + ".", ""]
     lines += _md_table(*_verdict_rows(v))
-    lines += ["", "## Machine", "",
-              f"Load generator: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB memory, {m['os']}, "
-              f"Python {m['python']}.", "", "## Targets", ""]
+    lines += ["", "## Machine", "", f"Load generator: {_machine(m)}", "", "## Targets", ""]
     lines += _md_table(["target", "url", "model", "version"],
                        [[t["name"], t["url"], str(t["model"]), _version(t)] for t in results["targets"]])
     lines += ["", "## Workload", "", *(f"- {x}" for x in _workload_lines(results)), "", "## Results", ""]
@@ -280,8 +286,7 @@ def render_html(results: dict[str, Any], plots: Sequence[Path]) -> str:
              f"<p>Measured {e(results['created'])} with passerelle {e(results['passerelle_version'])}: "
              f"<code>{e(results['command'])}</code></p>",
              f"<h2>Verdict</h2><p class='verdict'>{e(v['reason'])}.</p>", _html_table(*_verdict_rows(v)),
-             f"<h2>Machine</h2><p>Load generator: {e(m['cpu'])}, {m['cores']} cores, {m['memory_gib']} GiB "
-             f"memory, {e(m['os'])}, Python {e(m['python'])}.</p><h2>Targets</h2>",
+             f"<h2>Machine</h2><p>Load generator: {e(_machine(m))}</p><h2>Targets</h2>",
              _html_table(["target", "url", "model", "version"],
                          [[t["name"], t["url"], str(t["model"]), _version(t)] for t in results["targets"]]),
              "<h2>Workload</h2><ul>" + "".join(f"<li>{_md_inline(x)}</li>" for x in _workload_lines(results))
