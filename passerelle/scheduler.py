@@ -227,24 +227,38 @@ class Scheduler:
         return max(1, math.floor(cls.slot_share * backend.capacity + 1e-9))
 
     def _fit(self, job: Job) -> Backend | None:
-        """A replica with a free slot this job's class may take: the one that served the same
-        conversation before while it is at most ``affinity_slack`` busier than the least loaded
-        (prefix-only routing collapses under skew), else the least loaded (or the next in turn)."""
+        """The replica this job may start on now, or None to keep it waiting.
+
+        A job with an affinity (a conversation, a session) goes to its home replica, the one that
+        served it before and holds its prompt cache, while home is at most ``affinity_slack`` of
+        its slots busier than the least loaded replica, counting requests queued for each; if home
+        is full within that bound, the job waits for it rather than recompute its prompt elsewhere.
+        Past the bound it spills to the least loaded replica (prefix-only routing collapses under
+        skew). Other jobs go to the least loaded replica, or the next in turn (``round_robin``).
+        """
         now = self.clock()
-        free = [b for b in job.pool
-                if b.in_flight < b.capacity and b.name not in job.exclude and b.routable(now)
+        usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
+        free = [b for b in usable if b.in_flight < b.capacity
                 and self.running.get((b.name, job.cls.name), 0) < self._limit(b, job.cls)]
+        if self.policy == "round_robin":
+            return free[next(self._rr) % len(free)] if free else None
+        home_name = self.affinity.get(job.affinity) if job.affinity else None
+        home = next((b for b in usable if b.name == home_name), None)
+        if home is not None and len(usable) > 1:
+            queued: dict[str, int] = {}
+            for j in self.waiting:
+                if j is not job and j.affinity and (name := self.affinity.get(j.affinity)) is not None:
+                    queued[name] = queued.get(name, 0) + 1
+
+            def pending(b: Backend) -> float:
+                return (b.in_flight + queued.get(b.name, 0)) / b.capacity
+
+            others = min(pending(b) for b in usable if b is not home)
+            if pending(home) <= others + self.affinity_slack:
+                return home if home in free else None
         if not free:
             return None
-        if self.policy == "round_robin":
-            return free[next(self._rr) % len(free)]
-        least = min(free, key=lambda b: b.in_flight / b.capacity)
-        if job.affinity and (name := self.affinity.get(job.affinity)) is not None:
-            bound = least.in_flight / least.capacity + self.affinity_slack
-            for b in free:
-                if b.name == name and b.in_flight / b.capacity <= bound:
-                    return b
-        return least
+        return min(free, key=lambda b: b.in_flight / b.capacity)
 
     def _key(self, job: Job, now: float) -> tuple[float, float, int]:
         promoted = int((now - job.enqueued_at) // self.aging_s) if self.aging_s > 0 else 0

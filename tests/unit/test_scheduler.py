@@ -368,3 +368,38 @@ async def test_excluded_replica_is_skipped_on_retry(clock):
     j = job([b1, b2], exclude={"b1"})
     s.submit(j)
     assert j.backend is b2
+
+
+async def test_conversation_waits_for_its_full_home_replica_when_the_other_is_nearly_as_busy(clock):
+    b1, b2 = FakeBackend("b1", capacity=2), FakeBackend("b2", capacity=2)
+    s = make(clock)
+    first = job([b1, b2], affinity="conv")
+    s.submit(first)
+    home = first.backend
+    other = b2 if home is b1 else b1
+    s.submit(job([home]))  # home is now full (2 of 2)
+    s.submit(job([other]))  # the other replica is half busy (1 of 2)
+    s.release(first)
+    s.submit(job([home]))  # home full again
+    turn2 = job([b1, b2], affinity="conv")
+    s.submit(turn2)
+    assert turn2.backend is None  # waits for home: 1.0 <= 0.5 + 0.5
+    # a slot frees on home: the conversation goes there, not to the other replica
+    home.in_flight -= 1
+    s.running[(home.name, "standard")] -= 1
+    s.dispatch()
+    assert turn2.backend is home
+
+
+async def test_conversation_spills_when_home_is_much_busier(clock):
+    b1, b2 = FakeBackend("b1", capacity=2), FakeBackend("b2", capacity=2)
+    s = make(clock)
+    first = job([b1, b2], affinity="conv")
+    s.submit(first)
+    home = first.backend
+    other = b2 if home is b1 else b1
+    s.submit(job([home]))
+    s.submit(job([home]))  # one more queued for home
+    turn2 = job([b1, b2], affinity="conv")
+    s.submit(turn2)
+    assert turn2.backend is other  # home full (1.0) > idle other (0) + slack 0.5

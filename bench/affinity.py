@@ -1,0 +1,135 @@
+"""Prefix affinity vs round robin over two llama-server replicas, same run.
+
+Eight users hold five-turn chats (a long shared-per-conversation system prompt, growing history)
+through two gateways over the same two replicas: one routes with prefix affinity (the default),
+the other round robin. Every conversation is fresh, so no run profits from another's cache.
+Reports TTFT p50/p95 and the prompt tokens llama-server had to process (not taken from its cache).
+
+    .venv/bin/python bench/affinity.py [--users 8] [--turns 5] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ttft_gateway_vs_direct import free_port, pct, wait_http
+
+from passerelle import embedded
+
+MODEL = "gemma-3-270m"
+SYSTEM = ("You are the archivist of a coastal town. You answer questions about its lighthouses, its harbour, "
+          "the ships that pass and the families who kept the lights for two centuries. ") * 6
+
+
+async def turn(session: aiohttp.ClientSession, base: str, messages: list[dict]) -> tuple[float, int, str]:
+    body = {"model": MODEL, "stream": True, "max_tokens": 12, "messages": messages,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, processed, text = None, 0, []
+    async with session.post(base + "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            if ttft is None and b'"content":"' in line:
+                ttft = time.perf_counter() - t0
+            obj = orjson.loads(line[6:])
+            for ch in obj.get("choices") or []:
+                text.append((ch.get("delta") or {}).get("content") or "")
+            if obj.get("timings"):
+                processed = obj["timings"].get("prompt_n", 0)
+    return ttft or 0.0, processed, "".join(text)
+
+
+async def user(session: aiohttp.ClientSession, base: str, uid: str, turns: int, out: dict) -> None:
+    messages = [{"role": "system", "content": f"[{uid}] " + SYSTEM},
+                {"role": "user", "content": f"I am visitor {uid}. Which lighthouse is the oldest?"}]
+    for t in range(turns):
+        ttft, processed, answer = await turn(session, base, messages)
+        out["ttft"].append(ttft)
+        out["processed"] += processed
+        messages += [{"role": "assistant", "content": answer or "..."},
+                     {"role": "user", "content": f"Tell me more about that, part {t + 2}."}]
+
+
+async def run(base: str, users: int, turns: int, tag: str) -> dict:
+    out: dict = {"ttft": [], "processed": 0}
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(user(session, base, f"{tag}-{u}-{time.time_ns()}", turns, out) for u in range(users)))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating affinity / round robin runs")
+    args = ap.parse_args()
+    binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
+    work = Path(tempfile.mkdtemp(prefix="passerelle-affinity-"))
+    procs: list[subprocess.Popen] = []
+    replicas = []
+    for i in range(2):
+        port = free_port()
+        with open(work / f"replica{i}.log", "wb") as log:
+            procs.append(subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL, "--port", str(port),
+                                           "-np", "2", "-c", "8192", "-t", "1", "--metrics", "--slots", "--no-webui"],
+                                          stdout=log, stderr=subprocess.STDOUT))
+        replicas.append(f"http://127.0.0.1:{port}")
+    gateways = {}
+    for name, routing in (("affinity", ""), ("round robin", '[routing]\npolicy = "round_robin"\n')):
+        cfg = work / f"{name.replace(' ', '-')}.toml"
+        cfg.write_text(routing + "[server]\naccess_log = false\n" + "".join(
+            f'[[backends]]\nname = "r{i}"\nkind = "llama-server"\nurl = "{url}"\nmodels = ["{MODEL}"]\n'
+            f'max_concurrency = 2\n' for i, url in enumerate(replicas)))
+        port = free_port()
+        with open(work / f"{name.replace(' ', '-')}.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(port)],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PASSERELLE_STATE": str(work)}))
+        gateways[name] = f"http://127.0.0.1:{port}"
+    results: dict[str, dict] = {name: {"ttft": [], "processed": 0} for name in gateways}
+    try:
+        for url in replicas:
+            wait_http(url + "/health")
+        for url in gateways.values():
+            wait_http(url + "/ready")
+        for r in range(args.rounds):
+            order = list(gateways.items()) if r % 2 == 0 else list(gateways.items())[::-1]
+            for name, base in order:
+                print(f"round {r + 1}: {name}", file=sys.stderr, flush=True)
+                got = asyncio.run(run(base, args.users, args.turns, f"{name[:3]}{r}"))
+                results[name]["ttft"] += got["ttft"]
+                results[name]["processed"] += got["processed"]
+    finally:
+        for p in procs[::-1]:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(60)
+    print(f"\n{args.users} users x {args.turns}-turn chats on 2 llama-server replicas (Gemma 3 270M, 2 slots, "
+          f"1 thread each), {args.rounds} alternating rounds\n")
+    print(f"{'routing':14}{'requests':>9}{'TTFT p50 ms':>13}{'TTFT p95 ms':>13}{'prompt tokens processed':>25}")
+    for name, r in results.items():
+        print(f"{name:14}{len(r['ttft']):>9}{pct(r['ttft'], 50) * 1000:13.0f}{pct(r['ttft'], 95) * 1000:13.0f}"
+              f"{r['processed']:>25}")
+    a, b = results["affinity"], results["round robin"]
+    print(f"\nTTFT p50 affinity / round robin: {pct(a['ttft'], 50) / pct(b['ttft'], 50):.2f} (goal <= 0.70); "
+          f"prompt tokens processed: {a['processed'] / max(b['processed'], 1):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

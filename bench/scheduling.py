@@ -1,0 +1,169 @@
+"""Priority and fair share in front of a real llama-server, measured side by side in one run.
+
+1. Interactive TTFT p95 alone, then under a batch flood (3x the slots, long outputs), one
+   interactive request about every second: straight to llama-server (its FIFO) vs through passerelle.
+2. Two backlogged batch tenants of equal weight, one with 4x the concurrency of the other:
+   each one's share of generated tokens through passerelle (and straight, for reference).
+3. Aggregate tokens/s under the flood, through passerelle vs direct.
+
+Every prompt is fresh, so that no run profits from llama-server's prompt cache.
+
+    .venv/bin/python bench/scheduling.py [--slots 4] [--phase-s 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ttft_gateway_vs_direct import free_port, pct, wait_http
+
+from passerelle import embedded
+
+MODEL = "gemma-3-270m"
+
+
+class Load:
+    def __init__(self, base: str, session: aiohttp.ClientSession) -> None:
+        self.base = base
+        self.session = session
+        self.tokens: dict[str, int] = {}
+        self.ttfts: list[float] = []
+        self.errors = 0
+
+    async def one(self, *, tenant: str, cls: str, max_tokens: int, record_ttft: bool = False) -> None:
+        body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "user": tenant,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": f"{tenant} {time.time_ns()}: tell a long story."}]}
+        t0 = time.perf_counter()
+        first = None
+        usage = 0
+        try:
+            async with self.session.post(self.base + "/v1/chat/completions", json=body,
+                                         headers={"X-Priority": cls}) as resp:
+                if resp.status != 200:
+                    self.errors += 1
+                    await resp.read()
+                    return
+                async for line in resp.content:
+                    if first is None and b'"content":"' in line:
+                        first = time.perf_counter() - t0
+                    if b'"completion_tokens"' in line:
+                        usage = int(line.split(b'"completion_tokens":')[1].split(b",")[0].split(b"}")[0])
+        except aiohttp.ClientError:
+            self.errors += 1
+            return
+        self.tokens[tenant] = self.tokens.get(tenant, 0) + usage
+        if record_ttft and first is not None:
+            self.ttfts.append(first)
+
+    async def closed_loop(self, stop: float, *, tenant: str, cls: str, max_tokens: int) -> None:
+        while time.perf_counter() < stop:
+            await self.one(tenant=tenant, cls=cls, max_tokens=max_tokens)
+
+    async def interactive(self, stop: float, every_s: float = 1.0) -> None:
+        tasks = []
+        while time.perf_counter() < stop:
+            tasks.append(asyncio.create_task(self.one(tenant="chat-user", cls="interactive", max_tokens=16,
+                                                      record_ttft=True)))
+            await asyncio.sleep(every_s)
+        await asyncio.gather(*tasks)
+
+
+async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, int] | None = None,
+                interactive: bool = True) -> tuple[Load, float]:
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)  # llama-server drops reused connections
+    async with aiohttp.ClientSession(connector=connector) as session:
+        load = Load(base, session)
+        t0 = time.perf_counter()
+        stop = t0 + seconds
+        jobs = [load.closed_loop(stop, tenant="bulk", cls="batch", max_tokens=64) for _ in range(flood)]
+        if fair:
+            jobs += [load.closed_loop(stop, tenant="tenant-a", cls="batch", max_tokens=64) for _ in range(fair[0])]
+            jobs += [load.closed_loop(stop, tenant="tenant-b", cls="batch", max_tokens=64) for _ in range(fair[1])]
+        if interactive:
+            jobs.append(load.interactive(stop))
+        await asyncio.gather(*jobs)
+        return load, time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--phase-s", type=float, default=40.0)
+    args = ap.parse_args()
+    binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
+    lport, gport = free_port(), free_port()
+    work = Path(tempfile.mkdtemp(prefix="passerelle-sched-"))
+    llama = subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL, "--port", str(lport),
+                              "-np", str(args.slots), "-c", str(args.slots * 2048), "--metrics", "--slots",
+                              "--no-webui"], stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    cfg = work / "gw.toml"
+    cfg.write_text(f'[auth]\nanonymous_max_priority = "interactive"\n[server]\naccess_log = false\n'
+                   f'[[backends]]\nname = "b"\nkind = "llama-server"\nurl = "http://127.0.0.1:{lport}"\n'
+                   f'models = ["{MODEL}"]\nmax_concurrency = {args.slots}\n')
+    gw = subprocess.Popen([sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(gport)],
+                          stdout=open(work / "gateway.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PASSERELLE_STATE": str(work)})
+    direct, gateway = f"http://127.0.0.1:{lport}", f"http://127.0.0.1:{gport}"
+    flood = 3 * args.slots
+    results: dict[str, tuple[Load, float]] = {}
+    try:
+        wait_http(direct + "/health")
+        wait_http(gateway + "/ready")
+        asyncio.run(phase(direct, 5, interactive=True))  # warm-up
+        for name, base, kw in [
+            ("alone direct", direct, {}),
+            ("alone gateway", gateway, {}),
+            ("flood direct", direct, {"flood": flood}),
+            ("flood gateway", gateway, {"flood": flood}),
+            ("fair direct", direct, {"fair": (8, 2), "interactive": False}),
+            ("fair gateway", gateway, {"fair": (8, 2), "interactive": False}),
+        ]:
+            print(f"running: {name} ({args.phase_s:g} s)", file=sys.stderr, flush=True)
+            results[name] = asyncio.run(phase(base, args.phase_s, **kw))
+    finally:
+        gw.send_signal(signal.SIGTERM)
+        gw.wait(60)
+        llama.terminate()
+        llama.wait(30)
+
+    def p95(name: str) -> float:
+        return pct(results[name][0].ttfts, 95) * 1000
+
+    print(f"\nGemma 3 270M on llama-server, {args.slots} slots; batch flood = {flood} closed-loop streams of 64 "
+          f"tokens; interactive = 1 request/s, 16 tokens; {args.phase_s:g} s per phase; fresh prompts.\n")
+    print("1. Interactive TTFT (ms)")
+    print(f"   {'':16}{'n':>4}{'p50':>9}{'p95':>9}")
+    for name in ("alone direct", "alone gateway", "flood direct", "flood gateway"):
+        xs = results[name][0].ttfts
+        print(f"   {name:16}{len(xs):>4}{pct(xs, 50) * 1000:9.0f}{pct(xs, 95) * 1000:9.0f}")
+    print(f"   flood/alone p95: direct {p95('flood direct') / p95('alone direct'):.2f}x, "
+          f"through passerelle {p95('flood gateway') / p95('alone gateway'):.2f}x (goal <= 2x)")
+    print("\n2. Share of generated tokens, tenant-a (8 streams) vs tenant-b (2 streams), equal weight")
+    for name in ("fair direct", "fair gateway"):
+        toks = results[name][0].tokens
+        total = sum(toks.values()) or 1
+        print(f"   {name:16} a {toks.get('tenant-a', 0) / total:6.1%}   b {toks.get('tenant-b', 0) / total:6.1%}"
+              f"   (goal through passerelle: 50% +/- 10%)")
+    print("\n3. Aggregate tokens/s under the flood")
+    rates = {n: sum(results[n][0].tokens.values()) / results[n][1] for n in ("flood direct", "flood gateway")}
+    print(f"   direct {rates['flood direct']:.1f}   through passerelle {rates['flood gateway']:.1f}   "
+          f"ratio {rates['flood gateway'] / rates['flood direct']:.3f} (goal >= 0.95)")
+    errors = {n: r[0].errors for n, r in results.items() if r[0].errors}
+    print(f"\nerrors: {errors or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
