@@ -134,6 +134,7 @@ class StreamRelay:
         """
         rec, t = self.rec, self.timeouts
         scanner = SSEScanner()
+        held: list[bytes] | None = []  # events before the first content chunk
         read = resp.content.readany
         send = self.send
         loop = asyncio.get_running_loop()
@@ -150,10 +151,18 @@ class StreamRelay:
                     events = scanner.feed(data)
                     if events:
                         payload = self._scan(events, time.perf_counter())
-                        if payload:
+                        if held is not None:
+                            # Before the first token nothing goes out (a role chunk is useless
+                            # alone): a runtime that fails or times out before then can still
+                            # be answered with a proper status, or replaced by another replica.
+                            held.append(payload)
+                            if not (rec.content_chunks or self.done or self.upstream_error):
+                                continue
+                            payload, held = b"".join(held), None
                             if self.before_first is not None:
                                 await self.before_first()
                                 self.before_first = None
+                        if payload:
                             await send({"type": "http.response.body", "body": payload, "more_body": True})
                     if rec.content_chunks:
                         budget.reschedule(min(total_at, loop.time() + t.between_tokens_s))
@@ -167,13 +176,15 @@ class StreamRelay:
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "
                                 f"{exc.__class__.__name__}", retryable=True) from exc
-        if scanner.pending.strip():
+        tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n" if scanner.pending.strip() else b""
+        if held is not None and self.done:  # a stream with no content at all, e.g. max_tokens = 0
+            tail = b"".join(held) + tail
+        if tail and (held is None or self.done):
+            # (a last event without its blank line is delivered rather than lost)
             if self.before_first is not None:
                 await self.before_first()
                 self.before_first = None
-            # A last event without its blank line: deliver it rather than lose it.
-            await send({"type": "http.response.body", "body": self._scan([scanner.pending], time.perf_counter())
-                        + b"\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
         if self.upstream_error:
             raise UpstreamError("The model runtime reported an error in the stream.")
         if not self.done:
