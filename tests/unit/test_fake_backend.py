@@ -222,3 +222,20 @@ def test_client_disconnect_frees_the_slot():
         t0 = time.perf_counter()
         r = httpx.post(fake.url + "/v1/chat/completions", json=chat(max_tokens=1))
         assert r.status_code == 200 and time.perf_counter() - t0 < 1.0
+
+
+def test_expect_100_continue_is_answered(fast):
+    """curl sends large bodies only after "100 Continue"; without one it stalls for a second."""
+    import socket
+
+    body = json.dumps(chat(max_tokens=1, stream=False)).encode()
+    host, port = fast.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(body)
+        answer = b""
+        while b'"usage"' not in answer:
+            answer += sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 200 OK")
