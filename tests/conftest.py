@@ -135,6 +135,16 @@ def llama_server(llama_paths, tmp_path_factory) -> Iterator[Server]:
     server.stop()
 
 
+def tokens_decoded(server_url: str) -> int:
+    """Tokens generated so far by the busiest slot (0 during prompt processing)."""
+    out = 0
+    for s in httpx.get(server_url + "/slots", timeout=2).json():
+        if s.get("is_processing"):
+            nxt = s.get("next_token") or [{}]
+            out = max(out, int((nxt[0] if isinstance(nxt, list) else nxt).get("n_decoded", 0)))
+    return out
+
+
 def slots_busy(server_url: str) -> int:
     return sum(1 for s in httpx.get(server_url + "/slots", timeout=2).json() if s.get("is_processing"))
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL_ID, slots_busy, upstream_config, wait_until
+from tests.conftest import MODEL_ID, slots_busy, tokens_decoded, upstream_config, wait_until
 
 pytestmark = pytest.mark.llama
 
@@ -157,7 +157,8 @@ def test_non_streaming_disconnect_frees_the_slot(gw, llama_server):
     sock = socket.create_connection((host, int(port)))
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-    wait_until(lambda: slots_busy(llama_server.url) == 1, 10, what="generation started")
+    # llama-server notices a closed connection only once it generates: wait until it does
+    wait_until(lambda: tokens_decoded(llama_server.url) >= 2, 30, what="generation started")
     sock.close()
     wait_until(lambda: slots_busy(llama_server.url) == 0, 1.0, what="slot freed after disconnect")
     wait_until(lambda: any(r["cause"] == "client_disconnect" and not r["stream"] for r in gw.access_log()), 5,
