@@ -92,12 +92,12 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="passerelle-bench-"))
     llama = subprocess.Popen([str(binary), "-m", str(model), "--alias", "gemma-3-270m", "--port", str(lport),
                               "-np", "4", "-c", "8192", "--metrics", "--slots", "--no-webui"],
-                             stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)
+                             stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     cfg = work / "gw.toml"
     cfg.write_text(f'[[backends]]\nname = "b"\nkind = "llama-server"\nurl = "http://127.0.0.1:{lport}"\n'
                    f'models = ["gemma-3-270m"]\nmax_concurrency = 4\n')
     gw = subprocess.Popen([sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(gport)],
-                          stdout=open(work / "gateway.log", "wb"), stderr=subprocess.STDOUT,
+                          stdout=open(work / "gateway.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_http(f"http://127.0.0.1:{lport}/health")
@@ -113,7 +113,8 @@ def main() -> int:
     print(f"TTFT over {args.requests} streaming requests each, alternating, Gemma 3 270M on llama-server (4 slots)")
     print(f"{'':10}{'median ms':>12}{'p95 ms':>10}{'mean ms':>10}")
     for name, xs in (("direct", d), ("gateway", g)):
-        print(f"{name:10}{statistics.median(xs) * 1000:12.1f}{pct(xs, 95) * 1000:10.1f}{statistics.mean(xs) * 1000:10.1f}")
+        print(f"{name:10}{statistics.median(xs) * 1000:12.1f}{pct(xs, 95) * 1000:10.1f}"
+              f"{statistics.mean(xs) * 1000:10.1f}")
     print(f"{'added':10}{(statistics.median(g) - statistics.median(d)) * 1000:12.1f}"
           f"{(pct(g, 95) - pct(d, 95)) * 1000:10.1f}{(statistics.mean(g) - statistics.mean(d)) * 1000:10.1f}")
     print(f"ratio gateway/direct: median {statistics.median(g) / statistics.median(d):.3f}, "
