@@ -333,6 +333,7 @@ class FakeBackend:
     def __post_init__(self) -> None:
         self.slots = Slots(self.config.slots)
         self.rng = random.Random(self.config.seed)
+        self.prompts_seen: set[int] = set()  # hashes, for tests: does a client ever repeat a prompt?
         self.routes = {
             (b"POST", b"/v1/chat/completions"): self.chat,
             (b"POST", b"/v1/completions"): self.completions,
@@ -376,7 +377,7 @@ class FakeBackend:
                                   "model_path": self.config.model, "total_slots": self.config.slots}), keep_alive)
 
     async def stats(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
-        conn.respond(200, _dumps(vars(self.counters)), keep_alive)
+        conn.respond(200, _dumps({**vars(self.counters), "distinct_prompts": len(self.prompts_seen)}), keep_alive)
 
     async def metrics(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
         c = self.counters
@@ -450,6 +451,7 @@ class FakeBackend:
                          keep_alive)
             return
         prompt_tokens = _count_words(prompt)
+        self.prompts_seen.add(hash(_dumps(prompt)))
         stream = bool(body.get("stream"))
         include_usage = cfg.usage and bool((body.get("stream_options") or {}).get("include_usage"))
         model = body.get("model") or cfg.model

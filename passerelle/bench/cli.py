@@ -324,14 +324,14 @@ def _measure_all(args: argparse.Namespace, urls: list[tuple[str, str]], workload
     from passerelle.bench.target import Target
 
     failed = 0
-    for name, url in urls:
+    for t_no, (name, url) in enumerate(urls):
         target = Target(name, url, model=args.model, api_key=args.api_key)
         try:
             target, tuned, note = runner.prepare(target, workload, calibrate_prompts=args.calibrate)
             notes.append(f"{name}: {note}.")
             calibration = {"tokens_per_word": tuned.tokens_per_word, "overhead_tokens": tuned.prompt_overhead}
             mine = [_retune(level, workload, tuned) for level in levels]
-            results = runner.run_levels(target, mine, options, progress)
+            results = runner.run_levels(target, mine, replace(options, index_base=t_no * 1_000_000_000), progress)
         except (runner.BenchError, RuntimeError, OSError) as exc:
             failed += 1
             notes.append(f"{name}: not measured — {exc}")

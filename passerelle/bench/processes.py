@@ -76,19 +76,19 @@ class _Forwarding(Tally):
 
 
 def _child(target: Target, level: Level, options: RunOptions, j: int, n: int, out: Any, go: Any,
-           start_at: Any) -> None:
+           start_at: Any, base: int) -> None:
     try:
-        run_loop(_child_async(target, level, options, j, n, out, go, start_at))
+        run_loop(_child_async(target, level, options, j, n, out, go, start_at, base))
     except BaseException as exc:
         out.put(("error", j, f"{type(exc).__name__}: {exc}"))
 
 
 async def _child_async(target: Target, level: Level, options: RunOptions, j: int, n: int, out: Any,
-                       go: Any, start_at: Any) -> None:
+                       go: Any, start_at: Any, base: int) -> None:
     mine = share_level(level, j, n)
     async with make_session(pool_size(mine)) as session:
         if any(c.concurrency or c.rate for c in mine.classes):
-            await warm_up(session, target, mine, math.ceil(options.warmup / n), options.timeout)
+            await warm_up(session, target, mine, math.ceil(options.warmup / n), options.timeout, base + j * 10_000)
         out.put(("ready", j))
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
         tally = _Forwarding()
@@ -101,7 +101,7 @@ async def _child_async(target: Target, level: Level, options: RunOptions, j: int
         ticker = asyncio.create_task(tick())
         try:
             result = await run_load(session, target, mine, timeout=options.timeout, tally=tally,
-                                    start_at=start_at.value, index_base=j, index_step=n,
+                                    start_at=start_at.value, index_base=base + j, index_step=n,
                                     phase=j / level.classes[0].rate if level.classes[0].rate else 0.0)
         finally:
             ticker.cancel()
@@ -109,7 +109,8 @@ async def _child_async(target: Target, level: Level, options: RunOptions, j: int
         out.put(("done", j, result))
 
 
-def run_level_processes(target: Target, level: Level, options: RunOptions, progress: Progress) -> LevelResult:
+def run_level_processes(target: Target, level: Level, options: RunOptions, progress: Progress,
+                        base: int = 0) -> LevelResult:
     import multiprocessing as mp
 
     # spawn: a fresh interpreter per process, safe whatever threads the parent has
@@ -118,7 +119,7 @@ def run_level_processes(target: Target, level: Level, options: RunOptions, progr
     out = ctx.Queue()
     go = ctx.Event()
     start_at = ctx.Value("d", 0.0)
-    procs = [ctx.Process(target=_child, args=(target, level, options, j, n, out, go, start_at), daemon=True)
+    procs = [ctx.Process(target=_child, args=(target, level, options, j, n, out, go, start_at, base), daemon=True)
              for j in range(n)]
     for p in procs:
         p.start()

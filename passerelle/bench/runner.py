@@ -26,7 +26,11 @@ from passerelle.bench.target import Target, discover
 from passerelle.bench.workload import Conversation, TrafficClass, Workload
 
 T = TypeVar("T")
-WARMUP_INDEX = 10_000_000  # warm-up and probe prompts never coincide with measured ones
+# Prompt indexes: every (target, level, class, process, conversation) gets its own, so no prompt
+# repeats — a runtime's prefix cache would otherwise serve a later level from an earlier one.
+LEVEL_STRIDE = 10_000_000
+CLASS_STRIDE = 1_000_000
+WARMUP_OFFSET = 900_000  # within a level's first class: warm-up, then calibration probes
 
 
 class BenchError(RuntimeError):
@@ -83,6 +87,7 @@ class RunOptions:
     warmup: int = 1
     timeout: float | None = 300.0
     processes: int = 1
+    index_base: int = 0  # distinct per target of a compare, so a shared backend never sees a repeat
 
 
 def run_loop(coro: Awaitable[T]) -> T:
@@ -139,7 +144,7 @@ async def run_load(session: Any, target: Target, level: Level, *, timeout: float
     model = target.model
     jobs = []
     for k, cls in enumerate(level.classes):
-        base = index_base + k * 1_000_000  # disjoint prompt indexes per class and per process
+        base = index_base + k * CLASS_STRIDE  # disjoint prompt indexes per class (and process: step)
         if cls.rate is None:
             jobs.append(_closed(cls, model, one, deadline, base, index_step))
         else:
@@ -221,7 +226,8 @@ async def preconnect(session: Any, target: Target, n: int) -> None:
                                for _ in range(min(n, 1024))))
 
 
-async def warm_up(session: Any, target: Target, level: Level, n: int, timeout: float | None) -> None:
+async def warm_up(session: Any, target: Target, level: Level, n: int, timeout: float | None,
+                  index_base: int = 0) -> None:
     """``n`` requests of the first class at the level's concurrency, not measured; then fill the pool."""
     expected = pool_size(level) or max(1, math.ceil(sum(c.rate or 0 for c in level.classes)))
     await preconnect(session, target, expected)
@@ -230,7 +236,7 @@ async def warm_up(session: Any, target: Target, level: Level, n: int, timeout: f
     cls = level.classes[0]
     conc = max(1, min(n, cls.concurrency or n))
     warm = Level((replace(cls, rate=None, concurrency=conc, requests=n),))
-    result = await run_load(session, target, warm, timeout=timeout, index_base=WARMUP_INDEX)
+    result = await run_load(session, target, warm, timeout=timeout, index_base=index_base + WARMUP_OFFSET)
     if not any(r.ok for r in result.results):
         first = result.results[0]
         raise BenchError(f"{target.name}: every warm-up request failed: {first.error} {first.detail}".strip())
@@ -255,7 +261,7 @@ async def calibrate(session: Any, target: Target, workload: Workload,
         points = []
         for n_words in sizes:
             # the same index gives the same passage: the two sizes share their first words
-            conv = Conversation(probe, WARMUP_INDEX + 900_000 + passage, target.model)
+            conv = Conversation(probe, WARMUP_OFFSET + 50_000 + passage, target.model)
             body = conv.body_for_words(n_words, 1)
             r = await send(session, target.base_url + workload.path, body, target.headers(), timeout=timeout)
             if not r.ok or r.prompt_tokens is None:
@@ -294,7 +300,8 @@ def run_levels(target: Target, levels: list[Level], options: RunOptions,
     if options.processes > 1:
         from passerelle.bench.processes import run_level_processes
 
-        return [run_level_processes(target, level, options, progress) for level in levels]
+        return [run_level_processes(target, level, options, progress, options.index_base + i * LEVEL_STRIDE)
+                for i, level in enumerate(levels)]
     return run_loop(_run_levels(target, levels, options, progress))
 
 
@@ -318,13 +325,15 @@ async def _run_levels(target: Target, levels: list[Level], options: RunOptions,
     sizes = [pool_size(level) for level in levels]
     out = []
     async with make_session(0 if 0 in sizes else max(sizes)) as session:
-        for level in levels:
-            await warm_up(session, target, level, options.warmup, options.timeout)
+        for i, level in enumerate(levels):
+            base = options.index_base + i * LEVEL_STRIDE
+            await warm_up(session, target, level, options.warmup, options.timeout, base)
             tally = Tally()
             progress.start_level(f"{target.name} {level.label}", level.total_requests, tally)
             ticker = asyncio.create_task(_refresh(progress))
             try:
-                result = await run_load(session, target, level, timeout=options.timeout, tally=tally)
+                result = await run_load(session, target, level, timeout=options.timeout, tally=tally,
+                                        index_base=base)
             finally:
                 ticker.cancel()
             progress.end_level(summary(result))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import random
 import tomllib
+import zlib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,7 @@ class Workload:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def prompt_text(n_words: int, offset: int, tag: int) -> str:
+def prompt_text(n_words: int, offset: int, tag: str) -> str:
     """``n_words`` words of the corpus from ``offset`` (wrapping), tagged so no two prompts match."""
     n_words = max(n_words, 1)
     words = [WORDS[(offset + k) % len(WORDS)] for k in range(n_words)]
@@ -127,7 +128,9 @@ class Conversation:
     def body_for_words(self, n_words: int, max_tokens: int) -> dict[str, Any]:
         w = self.workload
         offset = self.rng.randrange(len(WORDS))
-        tag = self.index * 1000 + self.turn
+        # A fixed-length tag (so it costs the same tokens for every index) that differs at once
+        # between requests: no prompt can be served from another's prefix cache.
+        tag = f"{zlib.crc32(f'{w.seed}:{self.index}:{self.turn}'.encode()):08x}"
         body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "stream": True}
         if w.endpoint == "chat":
             if self.messages:

@@ -74,6 +74,10 @@ def test_single_target_sweep_writes_consistent_outputs(tmp_path):
         assert bench(["--url", fake.url + "/v1/", "--concurrency", "1,3", "--requests", "6", "--max-tokens", "5",
                       "--slo", "ttft_p95=1s,tpot_p95=200ms", "--out", str(tmp_path)]) == 0
         name = fake.url.removeprefix("http://")  # the default name: HOST:PORT
+        seen = fake.stats()
+    # 4 calibration probes, 1 warm-up per level and 6 measured per level: no prompt ever repeats (a
+    # runtime's prefix cache would serve the second level from the first)
+    assert seen["requests"] == 4 + 2 * (1 + 6) and seen["distinct_prompts"] == seen["requests"]
     results = assert_report_consistent(tmp_path)
     assert [r["concurrency"] for r in results["runs"]] == [1, 3]
     assert all(r["requests_ok"] == 6 and r["meets_slo"] for r in results["runs"])
@@ -105,6 +109,17 @@ def test_compare_names_the_winner_and_flags_different_models(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "Model ids differ between targets" in md and "fast (winner)" in md
     assert all(r["slo_failures"] == ["ttft_p95"] for r in results["runs"] if r["target"] == "slow")
+
+
+def test_compare_through_two_routes_to_one_backend_never_repeats_a_prompt(tmp_path):
+    """E.g. a runtime directly and through the gateway: the second target must not hit the cache."""
+    with start_fake_backend(ttft_ms=2, itl_ms=1) as fake:
+        assert main(["bench", "compare", "--target", f"direct={fake.url}", "--target", f"again={fake.url}/v1",
+                     "--concurrency", "2", "--requests", "4", "--max-tokens", "2", "--out", str(tmp_path)]) == 0
+        seen = fake.stats()
+    assert seen["requests"] == 2 * (4 + 1 + 4)
+    # only the calibration probes repeat (the same passages, to measure the same tokenizer)
+    assert seen["distinct_prompts"] == seen["requests"] - 4
 
 
 def test_compare_keeps_going_when_a_target_is_down(tmp_path):
