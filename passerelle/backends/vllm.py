@@ -32,11 +32,19 @@ class VllmBackend(Backend):
 
     def prepare(self, body: bytes, priority_rank: int) -> bytes:
         """Pass the class as vLLM's ``priority`` (lower is more urgent; needs
-        ``--scheduling-policy priority``, enabled per backend by ``priority = true``)."""
+        ``--scheduling-policy priority``, enabled per backend by ``priority = true``).
+
+        The class decides: a ``priority`` the client put in the body is replaced, or any client
+        could jump vLLM's queue past the class its key allows. Without ``priority = true`` the
+        body goes through untouched (vLLM refuses a non-zero ``priority`` under its default
+        first-come-first-served policy, and says so to the client).
+        """
         if not self.cfg.priority:
             return body
         data = orjson.loads(body)
-        data.setdefault("priority", priority_rank)
+        if data.get("priority") == priority_rank:
+            return body
+        data["priority"] = priority_rank
         return orjson.dumps(data)
 
     async def version(self) -> str:
