@@ -29,7 +29,7 @@ test: setup
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 test-quick: $(STAMP)
-	$(BIN)/pytest -q -m "not llama" $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m "not llama and not vllm" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check passerelle tests bench

@@ -59,6 +59,12 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def state_dir() -> Path:
+    """Where passerelle keeps state: keys and usage, runtime logs (``$PASSERELLE_STATE``)."""
+    root = os.environ.get("PASSERELLE_STATE") or Path.home() / ".local" / "state" / "passerelle"
+    return Path(root)
+
+
 def _flavour() -> tuple[str, tuple[str, ...]]:
     flavour = os.environ.get("PASSERELLE_LLAMA_FLAVOUR", DEFAULT_FLAVOUR)
     extra = os.environ.get("PASSERELLE_LLAMA_CMAKE_FLAGS")

@@ -386,17 +386,19 @@ class Gateway:
         elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
             body, strip_usage = with_usage_requested(body, data), True
         body = backend.prepare(body, cls.rank)
-        resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body)
+        resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body,
+                                  request_id=rec.id)
         try:
             if resp.status != 200:
                 raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
                 raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
             if rec.stream:
                 relay = StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage,
-                                    before_first=lambda: start(200, _SSE_HEADERS))
+                                    before_first=lambda: start(200, _SSE_HEADERS), on_done=mark_finishing)
                 await relay.run(resp, deadline)
                 mark_finishing()
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             if collect:
                 sink = _Collector()

@@ -24,12 +24,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from passerelle.embedded import state_dir
+
 PREFIX = "psk"
 
 
 def default_db_path() -> Path:
-    root = os.environ.get("PASSERELLE_STATE") or Path.home() / ".local" / "state" / "passerelle"
-    return Path(root) / "passerelle.db"
+    return state_dir() / "passerelle.db"
 
 
 def _hash(key: str) -> bytes:

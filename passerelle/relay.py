@@ -81,8 +81,12 @@ class StreamRelay:
     """Relay one upstream SSE response to an ASGI client, timing it into ``rec``."""
 
     def __init__(self, rec: RequestRecord, send: Send, timeouts: TimeoutConfig, *, strip_usage: bool,
-                 before_first: Callable[[], Awaitable[None]] | None = None) -> None:
+                 before_first: Callable[[], Awaitable[None]] | None = None,
+                 on_done: Callable[[], None] | None = None) -> None:
         self.rec = rec
+        # Called once [DONE] is about to go out: a client that hangs up right after reading it
+        # (the openai SDK does) has its answer, and must not count as a disconnect.
+        self.on_done = on_done
         self.send = send
         self.before_first = before_first  # e.g. send the response headers with the first bytes
         self.timeouts = timeouts
@@ -162,6 +166,9 @@ class StreamRelay:
                             if self.before_first is not None:
                                 await self.before_first()
                                 self.before_first = None
+                        if self.done and self.on_done is not None:
+                            self.on_done()
+                            self.on_done = None
                         if payload:
                             await send({"type": "http.response.body", "body": payload, "more_body": True})
                     if rec.content_chunks:
@@ -179,6 +186,8 @@ class StreamRelay:
         tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n" if scanner.pending.strip() else b""
         if held is not None and self.done:  # a stream with no content at all, e.g. max_tokens = 0
             tail = b"".join(held) + tail
+        if self.done and self.on_done is not None:
+            self.on_done()
         if tail and (held is None or self.done):
             # (a last event without its blank line is delivered rather than lost)
             if self.before_first is not None:

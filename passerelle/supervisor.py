@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from passerelle.backends import Backend
-from passerelle.embedded import cache_dir
+from passerelle.embedded import state_dir
 from passerelle.errors import PasserelleError
 
 log = logging.getLogger("passerelle.supervisor")
@@ -57,7 +57,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _child_setup() -> None:  # runs in the child between fork and exec
+    # Its own process group, stopped as a whole; but not its own session: on Linux a new session
+    # is a new scheduler autogroup, and a runtime that busy-waits (vLLM's engine) would then
+    # starve the gateway on a small machine.
+    os.setpgid(0, 0)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -69,7 +73,7 @@ class RuntimeProcess:
         self.backend = backend
         backend.supervised = True
         self.template = command
-        self.log_path = log_path or cache_dir() / "logs" / f"{backend.name}.log"
+        self.log_path = log_path or state_dir() / "logs" / f"{backend.name}.log"
         self.ready_timeout_s = ready_timeout_s
         self.restart = restart
         self.state = ProcState.STOPPED
@@ -107,7 +111,7 @@ class RuntimeProcess:
             logf.flush()
             self.proc = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
-                start_new_session=True, preexec_fn=_die_with_parent)
+                preexec_fn=_child_setup)
         except OSError as exc:
             self._set(ProcState.FAILED)
             raise RuntimeFailed(f"cannot start runtime {self.backend.name}: {exc}") from exc

@@ -69,6 +69,7 @@ class Backend:
         self.failures = 0
         self.ejected_until = 0.0
         self.probing = False
+        self._missed_health = False
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -133,10 +134,14 @@ class Backend:
         """Rewrite the body for this runtime (e.g. vLLM's ``priority``); default: untouched."""
         return body
 
-    async def post(self, path: str, body: bytes) -> aiohttp.ClientResponse:
-        """Send ``body``; return once the response headers arrived. Raises UpstreamError."""
+    async def post(self, path: str, body: bytes, *, request_id: str = "") -> aiohttp.ClientResponse:
+        """Send ``body``; return once the response headers arrived. Raises UpstreamError.
+
+        ``request_id`` goes along as ``X-Request-Id`` (vLLM adopts it), so logs can be matched."""
         url = self.url + path
         headers = {"Content-Type": "application/json"}
+        if request_id:
+            headers["X-Request-Id"] = request_id
         try:
             try:
                 return await self.session.post(url, data=body, headers=headers)
@@ -166,6 +171,13 @@ class Backend:
         stats = BackendStats(scraped_at=time.time())
         try:
             stats.up = await self.check_health()
+            if not stats.up and self.stats.up and not self._missed_health:
+                # one missed or slow answer from a busy runtime is not "down" yet; two are
+                self._missed_health = True
+                stats.up, stats.error = True, "health check missed once"
+                self.stats = stats
+                return stats
+            self._missed_health = not stats.up and self._missed_health
             if stats.up:
                 await self._scrape_load(stats)
         except Exception as exc:  # garbage from a runtime must never break the gateway
