@@ -146,6 +146,7 @@ class StreamRelay:
         now_loop = loop.time()
         total_at = now_loop + (deadline_total - time.perf_counter())
         first_at = min(total_at, now_loop + t.first_token_s)
+        slack = min(1.0, t.between_tokens_s / 10)
         try:
             async with asyncio.timeout_at(first_at) as budget:
                 while True:
@@ -172,7 +173,13 @@ class StreamRelay:
                         if payload:
                             await send({"type": "http.response.body", "body": payload, "more_body": True})
                     if rec.content_chunks:
-                        budget.reschedule(min(total_at, loop.time() + t.between_tokens_s))
+                        # Move the deadline only once per `slack`, not on every chunk: a timer
+                        # reschedule per token is a measurable share of the gateway's CPU. The
+                        # limit then fires between between_tokens_s and that plus slack.
+                        now = loop.time()
+                        left = budget.when() - now  # type: ignore[operator]
+                        if not t.between_tokens_s <= left <= t.between_tokens_s + slack:  # (also: first token)
+                            budget.reschedule(min(total_at, now + t.between_tokens_s + slack))
         except TimeoutError:
             remaining_total = total_at - loop.time()
             if remaining_total <= 0.001:
