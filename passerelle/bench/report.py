@@ -182,8 +182,9 @@ def _workload_lines(results: dict[str, Any]) -> list[str]:
         lines.append(f"closed loop at concurrency {', '.join(map(str, load['concurrency']))}")
     size = (f"{load['duration']:g} s per level" if load.get("duration") else
             f"{load['requests']} requests per level" if load.get("requests") else "")
-    lines.append(f"{size}; {load.get('warmup', 0)} warm-up requests per level (not counted); "
-                 f"{load.get('processes', 1)} generator process(es)")
+    warm, procs = load.get("warmup", 0), load.get("processes", 1)
+    lines.append(f"{size}; {warm} warm-up request{'s' if warm != 1 else ''} per level (not counted); "
+                 f"{procs} generator process{'es' if procs != 1 else ''}")
     return lines
 
 
