@@ -112,7 +112,8 @@ def start_llama(binary: Path, model: Path, log_path: Path, *, slots: int = 4, ct
     logf = open(log_path, "wb")  # noqa: SIM115 - owned by the child
     proc = subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL_ID, "--host", "127.0.0.1",
                              "--port", str(port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
-                             "--metrics", "--slots", "--no-webui", *extra],
+                             # one thread: the other core stays for the gateway and the test itself
+                             "--metrics", "--slots", "--no-webui", "-t", "1", *extra],
                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     logf.close()
     server = Server(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
