@@ -51,6 +51,13 @@ def in_background(fn, *args, **kw) -> tuple[threading.Thread, dict]:
     return t, out
 
 
+def running(gw) -> float:
+    """Requests the gateway has dispatched and not finished (its own gauge)."""
+    text = httpx.get(gw.url + "/metrics").text
+    m = re.search(rf'passerelle_requests_running{{backend="b1",model="{MODEL_ID}"}} (\S+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
 def waiting(gw, cls: str) -> float:
     text = httpx.get(gw.url + "/metrics").text
     m = re.search(rf'passerelle_requests_waiting{{model="{MODEL_ID}",priority="{cls}"}} (\S+)', text)
@@ -60,8 +67,7 @@ def waiting(gw, cls: str) -> float:
 def test_interactive_queued_later_is_dispatched_before_earlier_batch(gateway, llama_server):
     gw = gateway(upstream_config(llama_server.url, slots=1) + ONE_SLOT)
     first = in_background(chat, gw.url, priority="batch", max_tokens=400, prompt="batch 0")
-    wait_until(lambda: any(s.get("is_processing") for s in httpx.get(llama_server.url + "/slots").json()),
-               30, what="first batch request running")
+    wait_until(lambda: running(gw) == 1, 30, what="first batch request running")
     batch = [in_background(chat, gw.url, priority="batch", max_tokens=8, prompt=f"batch {i}") for i in (1, 2, 3)]
     wait_until(lambda: waiting(gw, "batch") == 3, 10, what="three batch requests queued")
     inter = in_background(chat, gw.url, priority="interactive", max_tokens=4, prompt="interactive")
@@ -85,8 +91,7 @@ def test_queued_request_whose_client_left_is_never_sent_upstream(gateway, llama_
     gw = gateway(upstream_config(llama_server.url, slots=1) + ONE_SLOT)
     before = prompt_tokens_total(llama_server.url)
     first = in_background(chat, gw.url, max_tokens=400, prompt="short")
-    wait_until(lambda: any(s.get("is_processing") for s in httpx.get(llama_server.url + "/slots").json()),
-               30, what="first request running")
+    wait_until(lambda: running(gw) == 1, 30, what="first request running")
     big = "lighthouse keeper " * 300  # about 900 prompt tokens if it ever reached llama-server
     payload = orjson.dumps({"model": MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": big}]})
     host, port = gw.url.removeprefix("http://").split(":")
@@ -113,8 +118,7 @@ max_queue = 1
 max_queue_wait_s = 1.5
 """)
     first = in_background(chat, gw.url, max_tokens=200, prompt="occupy the slot")
-    wait_until(lambda: any(s.get("is_processing") for s in httpx.get(llama_server.url + "/slots").json()),
-               30, what="slot occupied")
+    wait_until(lambda: running(gw) == 1, 30, what="slot occupied")
     queued = in_background(chat, gw.url, max_tokens=2, prompt="queued")
     wait_until(lambda: waiting(gw, "standard") == 1, 10, what="one queued")
     full = chat(gw.url, max_tokens=2)
