@@ -329,26 +329,15 @@ class Gateway:
             rec.finish(Cause.CLIENT_DISCONNECT, 499, "client disconnected")
         except GatewayError as err:
             rec.finish(err.cause, err.status, err.message)
-            if isinstance(err, ClientDisconnect):
-                pass
-            elif not started:
+            if not isinstance(err, ClientDisconnect):
                 finishing = True
-                with contextlib.suppress(OSError):
-                    await self._send_error(send, rec, err)
-            else:
-                finishing = True
-                with contextlib.suppress(OSError):
-                    await send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
+                await self._report(send, rec, err, started=started)
         except Exception:
             log.exception("request %s failed inside the gateway", rec.id)
             rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
-            err = GatewayError("Internal error in the gateway; see its log.")
             finishing = True
-            with contextlib.suppress(OSError):
-                if not started:
-                    await self._send_error(send, rec, err)
-                else:
-                    await send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
+            await self._report(send, rec, GatewayError("Internal error in the gateway; see its log."),
+                               started=started)
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -413,6 +402,14 @@ class Gateway:
             await send({"type": "http.response.body", "body": raw, "more_body": False})
         finally:
             resp.close()  # drops the connection if unread: the runtime stops generating
+
+    async def _report(self, send: Send, rec: RequestRecord, err: GatewayError, *, started: bool) -> None:
+        """Tell the client: an OpenAI error response, or an SSE error event once streaming began."""
+        with contextlib.suppress(OSError):
+            if not started:
+                await self._send_error(send, rec, err)
+            else:
+                await send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
 
     async def _send_error(self, send: Send, rec: RequestRecord, err: GatewayError) -> None:
         body = err.body()
