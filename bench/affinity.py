@@ -2,10 +2,13 @@
 
 Eight users hold five-turn chats (a long shared-per-conversation system prompt, growing history)
 through two gateways over the same two replicas: one routes with prefix affinity (the default),
-the other round robin. Every conversation is fresh, so no run profits from another's cache.
-Reports TTFT p50/p95 and the prompt tokens llama-server had to process (not taken from its cache).
+the other round robin. Every conversation is fresh, so no run profits from another's cache. Users read and type between
+turns (a random think time, mean ``--think-s``), start staggered and ask for answers of varying
+length, as people do: without that, identical closed-loop users march in lock-step and every
+policy happens to send each user back to the same replica. Reports TTFT p50/p95, and the prompt
+tokens llama-server had to process (not taken from its cache), in all and per turn.
 
-    .venv/bin/python bench/affinity.py [--users 8] [--turns 5] [--rounds 2]
+    .venv/bin/python bench/affinity.py [--users 8] [--turns 5] [--rounds 2] [--think-s 2]
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -33,8 +37,9 @@ SYSTEM = ("You are the archivist of a coastal town. You answer questions about i
           "the ships that pass and the families who kept the lights for two centuries. ") * 6
 
 
-async def turn(session: aiohttp.ClientSession, base: str, messages: list[dict]) -> tuple[float, int, str]:
-    body = {"model": MODEL, "stream": True, "max_tokens": 12, "messages": messages,
+async def turn(session: aiohttp.ClientSession, base: str, messages: list[dict],
+               max_tokens: int) -> tuple[float, int, str]:
+    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "messages": messages,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, processed, text = None, 0, []
@@ -53,22 +58,29 @@ async def turn(session: aiohttp.ClientSession, base: str, messages: list[dict]) 
     return ttft or 0.0, processed, "".join(text)
 
 
-async def user(session: aiohttp.ClientSession, base: str, uid: str, turns: int, out: dict) -> None:
+async def user(session: aiohttp.ClientSession, base: str, uid: str, turns: int, out: dict,
+               rng: random.Random, think_s: float) -> None:
+    await asyncio.sleep(rng.uniform(0, think_s))
     messages = [{"role": "system", "content": f"[{uid}] " + SYSTEM},
                 {"role": "user", "content": f"I am visitor {uid}. Which lighthouse is the oldest?"}]
     for t in range(turns):
-        ttft, processed, answer = await turn(session, base, messages)
+        if t:
+            await asyncio.sleep(rng.expovariate(1 / think_s) if think_s > 0 else 0)
+        ttft, processed, answer = await turn(session, base, messages, rng.randint(8, 20))
         out["ttft"].append(ttft)
         out["processed"] += processed
+        out["per_turn"][t] += processed
         messages += [{"role": "assistant", "content": answer or "..."},
                      {"role": "user", "content": f"Tell me more about that, part {t + 2}."}]
 
 
-async def run(base: str, users: int, turns: int, tag: str) -> dict:
-    out: dict = {"ttft": [], "processed": 0}
+async def run(base: str, users: int, turns: int, tag: str, seed: int, think_s: float) -> dict:
+    """One round; the same ``seed`` gives both policies the same think times and answer lengths."""
+    out: dict = {"ttft": [], "processed": 0, "per_turn": [0] * turns}
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(user(session, base, f"{tag}-{u}-{time.time_ns()}", turns, out) for u in range(users)))
+        await asyncio.gather(*(user(session, base, f"{tag}-{u}-{time.time_ns()}", turns, out,
+                                    random.Random(seed * 1000 + u), think_s) for u in range(users)))
     return out
 
 
@@ -77,6 +89,9 @@ def main() -> int:
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="alternating affinity / round robin runs")
+    ap.add_argument("--affinity-slack", type=float, default=None,
+                    help="[routing] affinity_slack of the affinity gateway (default: passerelle's)")
+    ap.add_argument("--think-s", type=float, default=2.0, help="mean pause between a user's turns")
     args = ap.parse_args()
     binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
     work = Path(tempfile.mkdtemp(prefix="passerelle-affinity-"))
@@ -90,7 +105,8 @@ def main() -> int:
                                           stdout=log, stderr=subprocess.STDOUT))
         replicas.append(f"http://127.0.0.1:{port}")
     gateways = {}
-    for name, routing in (("affinity", ""), ("round robin", '[routing]\npolicy = "round_robin"\n')):
+    slack = "" if args.affinity_slack is None else f"[routing]\naffinity_slack = {args.affinity_slack}\n"
+    for name, routing in (("affinity", slack), ("round robin", '[routing]\npolicy = "round_robin"\n')):
         cfg = work / f"{name.replace(' ', '-')}.toml"
         cfg.write_text(routing + "[server]\naccess_log = false\n" + "".join(
             f'[[backends]]\nname = "r{i}"\nkind = "llama-server"\nurl = "{url}"\nmodels = ["{MODEL}"]\n'
@@ -101,7 +117,8 @@ def main() -> int:
                 [sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(port)],
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PASSERELLE_STATE": str(work)}))
         gateways[name] = f"http://127.0.0.1:{port}"
-    results: dict[str, dict] = {name: {"ttft": [], "processed": 0} for name in gateways}
+    results: dict[str, dict] = {name: {"ttft": [], "processed": 0, "per_turn": [0] * args.turns}
+                                for name in gateways}
     try:
         for url in replicas:
             wait_http(url + "/health")
@@ -111,16 +128,18 @@ def main() -> int:
             order = list(gateways.items()) if r % 2 == 0 else list(gateways.items())[::-1]
             for name, base in order:
                 print(f"round {r + 1}: {name}", file=sys.stderr, flush=True)
-                got = asyncio.run(run(base, args.users, args.turns, f"{name[:3]}{r}"))
+                got = asyncio.run(run(base, args.users, args.turns, f"{name[:3]}{r}", r, args.think_s))
                 results[name]["ttft"] += got["ttft"]
                 results[name]["processed"] += got["processed"]
+                results[name]["per_turn"] = [a + b for a, b in zip(results[name]["per_turn"], got["per_turn"],
+                                                                    strict=True)]
     finally:
         for p in procs[::-1]:
             p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(60)
     print(f"\n{args.users} users x {args.turns}-turn chats on 2 llama-server replicas (Gemma 3 270M, 2 slots, "
-          f"1 thread each), {args.rounds} alternating rounds\n")
+          f"1 thread each), {args.rounds} alternating rounds, think time mean {args.think_s:g} s\n")
     print(f"{'routing':14}{'requests':>9}{'TTFT p50 ms':>13}{'TTFT p95 ms':>13}{'prompt tokens processed':>25}")
     for name, r in results.items():
         print(f"{name:14}{len(r['ttft']):>9}{pct(r['ttft'], 50) * 1000:13.0f}{pct(r['ttft'], 95) * 1000:13.0f}"
@@ -128,6 +147,9 @@ def main() -> int:
     a, b = results["affinity"], results["round robin"]
     print(f"\nTTFT p50 affinity / round robin: {pct(a['ttft'], 50) / pct(b['ttft'], 50):.2f} (goal <= 0.70); "
           f"prompt tokens processed: {a['processed'] / max(b['processed'], 1):.2f}x")
+    print("prompt tokens processed per turn (all users, all rounds):")
+    for name, r in results.items():
+        print(f"  {name:14}" + " ".join(f"{n:>7}" for n in r["per_turn"]))
     return 0
 
 

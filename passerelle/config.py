@@ -138,7 +138,7 @@ class RoutingConfig:
 
     policy: str = "least_loaded"  # or "round_robin"
     prefix_affinity: bool = True  # a chat stays on the replica that served its opening (prompt cache)
-    affinity_slack: float = 0.5  # ...while that replica is at most this much busier (fraction of slots)
+    affinity_slack: float = 1.0  # ...while that replica is at most this much busier (fraction of slots)
     session_header: str = "x-session-id"  # requests with the same value (or the same `user`) stick together
 
 

@@ -105,7 +105,7 @@ class Scheduler:
     def __init__(self, classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, aging_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
-                 affinity_slack: float = 0.5) -> None:
+                 affinity_slack: float = 1.0) -> None:
         self.classes = {c.name: c for c in classes}
         self.aging_s = aging_s
         self.clock = clock
@@ -246,8 +246,11 @@ class Scheduler:
         home = next((b for b in usable if b.name == home_name), None)
         if home is not None and len(usable) > 1:
             queued: dict[str, int] = {}
-            for j in self.waiting:
-                if j is not job and j.affinity and (name := self.affinity.get(j.affinity)) is not None:
+            for j in self.waiting:  # queued for a replica: homed there, or it is their only one
+                if j is job:
+                    continue
+                name = self.affinity.get(j.affinity) if j.affinity else (j.pool[0].name if len(j.pool) == 1 else None)
+                if name is not None:
                     queued[name] = queued.get(name, 0) + 1
 
             def pending(b: Backend) -> float:

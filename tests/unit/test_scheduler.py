@@ -312,7 +312,7 @@ async def test_usage_correction_changes_the_tenant_counter(clock):
 
 async def test_prefix_affinity_keeps_a_conversation_on_its_replica_while_load_allows(clock):
     b1, b2 = FakeBackend("b1", capacity=4), FakeBackend("b2", capacity=4)
-    s = make(clock)
+    s = make(clock, affinity_slack=0.5)
     first = job([b1, b2], affinity="conv-1")
     s.submit(first)
     home = first.backend
@@ -383,7 +383,7 @@ async def test_conversation_waits_for_its_full_home_replica_when_the_other_is_ne
     s.submit(job([home]))  # home full again
     turn2 = job([b1, b2], affinity="conv")
     s.submit(turn2)
-    assert turn2.backend is None  # waits for home: 1.0 <= 0.5 + 0.5
+    assert turn2.backend is None  # waits for home: 1.0 <= 0.5 + 1.0
     # a slot frees on home: the conversation goes there, not to the other replica
     home.in_flight -= 1
     s.running[(home.name, "standard")] -= 1
@@ -402,4 +402,24 @@ async def test_conversation_spills_when_home_is_much_busier(clock):
     s.submit(job([home]))  # one more queued for home
     turn2 = job([b1, b2], affinity="conv")
     s.submit(turn2)
-    assert turn2.backend is other  # home full (1.0) > idle other (0) + slack 0.5
+    assert turn2.backend is other  # home full with one queued (1.5) > idle other (0) + slack 1.0
+
+
+async def test_conversation_waits_for_its_full_home_even_when_the_other_replica_is_idle(clock):
+    # Recomputing a long prompt elsewhere costs more than waiting for one of home's slots.
+    b1, b2 = FakeBackend("b1", capacity=2), FakeBackend("b2", capacity=2)
+    s = make(clock)
+    first = job([b1, b2], affinity="conv")
+    s.submit(first)
+    home = first.backend
+    other = b2 if home is b1 else b1
+    s.submit(job([home]))  # home full (2 of 2), the other idle
+    s.release(first)
+    s.submit(job([home]))
+    turn2 = job([b1, b2], affinity="conv")
+    s.submit(turn2)
+    assert turn2.backend is None and other.in_flight == 0  # 1.0 <= 0 + 1.0
+    home.in_flight -= 1
+    s.running[(home.name, "standard")] -= 1
+    s.dispatch()
+    assert turn2.backend is home
