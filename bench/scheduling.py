@@ -8,19 +8,21 @@
 
 Every prompt is fresh, so that no run profits from llama-server's prompt cache.
 
-    .venv/bin/python bench/scheduling.py [--slots 4] [--phase-s 40]
+    .venv/bin/python bench/scheduling.py [--slots 4] [--phase-s 40] [--only alone,flood,fair] [--toml ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -38,8 +40,19 @@ class Load:
         self.base = base
         self.session = session
         self.tokens: dict[str, int] = {}
+        self.token_times: dict[str, list[float]] = {}  # arrival of each content event, per tenant
         self.ttfts: list[float] = []
         self.errors = 0
+        self.t0 = 0.0
+
+    def shares(self, skip_s: float, seconds: float) -> dict[str, float]:
+        """Each tenant's share of the content events streamed in the steady part of the phase:
+        after ``skip_s`` (the start, when whoever came first holds every slot) and before the end
+        (when the last answers drain)."""
+        lo, hi = self.t0 + skip_s, self.t0 + seconds
+        counts = {t: sum(1 for x in xs if lo <= x < hi) for t, xs in self.token_times.items()}
+        total = sum(counts.values()) or 1
+        return {t: n / total for t, n in counts.items()}
 
     async def one(self, *, tenant: str, cls: str, max_tokens: int, record_ttft: bool = False) -> None:
         body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "user": tenant,
@@ -48,6 +61,7 @@ class Load:
         t0 = time.perf_counter()
         first = None
         usage = 0
+        times = self.token_times.setdefault(tenant, [])
         try:
             async with self.session.post(self.base + "/v1/chat/completions", json=body,
                                          headers={"X-Priority": cls}) as resp:
@@ -56,8 +70,11 @@ class Load:
                     await resp.read()
                     return
                 async for line in resp.content:
-                    if first is None and b'"content":"' in line:
-                        first = time.perf_counter() - t0
+                    if b'"content":"' in line:
+                        now = time.perf_counter()
+                        times.append(now)
+                        if first is None:
+                            first = now - t0
                     if b'"completion_tokens"' in line:
                         usage = int(line.split(b'"completion_tokens":')[1].split(b",")[0].split(b"}")[0])
         except aiohttp.ClientError:
@@ -85,7 +102,7 @@ async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, i
     connector = aiohttp.TCPConnector(force_close=True, limit=0)  # llama-server drops reused connections
     async with aiohttp.ClientSession(connector=connector) as session:
         load = Load(base, session)
-        t0 = time.perf_counter()
+        t0 = load.t0 = time.perf_counter()
         stop = t0 + seconds
         jobs = [load.closed_loop(stop, tenant="bulk", cls="batch", max_tokens=64) for _ in range(flood)]
         if fair:
@@ -101,6 +118,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--phase-s", type=float, default=40.0)
+    ap.add_argument("--only", default="", help="comma-separated phases to run: alone, flood, fair (default: all)")
+    ap.add_argument("--toml", default="", help="extra gateway configuration, e.g. $'[scheduler]\\nhold_s = 0'")
     args = ap.parse_args()
     binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
     lport, gport = free_port(), free_port()
@@ -109,7 +128,7 @@ def main() -> int:
                               "-np", str(args.slots), "-c", str(args.slots * 2048), "--metrics", "--slots",
                               "--no-webui"], stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     cfg = work / "gw.toml"
-    cfg.write_text(f'[auth]\nanonymous_max_priority = "interactive"\n[server]\naccess_log = false\n'
+    cfg.write_text(args.toml + "\n" + f'[auth]\nanonymous_max_priority = "interactive"\n[server]\naccess_log = false\n'
                    f'[[backends]]\nname = "b"\nkind = "llama-server"\nurl = "http://127.0.0.1:{lport}"\n'
                    f'models = ["{MODEL}"]\nmax_concurrency = {args.slots}\n')
     gw = subprocess.Popen([sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(gport)],
@@ -122,6 +141,7 @@ def main() -> int:
         wait_http(direct + "/health")
         wait_http(gateway + "/ready")
         asyncio.run(phase(direct, 5, interactive=True))  # warm-up
+        only = set(args.only.split(",")) if args.only else {"alone", "flood", "fair"}
         for name, base, kw in [
             ("alone direct", direct, {}),
             ("alone gateway", gateway, {}),
@@ -130,8 +150,12 @@ def main() -> int:
             ("fair direct", direct, {"fair": (8, 2), "interactive": False}),
             ("fair gateway", gateway, {"fair": (8, 2), "interactive": False}),
         ]:
+            if name.split()[0] not in only:
+                continue
             print(f"running: {name} ({args.phase_s:g} s)", file=sys.stderr, flush=True)
             results[name] = asyncio.run(phase(base, args.phase_s, **kw))
+        with urllib.request.urlopen(gateway + "/admin/stats", timeout=5) as resp:
+            holds = json.loads(resp.read()).get("slot_holds")
     finally:
         gw.send_signal(signal.SIGTERM)
         gw.wait(60)
@@ -141,25 +165,34 @@ def main() -> int:
     def p95(name: str) -> float:
         return pct(results[name][0].ttfts, 95) * 1000
 
+    def report(name: str) -> bool:
+        return name in results
+
     print(f"\nGemma 3 270M on llama-server, {args.slots} slots; batch flood = {flood} closed-loop streams of 64 "
           f"tokens; interactive = 1 request/s, 16 tokens; {args.phase_s:g} s per phase; fresh prompts.\n")
     print("1. Interactive TTFT (ms)")
     print(f"   {'':16}{'n':>4}{'p50':>9}{'p95':>9}")
     for name in ("alone direct", "alone gateway", "flood direct", "flood gateway"):
-        xs = results[name][0].ttfts
-        print(f"   {name:16}{len(xs):>4}{pct(xs, 50) * 1000:9.0f}{pct(xs, 95) * 1000:9.0f}")
-    print(f"   flood/alone p95: direct {p95('flood direct') / p95('alone direct'):.2f}x, "
-          f"through passerelle {p95('flood gateway') / p95('alone gateway'):.2f}x (goal <= 2x)")
-    print("\n2. Share of generated tokens, tenant-a (8 streams) vs tenant-b (2 streams), equal weight")
-    for name in ("fair direct", "fair gateway"):
-        toks = results[name][0].tokens
-        total = sum(toks.values()) or 1
-        print(f"   {name:16} a {toks.get('tenant-a', 0) / total:6.1%}   b {toks.get('tenant-b', 0) / total:6.1%}"
-              f"   (goal through passerelle: 50% +/- 10%)")
-    print("\n3. Aggregate tokens/s under the flood")
-    rates = {n: sum(results[n][0].tokens.values()) / results[n][1] for n in ("flood direct", "flood gateway")}
-    print(f"   direct {rates['flood direct']:.1f}   through passerelle {rates['flood gateway']:.1f}   "
-          f"ratio {rates['flood gateway'] / rates['flood direct']:.3f} (goal >= 0.95)")
+        if report(name):
+            xs = results[name][0].ttfts
+            print(f"   {name:16}{len(xs):>4}{pct(xs, 50) * 1000:9.0f}{pct(xs, 95) * 1000:9.0f}")
+    if report("alone direct") and report("flood direct"):
+        print(f"   flood/alone p95: direct {p95('flood direct') / p95('alone direct'):.2f}x, "
+              f"through passerelle {p95('flood gateway') / p95('alone gateway'):.2f}x (goal <= 2x)")
+    if report("fair direct"):
+        print("\n2. Share of generated tokens, tenant-a (8 streams) vs tenant-b (2 streams), equal weight")
+        skip = min(10.0, args.phase_s / 4)
+        print(f"   (tokens streamed between {skip:g} s and {args.phase_s:g} s into the phase)")
+        for name in ("fair direct", "fair gateway"):
+            shares = results[name][0].shares(skip, args.phase_s)
+            print(f"   {name:16} a {shares.get('tenant-a', 0):6.1%}   b {shares.get('tenant-b', 0):6.1%}"
+                  f"   (goal through passerelle: 50% +/- 10%)")
+        print(f"   freed slots held for a returning tenant: {holds}")
+    if report("flood direct"):
+        print("\n3. Aggregate tokens/s under the flood")
+        rates = {n: sum(results[n][0].tokens.values()) / results[n][1] for n in ("flood direct", "flood gateway")}
+        print(f"   direct {rates['flood direct']:.1f}   through passerelle {rates['flood gateway']:.1f}   "
+              f"ratio {rates['flood gateway'] / rates['flood direct']:.3f} (goal >= 0.95)")
     errors = {n: r[0].errors for n, r in results.items() if r[0].errors}
     print(f"\nerrors: {errors or 'none'}")
     return 0

@@ -62,7 +62,8 @@ class App:
         self.router = Router(backends, self.metrics)
         self.access_log = AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format)
         self.scheduler = Scheduler(cfg.classes, aging_s=cfg.scheduler.aging_s, on_change=self._queue_changed,
-                                   policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack)
+                                   policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack,
+                                   hold_s=cfg.scheduler.hold_s)
         self.supervisor = Supervisor(processes or [], max_loaded_gib=cfg.runtimes.max_loaded_gib,
                                      on_ready=self.scheduler.dispatch)
         for proc in self.supervisor.processes.values():
@@ -154,6 +155,7 @@ class App:
     async def admin_stats(self, scope: Scope, send: Send) -> None:
         snap = self.live.snapshot(backends=self.router.backends, waiting=self.waiting_by_class())
         snap["metrics_enabled"] = self.cfg.metrics.enabled
+        snap["slot_holds"] = dict(self.scheduler.hold_counts)  # freed slots kept for a returning tenant
         await self._raw(send, 200, orjson.dumps(snap), b"application/json", [(b"cache-control", b"no-store")])
 
     async def ui(self, scope: Scope, send: Send) -> None:

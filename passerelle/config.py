@@ -125,6 +125,7 @@ class AuthConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     aging_s: float = 30.0  # a waiting request moves up one class per aging_s waited (0: never)
+    hold_s: float = 0.05  # a freed slot waits this long for the next request of an under-served tenant (0: off)
 
 
 @dataclass(frozen=True)
@@ -338,6 +339,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            file=file, key="routing.policy", text=text, header="routing", field_name="policy")
     _check(sections["scheduler"].aging_s >= 0, "expected zero or a positive number of seconds", file=file,
            key="scheduler.aging_s", text=text, header="scheduler", field_name="aging_s")
+    _check(0 <= sections["scheduler"].hold_s <= 1, "expected seconds between 0 and 1", file=file,
+           key="scheduler.hold_s", text=text, header="scheduler", field_name="hold_s")
 
     raw_backends = data.get("backends", [])
     if not isinstance(raw_backends, list):

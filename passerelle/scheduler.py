@@ -15,7 +15,13 @@ request arrives, the waiting request with the smallest key is dispatched to a re
 * arrival order: FIFO within a tenant.
 
 A class may hold only a share of a backend's slots (``batch`` 3 of 4 by default), so an
-interactive request finds a slot quickly even under a batch flood. Service is charged at dispatch
+interactive request finds a slot quickly even under a batch flood.
+
+A slot freed by an under-served tenant with nothing queued is held for it for ``hold_s`` (50 ms):
+a client that keeps N streams sends its next request a few milliseconds after each answer, and
+without the hold that slot would already be gone to a busier tenant's queued request, so a tenant
+with few streams would get far less than its share (anticipation, as in the anticipatory disk
+scheduler). A tenant that did not come back in time gets no hold again until it does. Service is charged at dispatch
 from an estimate (prompt tokens + max_tokens) and corrected with the real usage at the end.
 
 Example::
@@ -29,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import time
@@ -76,6 +83,19 @@ class _Tenant:
     counter: float = 0.0
     waiting: int = 0
     running: int = 0
+    released_at: float = -math.inf  # when its last request ended
+    anticipate: bool = True  # came back within hold_s last time: worth holding a slot for
+
+
+@dataclass(eq=False)
+class _Hold:
+    """A freed slot kept for ``tenant``'s next request until ``until``."""
+
+    backend: Backend
+    cls: ClassConfig
+    tenant: str
+    until: float
+    timer: asyncio.TimerHandle | None = None
 
 
 @dataclass
@@ -105,7 +125,7 @@ class Scheduler:
     def __init__(self, classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, aging_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
-                 affinity_slack: float = 1.0) -> None:
+                 affinity_slack: float = 1.0, hold_s: float = 0.05) -> None:
         self.classes = {c.name: c for c in classes}
         self.aging_s = aging_s
         self.clock = clock
@@ -121,6 +141,9 @@ class Scheduler:
         self.affinity_slack = affinity_slack  # how much busier than the least loaded an affine replica may be
         self.affinity: OrderedDict[str, str] = OrderedDict()  # conversation/session -> replica name
         self._rr = itertools.count()
+        self.hold_s = hold_s
+        self.holds: list[_Hold] = []
+        self.hold_counts = {"kept": 0, "lapsed": 0}  # holds used by their tenant / given up
 
     # -- public ----------------------------------------------------------------------------
     def waiting_by_class(self) -> dict[str, int]:
@@ -148,11 +171,13 @@ class Scheduler:
         now = self.clock()
         job.seq, job.enqueued_at = next(self._seq), now
         t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
-        if t.waiting == 0 and t.running == 0:
+        back_soon = now - t.released_at <= self.hold_s
+        t.anticipate = t.anticipate or back_soon
+        if t.waiting == 0 and t.running == 0 and not back_soon:
             # Back from idle (nothing queued, nothing running): no banked credit. Start at the
             # least-served backlogged tenant, or where the last dispatch was when nobody waits.
-            # A tenant with requests running is not idle, so a closed-loop client that resubmits
-            # as each answer ends keeps its place.
+            # A tenant with requests running, or one back within hold_s, is not idle, so a
+            # closed-loop client that resubmits as each answer ends keeps its place.
             floor = min((self.tenants[j.tenant].counter for j in self.waiting), default=self._vtime)
             t.counter = max(t.counter, floor)
         t.waiting += 1
@@ -193,13 +218,20 @@ class Scheduler:
         if prompt_tokens is not None or completion_tokens is not None:
             actual = PROMPT_WEIGHT * (prompt_tokens or 0) + OUTPUT_WEIGHT * (completion_tokens or 0)
             self._charge(job.tenant, (actual - job.charged) / job.weight, actual - job.charged)
+        t = self.tenants[job.tenant]
+        now = t.released_at = self.clock()
+        if self.hold_s > 0 and t.waiting == 0 and t.anticipate and self._contested(b, job.cls, t, now):
+            self._hold(_Hold(b, job.cls, job.tenant, now + self.hold_s))
         self.dispatch()
 
     def expire_due(self) -> None:
-        """Fail every job whose queue wait is over (the loop's timers do this in production)."""
+        """Fail every job whose queue wait is over, end every hold past its time (the loop's
+        timers do this in production)."""
         now = self.clock()
         for job in [j for j in self.waiting if now - j.enqueued_at >= j.cls.max_queue_wait_s]:
             self._expire(job)
+        for hold in [h for h in self.holds if h.until <= now]:
+            self._hold_expired(hold)
 
     # -- internals -------------------------------------------------------------------------
     def _charge(self, tenant: str, virtual: float, tokens: float) -> None:
@@ -223,6 +255,34 @@ class Scheduler:
                 f"Waited {job.cls.max_queue_wait_s:g} s in the '{job.cls.name}' queue without a free slot.",
                 retry_after=self.retry_after(ahead)))
 
+    # -- holds -----------------------------------------------------------------------------
+    def _contested(self, b: Backend, cls: ClassConfig, t: _Tenant, now: float) -> bool:
+        """Would a better-served tenant's queued request (not of a better class) take this slot?"""
+        return any(b in j.pool and self._key(j, now)[0] >= cls.rank and self.tenants[j.tenant].counter > t.counter
+                   for j in self.waiting)
+
+    def _hold(self, hold: _Hold) -> None:
+        self.holds.append(hold)
+        with contextlib.suppress(RuntimeError):  # no loop (a synchronous caller): expire_due() ends it
+            hold.timer = asyncio.get_running_loop().call_later(self.hold_s, self._hold_expired, hold)
+
+    def _hold_expired(self, hold: _Hold) -> None:
+        if hold in self.holds:
+            self.holds.remove(hold)
+            self.hold_counts["lapsed"] += 1
+            self.tenants[hold.tenant].anticipate = False  # it did not come back in time
+            self.dispatch()
+
+    def _held(self, b: Backend, job: Job, rank: float) -> tuple[int, int]:
+        """Slots of ``b`` held for other tenants that ``job`` must leave alone: in all, of its class.
+        A request of a better class than the hold's ignores it."""
+        total = same = 0
+        for h in self.holds:
+            if h.backend is b and h.tenant != job.tenant and rank >= h.cls.rank:
+                total += 1
+                same += h.cls is job.cls
+        return total, same
+
     def _limit(self, backend: Backend, cls: ClassConfig) -> int:
         return max(1, math.floor(cls.slot_share * backend.capacity + 1e-9))
 
@@ -238,8 +298,17 @@ class Scheduler:
         """
         now = self.clock()
         usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
-        free = [b for b in usable if b.in_flight < b.capacity
-                and self.running.get((b.name, job.cls.name), 0) < self._limit(b, job.cls)]
+        if self.holds:
+            rank = self._key(job, now)[0]
+            free = []
+            for b in usable:
+                total, same = self._held(b, job, rank)
+                if (b.in_flight + total < b.capacity
+                        and self.running.get((b.name, job.cls.name), 0) + same < self._limit(b, job.cls)):
+                    free.append(b)
+        else:
+            free = [b for b in usable if b.in_flight < b.capacity
+                    and self.running.get((b.name, job.cls.name), 0) < self._limit(b, job.cls)]
         if self.policy == "round_robin":
             return free[next(self._rr) % len(free)] if free else None
         home_name = self.affinity.get(job.affinity) if job.affinity else None
@@ -297,6 +366,14 @@ class Scheduler:
         t.waiting -= 1
         t.running += 1
         job.backend = backend
+        if self.holds:  # the tenant's next request came: its hold (on this replica first) is used up
+            mine = [h for h in self.holds if h.tenant == job.tenant]
+            if mine:
+                hold = next((h for h in mine if h.backend is backend), mine[0])
+                self.holds.remove(hold)
+                self.hold_counts["kept"] += 1
+                if hold.timer is not None:
+                    hold.timer.cancel()
         backend.in_flight += 1
         backend.last_used = time.monotonic()
         if backend.ejected_until:

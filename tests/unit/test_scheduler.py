@@ -423,3 +423,110 @@ async def test_conversation_waits_for_its_full_home_even_when_the_other_replica_
     s.running[(home.name, "standard")] -= 1
     s.dispatch()
     assert turn2.backend is home
+
+
+def shares_with_slow_clients(s: Scheduler, clock: Clock, loop, conc: dict[str, int], *, units: int = 60,
+                             client_delay: float = 0.005) -> dict[str, int]:
+    """Closed-loop clients as they really are: each answer takes 1 s and answers started together
+    end together (the runtime batches them), and a client sends its next request ``client_delay``
+    after an answer ends. Returns the tokens each tenant was served in ``units`` seconds."""
+    backend = FakeBackend(capacity=4)  # batch may hold 3 of 4
+    served = dict.fromkeys(conc, 0)
+    ends: list[tuple[float, Job]] = []  # dispatched jobs and when they end
+    sends: list[tuple[float, str]] = [(clock.now, t) for t, n in conc.items() for _ in range(n)]
+    pending: list[Job] = []
+    stop = clock.now + units
+    while clock.now < stop:
+        candidates = [t for t, _ in ends] + [t for t, _ in sends] + [h.until for h in s.holds]
+        clock.now = min(candidates)
+        s.expire_due()
+        for t, tenant in [x for x in sends if x[0] <= clock.now]:
+            sends.remove((t, tenant))
+            j = job([backend], "batch", tenant=tenant, loop=loop, est_prompt_tokens=10,
+                    est_output_tokens=100)
+            pending.append(j)
+            s.submit(j)
+        for t, j in sorted([x for x in ends if x[0] <= clock.now], key=lambda x: x[1].seq):
+            ends.remove((t, j))
+            served[j.tenant] += 100
+            s.release(j, prompt_tokens=10, completion_tokens=100)
+            sends.append((clock.now + client_delay, j.tenant))
+        for j in [j for j in pending if j.backend is not None]:
+            pending.remove(j)
+            ends.append((clock.now + 1.0, j))
+    return served
+
+
+async def test_held_slot_gives_a_tenant_with_few_slow_streams_its_share(clock):
+    loop = asyncio.get_running_loop()
+    with_hold = shares_with_slow_clients(make(clock, hold_s=0.05), clock, loop, {"a": 8, "b": 2})
+    without = shares_with_slow_clients(make(clock, hold_s=0.0), clock, loop, {"a": 8, "b": 2})
+    share = {k: v["b"] / (v["a"] + v["b"]) for k, v in (("hold", with_hold), ("none", without))}
+    # Without the hold, each of b's answers ends in the same instant as a's, a's queued requests
+    # take every freed slot before b's client has sent its next one, and b gets one slot of three.
+    assert share["none"] < 0.4, share
+    assert 0.45 <= share["hold"] <= 0.55, share
+
+
+def _underserved_b_releasing(clock: Clock, **kw) -> tuple[Scheduler, FakeBackend, Job, list[Job]]:
+    """b (light) and a (heavy, two queued) share a 2-slot backend; b's request ends, under-served."""
+    b = FakeBackend(capacity=2)
+    s = make(clock, **kw)
+    b1 = job([b], tenant="b")
+    s.submit(b1)
+    a_jobs = [job([b], tenant="a") for _ in range(3)]
+    for j in a_jobs:
+        s.submit(j)
+    assert b1.backend is b and a_jobs[0].backend is b and a_jobs[1].backend is None
+    clock.now += 1
+    s.release(b1, prompt_tokens=1, completion_tokens=1)
+    return s, b, b1, a_jobs
+
+
+async def test_slot_freed_by_an_underserved_tenant_is_held_for_its_next_request(clock):
+    s, b, _, a_jobs = _underserved_b_releasing(clock, hold_s=0.05)
+    assert a_jobs[1].backend is None and len(s.holds) == 1  # held, though a is queued
+    clock.now += 0.004
+    b2 = job([b], tenant="b")
+    s.submit(b2)
+    assert b2.backend is b and not s.holds
+
+
+async def test_hold_ends_when_the_tenant_does_not_come_back_and_is_not_repeated(clock):
+    s, b, _, a_jobs = _underserved_b_releasing(clock, hold_s=0.05)
+    clock.now += 0.049
+    s.expire_due()
+    assert a_jobs[1].backend is None
+    clock.now += 0.002
+    s.expire_due()
+    assert a_jobs[1].backend is b and not s.holds and not s.tenants["b"].anticipate
+    clock.now += 5  # b comes back late: no hold at its next release
+    b2, a4 = job([b], tenant="b"), job([b], tenant="a")
+    s.submit(b2)
+    s.release(a_jobs[0])
+    s.release(a_jobs[1])
+    assert b2.backend is b and a_jobs[2].backend is b
+    s.submit(a4)
+    s.release(b2, prompt_tokens=1, completion_tokens=1)
+    assert not s.holds and a4.backend is b
+
+
+async def test_hold_is_off_with_zero_and_never_blocks_a_better_class(clock):
+    s, b, _, a_jobs = _underserved_b_releasing(clock, hold_s=0.0)
+    assert a_jobs[1].backend is b and not s.holds
+    s, b, _, a_jobs = _underserved_b_releasing(clock, hold_s=0.05)
+    chat = job([b], "interactive", tenant="c")
+    s.submit(chat)
+    assert chat.backend is b  # the hold is for standard-class work; interactive goes first
+
+
+async def test_no_hold_for_a_tenant_with_its_own_queued_request(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock, hold_s=0.05)
+    mine = [job([b], tenant="b") for _ in range(2)]
+    for j in mine:
+        s.submit(j)
+    other = job([b], tenant="a")
+    s.submit(other)
+    s.release(mine[0], prompt_tokens=1, completion_tokens=1)
+    assert not s.holds and mine[1].backend is b
