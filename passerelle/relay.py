@@ -24,12 +24,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 
 from passerelle.config import TimeoutConfig
 from passerelle.errors import UpstreamError, UpstreamTimeout
 from passerelle.request import RequestRecord, State
+from passerelle.upstream import HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -131,7 +131,7 @@ class StreamRelay:
             return b"".join(events) if len(events) > 1 else events[0]
         return b"".join(out)
 
-    async def run(self, resp: aiohttp.ClientResponse, deadline_total: float) -> None:
+    async def run(self, resp: Response, deadline_total: float) -> None:
         """Relay until ``[DONE]``; raise UpstreamTimeout/UpstreamError on a broken stream.
 
         The response headers have already been sent to the client by the caller.
@@ -139,7 +139,7 @@ class StreamRelay:
         rec, t = self.rec, self.timeouts
         scanner = SSEScanner()
         held: list[bytes] | None = []  # events before the first content chunk
-        read = resp.content.readany
+        read = resp.readany
         send = self.send
         loop = asyncio.get_running_loop()
         # Deadlines on the loop's clock; perf_counter values are for the record.
@@ -187,7 +187,7 @@ class StreamRelay:
             if rec.content_chunks:
                 raise UpstreamTimeout("between tokens", t.between_tokens_s) from None
             raise UpstreamTimeout("first token", t.first_token_s) from None
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+        except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "
                                 f"{exc.__class__.__name__}", retryable=True) from exc
         tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n" if scanner.pending.strip() else b""
@@ -208,7 +208,7 @@ class StreamRelay:
                                 retryable=True)
 
 
-async def read_body(resp: aiohttp.ClientResponse, rec: RequestRecord, timeouts: TimeoutConfig,
+async def read_body(resp: Response, rec: RequestRecord, timeouts: TimeoutConfig,
                     deadline_total: float) -> bytes:
     """Read a non-streaming answer within the first-token and total limits."""
     remaining = deadline_total - time.perf_counter()
@@ -220,7 +220,7 @@ async def read_body(resp: aiohttp.ClientResponse, rec: RequestRecord, timeouts: 
     except TimeoutError:
         raise UpstreamTimeout(phase, timeouts.first_token_s if phase == "first token" else timeouts.total_s) \
             from None
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+    except (HTTPClientError, OSError) as exc:
         raise UpstreamError(f"The model runtime '{rec.backend}' broke the response: "
                             f"{exc.__class__.__name__}", retryable=True) from exc
     rec.t_first = rec.t_last = time.perf_counter()

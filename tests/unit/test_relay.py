@@ -1,7 +1,6 @@
 import asyncio
 import time
 
-import aiohttp
 import orjson
 import pytest
 
@@ -9,6 +8,7 @@ from passerelle.config import TimeoutConfig
 from passerelle.errors import UpstreamError, UpstreamTimeout
 from passerelle.relay import SSEScanner, StreamRelay
 from passerelle.request import RequestRecord, State
+from passerelle.upstream import ServerDisconnected
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
@@ -18,7 +18,7 @@ DONE = b"data: [DONE]\n\n"
 STREAM = ROLE + CHUNK % b"a" + CHUNK % b"b" + CHUNK % b"c" + FINAL + USAGE + DONE
 
 
-class FakeContent:
+class FakeResponse:
     def __init__(self, parts, *, delays=None, fail_with=None):
         self.parts = list(parts)
         self.delays = list(delays or [])
@@ -32,11 +32,6 @@ class FakeContent:
         if self.fail_with is not None:
             raise self.fail_with
         return b""
-
-
-class FakeResponse:
-    def __init__(self, parts, **kw):
-        self.content = FakeContent(parts, **kw)
 
 
 class Client:
@@ -122,7 +117,7 @@ async def test_stream_without_done_is_an_error():
 
 async def test_broken_connection_is_an_error():
     with pytest.raises(UpstreamError, match="broke the stream"):
-        await relay([ROLE], fail_with=aiohttp.ClientPayloadError("cut"))
+        await relay([ROLE], fail_with=ServerDisconnected("cut", got_bytes=True))
 
 
 async def test_error_event_from_runtime_is_relayed_then_reported():
