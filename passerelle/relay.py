@@ -52,16 +52,20 @@ class SSEScanner:
     def feed(self, data: bytes) -> list[bytes]:
         buf = self._tail + data if self._tail else data
         events: list[bytes] = []
-        start, n = 0, len(buf)
-        while start < n:
-            lf = buf.find(b"\n\n", start)
-            crlf = buf.find(b"\r\n\r\n", start)
-            if lf < 0 and crlf < 0:
-                break
+        start = 0
+        # Each terminator is searched again only once the split has passed it: a stream that
+        # never uses one (most never send CRLF) costs one scan of the buffer, not one per event.
+        lf = buf.find(b"\n\n")
+        crlf = buf.find(b"\r\n\r\n")
+        while lf >= 0 or crlf >= 0:
             end = lf + 2 if crlf < 0 or (0 <= lf < crlf) else crlf + 4
             events.append(buf[start:end])
             start = end
-        self._tail = buf[start:]
+            if 0 <= lf < start:
+                lf = buf.find(b"\n\n", start)
+            if 0 <= crlf < start:
+                crlf = buf.find(b"\r\n\r\n", start)
+        self._tail = buf[start:] if start else buf
         return events
 
     @property
@@ -118,9 +122,9 @@ class StreamRelay:
                     rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
                 if self.strip_usage and _EMPTY_CHOICES.search(ev):
                     keep = False
-            elif _DONE.match(ev):
+            elif b"[DONE]" in ev and _DONE.match(ev):  # (the substring test is the cheap part)
                 self.done = True
-            elif _ERROR.match(ev):
+            elif b'"error"' in ev and _ERROR.match(ev):
                 self.upstream_error = True
                 rec.error = "the runtime sent an error event"
             if not keep and out is None:

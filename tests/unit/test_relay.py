@@ -1,4 +1,5 @@
 import asyncio
+import random
 import time
 
 import orjson
@@ -74,6 +75,27 @@ def test_scanner_crlf_comments_and_mixed_terminators():
     data = b": keep-alive\r\n\r\ndata: {\"a\":1}\r\n\r\ndata: x\n\n"
     assert s.feed(data) == [b": keep-alive\r\n\r\n", b'data: {"a":1}\r\n\r\n', b"data: x\n\n"]
     assert s.feed(b"data: partial") == [] and s.pending == b"data: partial"
+
+
+def test_scanner_matches_a_plain_split_on_random_input():
+    def reference(buf):  # the earliest terminator of either kind, searched afresh each time
+        events, start = [], 0
+        while True:
+            ends = [i + len(t) for t in (b"\n\n", b"\r\n\r\n") if (i := buf.find(t, start)) >= 0]
+            if not ends:
+                return events, buf[start:]
+            events.append(buf[start:min(ends)])
+            start = min(ends)
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        data = bytes(rng.choice(b"a\r\n") for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(len(data) + 1), min(3, len(data) + 1)))
+        s, got, prev = SSEScanner(), [], 0
+        for cut in [*cuts, len(data)]:
+            got += s.feed(data[prev:cut])
+            prev = cut
+        assert (got, s.pending) == reference(data)
 
 
 async def test_bytes_pass_through_untouched_and_tokens_counted():
