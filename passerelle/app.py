@@ -333,6 +333,7 @@ class App:
         await self.router.stop()
         if self.supervisor is not None:
             await self.supervisor.stop_all()
+        self.access_log.flush()  # (requests cut short after this are flushed at exit)
 
 
 ROUTES = {

@@ -146,6 +146,7 @@ class Counters:
     disconnected: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    connections: int = 0  # accepted: tells a keep-alive client's reuse from one connection per request
 
 
 class BadRequest(Exception):
@@ -204,6 +205,7 @@ class Connection(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.backend.counters.connections += 1
 
     def data_received(self, data: bytes) -> None:
         import httptools

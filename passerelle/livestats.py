@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ RATE_WINDOW_S = 60.0  # tokens/s and requests/s: over the last minute
 SERIES_POINTS = 30  # the charts' resolution: the window cut into this many buckets
 RECENT_ERRORS = 20
 _OK = Cause.OK.value
+_NO_GAPS: array[float] = array("f")
+MAX_NAMES = 1_000  # distinct model and tenant names shared between entries
 
 
 @dataclass(slots=True)
@@ -53,7 +56,7 @@ class _Entry:
     ok: bool
     status: int
     ttft: float | None  # seconds; completed requests only
-    gaps: list[float]  # the record's own list, not a copy
+    gaps: array[float]  # C floats: 4 bytes a gap (a list held 32, most of a window's memory)
     tokens: int  # output tokens
     gen: float  # seconds from the first to the last content chunk: tokens are spread over them
     queue_wait: float
@@ -81,7 +84,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 1)
 
 
-def _gaps(lists: Sequence[list[float]], total: int) -> list[float]:
+def _gaps(lists: Sequence[Sequence[float]], total: int) -> list[float]:
     """The gaps of ``lists`` (``total`` in all), evenly subsampled to at most MAX_GAPS."""
     step = max(1, math.ceil(total / MAX_GAPS))
     out: list[float] = []
@@ -120,7 +123,7 @@ class _Class:
         self.recent_tokens = 0.0
         self.ttft: list[float] = []
         self.qwait: list[float] = []
-        self.gap_lists: list[list[float]] = []
+        self.gap_lists: list[Sequence[float]] = []
         self.series_n = [0] * SERIES_POINTS
         self.series_tokens = [0.0] * SERIES_POINTS
         self.series_ttft: list[list[float]] = [[] for _ in range(SERIES_POINTS)]
@@ -137,6 +140,9 @@ class LiveStats:
         self.started = clock()
         self._entries: deque[_Entry] = deque(maxlen=max_entries)
         self._cached: tuple[float, float, dict[str, Any]] | None = None  # (perf_counter, reuse for s, part)
+        # One string object per model or tenant name for the whole window: a record's come from
+        # its request's JSON, a new object each time.
+        self._names: dict[str, str] = {}
 
     def observe(self, rec: RequestRecord) -> None:
         """Add one finished request (a ``Gateway.listeners`` callable): O(1)."""
@@ -144,10 +150,19 @@ class LiveStats:
         ok = rec.cause is Cause.OK
         cause = rec.cause.value if rec.cause is not None else "upstream_error"
         gen = rec.t_last - rec.t_first if rec.t_first and rec.t_last > rec.t_first else 0.0
-        self._entries.append(_Entry(now, rec.priority, rec.model, rec.backend, rec.tenant, cause, ok, rec.status,
-                                    rec.ttft if ok else None, rec.gaps if ok else [], rec.output_tokens, gen,
+        gaps = array("f", rec.gaps) if ok and rec.gaps else _NO_GAPS
+        self._entries.append(_Entry(now, rec.priority, self._name(rec.model), rec.backend, self._name(rec.tenant),
+                                    cause, ok, rec.status, rec.ttft if ok else None, gaps, rec.output_tokens, gen,
                                     rec.queue_wait, rec.error))
         self._prune(now)
+
+    def _name(self, name: str) -> str:
+        shared = self._names.get(name)
+        if shared is not None:
+            return shared
+        if len(self._names) < MAX_NAMES:
+            self._names[name] = name
+        return name
 
     def _prune(self, now: float) -> None:
         horizon = now - self.window_s

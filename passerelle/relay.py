@@ -24,12 +24,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 
 from passerelle.config import TimeoutConfig
 from passerelle.errors import UpstreamError, UpstreamTimeout
 from passerelle.request import RequestRecord, State
+from passerelle.upstream import HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -52,16 +52,20 @@ class SSEScanner:
     def feed(self, data: bytes) -> list[bytes]:
         buf = self._tail + data if self._tail else data
         events: list[bytes] = []
-        start, n = 0, len(buf)
-        while start < n:
-            lf = buf.find(b"\n\n", start)
-            crlf = buf.find(b"\r\n\r\n", start)
-            if lf < 0 and crlf < 0:
-                break
+        start = 0
+        # Each terminator is searched again only once the split has passed it: a stream that
+        # never uses one (most never send CRLF) costs one scan of the buffer, not one per event.
+        lf = buf.find(b"\n\n")
+        crlf = buf.find(b"\r\n\r\n")
+        while lf >= 0 or crlf >= 0:
             end = lf + 2 if crlf < 0 or (0 <= lf < crlf) else crlf + 4
             events.append(buf[start:end])
             start = end
-        self._tail = buf[start:]
+            if 0 <= lf < start:
+                lf = buf.find(b"\n\n", start)
+            if 0 <= crlf < start:
+                crlf = buf.find(b"\r\n\r\n", start)
+        self._tail = buf[start:] if start else buf
         return events
 
     @property
@@ -118,9 +122,9 @@ class StreamRelay:
                     rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
                 if self.strip_usage and _EMPTY_CHOICES.search(ev):
                     keep = False
-            elif _DONE.match(ev):
+            elif b"[DONE]" in ev and _DONE.match(ev):  # (the substring test is the cheap part)
                 self.done = True
-            elif _ERROR.match(ev):
+            elif b'"error"' in ev and _ERROR.match(ev):
                 self.upstream_error = True
                 rec.error = "the runtime sent an error event"
             if not keep and out is None:
@@ -131,7 +135,7 @@ class StreamRelay:
             return b"".join(events) if len(events) > 1 else events[0]
         return b"".join(out)
 
-    async def run(self, resp: aiohttp.ClientResponse, deadline_total: float) -> None:
+    async def run(self, resp: Response, deadline_total: float) -> None:
         """Relay until ``[DONE]``; raise UpstreamTimeout/UpstreamError on a broken stream.
 
         The response headers have already been sent to the client by the caller.
@@ -139,7 +143,7 @@ class StreamRelay:
         rec, t = self.rec, self.timeouts
         scanner = SSEScanner()
         held: list[bytes] | None = []  # events before the first content chunk
-        read = resp.content.readany
+        read = resp.readany
         send = self.send
         loop = asyncio.get_running_loop()
         # Deadlines on the loop's clock; perf_counter values are for the record.
@@ -187,7 +191,7 @@ class StreamRelay:
             if rec.content_chunks:
                 raise UpstreamTimeout("between tokens", t.between_tokens_s) from None
             raise UpstreamTimeout("first token", t.first_token_s) from None
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+        except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "
                                 f"{exc.__class__.__name__}", retryable=True) from exc
         tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n" if scanner.pending.strip() else b""
@@ -208,7 +212,7 @@ class StreamRelay:
                                 retryable=True)
 
 
-async def read_body(resp: aiohttp.ClientResponse, rec: RequestRecord, timeouts: TimeoutConfig,
+async def read_body(resp: Response, rec: RequestRecord, timeouts: TimeoutConfig,
                     deadline_total: float) -> bytes:
     """Read a non-streaming answer within the first-token and total limits."""
     remaining = deadline_total - time.perf_counter()
@@ -220,7 +224,7 @@ async def read_body(resp: aiohttp.ClientResponse, rec: RequestRecord, timeouts: 
     except TimeoutError:
         raise UpstreamTimeout(phase, timeouts.first_token_s if phase == "first token" else timeouts.total_s) \
             from None
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+    except (HTTPClientError, OSError) as exc:
         raise UpstreamError(f"The model runtime '{rec.backend}' broke the response: "
                             f"{exc.__class__.__name__}", retryable=True) from exc
     rec.t_first = rec.t_last = time.perf_counter()

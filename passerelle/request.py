@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import os
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from passerelle.errors import Cause
@@ -62,7 +63,9 @@ class RequestRecord:
     t_last: float = 0.0  # last content chunk sent
     t_end: float = 0.0
     content_chunks: int = 0
-    gaps: list[float] = field(default_factory=list)  # between content chunks, seconds
+    # between content chunks, seconds; C doubles rather than a list of float objects (a quarter of
+    # the memory, nothing for the garbage collector to scan)
+    gaps: array[float] = field(default_factory=lambda: array("d"))
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     usage_from_server: bool = False

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import aiohttp
-
 from passerelle.backends.base import Backend, BackendStats
 from passerelle.backends.llama_server import LlamaServerBackend
 from passerelle.backends.ollama import OllamaBackend
@@ -32,6 +30,8 @@ async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[
     The kind is read from endpoints only one runtime has: llama-server's ``/props``, vLLM's
     ``/version`` with its metrics, Ollama's ``/api/version``, SGLang's ``/get_model_info``.
     """
+    import aiohttp  # only here, at start-up: the gateway's own requests go through upstream.py
+
     url = url.rstrip("/").removesuffix("/v1")
     to = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(timeout=to) as session:

@@ -9,24 +9,20 @@ Example::
     backend = make_backend(BackendConfig(name="a", kind="llama-server", url="http://127.0.0.1:8081",
                                          models=("gemma",)), TimeoutConfig())
     await backend.start()
-    resp = await backend.post("/v1/chat/completions", body)   # aiohttp.ClientResponse
+    resp = await backend.post("/v1/chat/completions", body)   # upstream.Response
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from passerelle.config import BackendConfig, TimeoutConfig
 from passerelle.errors import UpstreamError
+from passerelle.upstream import ConnectFailed, HTTPClientError, Response, UpstreamClient
 
-# Errors that mean "the request never reached a live server on this connection": a pooled
-# keep-alive connection the runtime had already closed. llama-server closes idle keep-alive
-# connections, and aiohttp reports the race as one of these; the request is resent once on a
-# fresh connection so that it never becomes a client error.
-_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+_JSON = b"Content-Type: application/json\r\n"
 
 
 @dataclass
@@ -70,8 +66,8 @@ class Backend:
         self.ejected_until = 0.0
         self.probing = False
         self._missed_health = False
-        self._session: aiohttp.ClientSession | None = None
-        self._fresh: aiohttp.ClientSession | None = None
+        self._client: UpstreamClient | None = None
+        self._started = False
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         if cfg.health_path:
             self.health_path = cfg.health_path
@@ -97,73 +93,75 @@ class Backend:
 
     # -- lifecycle -------------------------------------------------------------------------
     def set_url(self, url: str) -> None:
-        self.url = url.rstrip("/")
+        url = url.rstrip("/")
+        if url != self.url and self._started:
+            # a relaunched runtime on a new port: connections to the old one are of no use
+            if self._client is not None:
+                self._client.close(busy=False)
+            self._client = self._new_client(url)
+        self.url = url
+
+    def _new_client(self, url: str) -> UpstreamClient | None:
+        if not url:  # a runtime passerelle launches has no address until it runs
+            return None
+        # Sized to the runtime's capacity (the scheduler never sends more), plus room for the
+        # health and load probes.
+        return UpstreamClient(url, limit=self.capacity + 4, connect_timeout=self.timeouts.connect_s,
+                              keepalive_s=4.0, headers=self._headers)
 
     async def start(self) -> None:
-        if self._session is None:
-            # Pool sized to the runtime's capacity, plus room for health and stats probes.
-            connector = aiohttp.TCPConnector(limit=self.capacity + 4, keepalive_timeout=4.0,
-                                             enable_cleanup_closed=True)
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                                  headers=self._headers, auto_decompress=False,
-                                                  skip_auto_headers=("User-Agent",))
+        if not self._started:
+            self._started = True
+            self._client = self._new_client(self.url)
 
     async def close(self) -> None:
-        for session in (self._session, self._fresh):
-            if session is not None:
-                await session.close()
-        self._session = self._fresh = None
+        if self._client is not None:
+            self._client.close()
+        self._client, self._started = None, False
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError(f"backend {self.name} is not started")
-        return self._session
-
-    def _fresh_session(self) -> aiohttp.ClientSession:
-        if self._fresh is None:
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s)
-            self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
-                                                timeout=timeout, headers=self._headers,
-                                                auto_decompress=False)
-        return self._fresh
+    def client(self) -> UpstreamClient:
+        if self._client is None:
+            if not self._started:
+                raise RuntimeError(f"backend {self.name} is not started")
+            raise ConnectFailed(f"runtime {self.name} has no address yet")
+        return self._client
 
     # -- requests --------------------------------------------------------------------------
     def prepare(self, body: bytes, priority_rank: int) -> bytes:
         """Rewrite the body for this runtime (e.g. vLLM's ``priority``); default: untouched."""
         return body
 
-    async def post(self, path: str, body: bytes, *, request_id: str = "") -> aiohttp.ClientResponse:
+    async def post(self, path: str, body: bytes, *, request_id: str = "") -> Response:
         """Send ``body``; return once the response headers arrived. Raises UpstreamError.
 
-        ``request_id`` goes along as ``X-Request-Id`` (vLLM adopts it), so logs can be matched."""
-        url = self.url + path
-        headers = {"Content-Type": "application/json"}
-        if request_id:
-            headers["X-Request-Id"] = request_id
+        ``request_id`` goes along as ``X-Request-Id`` (vLLM adopts it), so logs can be matched.
+        A pooled connection that the runtime had closed is replaced by a fresh one (see
+        upstream.py), so that race never becomes a client error."""
+        headers = (_JSON + b"X-Request-Id: " + request_id.encode() + b"\r\n") if request_id else _JSON
         try:
-            try:
-                return await self.session.post(url, data=body, headers=headers)
-            except _STALE_CONNECTION:
-                return await self._fresh_session().post(url, data=body, headers=headers)
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(f"The model runtime '{self.name}' is not reachable ({exc.strerror or exc}).",
-                                retryable=True) from exc
-        except (aiohttp.ClientError, OSError) as exc:
+            return await self.client.request(b"POST", path, body, headers=headers)
+        except ConnectFailed as exc:
+            raise UpstreamError(f"The model runtime '{self.name}' is not reachable ({exc}).", retryable=True) from exc
+        except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{self.name}' failed: {exc.__class__.__name__}: {exc}",
                                 retryable=True) from exc
 
     # -- health and load -------------------------------------------------------------------
-    async def _get(self, path: str, timeout: float = 2.0) -> aiohttp.ClientResponse:
-        return await self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout))
+    async def _get(self, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+        """GET ``path``: its status and whole body within ``timeout`` seconds."""
+        async with asyncio.timeout(timeout):
+            resp = await self.client.request(b"GET", path)
+            try:
+                return resp.status, await resp.read()
+            finally:
+                resp.close()
 
     async def check_health(self, timeout: float = 2.0) -> bool:
         try:
-            async with await self._get(self.health_path, timeout) as resp:
-                await resp.read()
-                return resp.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            status, _ = await self._get(self.health_path, timeout)
+            return status == 200
+        except (TimeoutError, HTTPClientError, OSError):
             return False
 
     async def scrape(self) -> BackendStats:

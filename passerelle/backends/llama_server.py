@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import orjson
+
 from passerelle.backends.base import Backend, BackendStats
 from passerelle.backends.prom import parse_samples
 
@@ -14,27 +16,26 @@ class LlamaServerBackend(Backend):
     stream_always = True
 
     async def _scrape_load(self, stats: BackendStats) -> None:
-        async with await self._get("/slots") as resp:
-            if resp.status == 200:
-                slots = await resp.json(content_type=None)
-                if isinstance(slots, list):
-                    stats.slots_total = len(slots)
-                    stats.slots_busy = sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing"))
-        async with await self._get("/metrics") as resp:
-            if resp.status == 200:
-                samples = parse_samples(await resp.text())
-                stats.extra = samples
-                if "llamacpp:requests_deferred" in samples:
-                    stats.queue_depth = int(samples["llamacpp:requests_deferred"])
-                if "llamacpp:kv_cache_usage_ratio" in samples:  # removed in newer llama.cpp
-                    stats.kv_cache_usage_ratio = samples["llamacpp:kv_cache_usage_ratio"]
-                if stats.slots_busy is None and "llamacpp:requests_processing" in samples:
-                    stats.slots_busy = int(samples["llamacpp:requests_processing"])
+        status, body = await self._get("/slots")
+        if status == 200:
+            slots = orjson.loads(body)
+            if isinstance(slots, list):
+                stats.slots_total = len(slots)
+                stats.slots_busy = sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing"))
+        status, body = await self._get("/metrics")
+        if status == 200:
+            samples = parse_samples(body.decode("utf-8", "replace"))
+            stats.extra = samples
+            if "llamacpp:requests_deferred" in samples:
+                stats.queue_depth = int(samples["llamacpp:requests_deferred"])
+            if "llamacpp:kv_cache_usage_ratio" in samples:  # removed in newer llama.cpp
+                stats.kv_cache_usage_ratio = samples["llamacpp:kv_cache_usage_ratio"]
+            if stats.slots_busy is None and "llamacpp:requests_processing" in samples:
+                stats.slots_busy = int(samples["llamacpp:requests_processing"])
 
     async def version(self) -> str:
         try:
-            async with await self._get("/props") as resp:
-                props = await resp.json(content_type=None)
-                return str(props.get("build_info", ""))
+            _, body = await self._get("/props")
+            return str(orjson.loads(body).get("build_info", ""))
         except Exception:
             return ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import orjson
+
 from passerelle.backends.base import Backend, BackendStats
 
 
@@ -10,15 +12,15 @@ class OllamaBackend(Backend):
     health_path = "/api/version"
 
     async def _scrape_load(self, stats: BackendStats) -> None:
-        async with await self._get("/api/ps") as resp:
-            if resp.status == 200:
-                models = (await resp.json(content_type=None)).get("models", [])
-                stats.extra = {"loaded_models": float(len(models)),
-                               "vram_bytes": float(sum(m.get("size_vram", 0) for m in models))}
+        status, body = await self._get("/api/ps")
+        if status == 200:
+            models = orjson.loads(body).get("models", [])
+            stats.extra = {"loaded_models": float(len(models)),
+                           "vram_bytes": float(sum(m.get("size_vram", 0) for m in models))}
 
     async def version(self) -> str:
         try:
-            async with await self._get("/api/version") as resp:
-                return str((await resp.json(content_type=None)).get("version", ""))
+            _, body = await self._get("/api/version")
+            return str(orjson.loads(body).get("version", ""))
         except Exception:
             return ""

@@ -14,10 +14,10 @@ class VllmBackend(Backend):
     prefix = "vllm:"
 
     async def _scrape_load(self, stats: BackendStats) -> None:
-        async with await self._get("/metrics") as resp:
-            if resp.status != 200:
-                return
-            samples = parse_samples(await resp.text())
+        status, body = await self._get("/metrics")
+        if status != 200:
+            return
+        samples = parse_samples(body.decode("utf-8", "replace"))
         p = self.prefix
         stats.extra = samples
         if f"{p}num_requests_running" in samples:
@@ -49,8 +49,8 @@ class VllmBackend(Backend):
 
     async def version(self) -> str:
         try:
-            async with await self._get("/version") as resp:
-                return str((await resp.json(content_type=None)).get("version", ""))
+            _, body = await self._get("/version")
+            return str(orjson.loads(body).get("version", ""))
         except Exception:
             return ""
 

@@ -1,7 +1,7 @@
 import asyncio
+import random
 import time
 
-import aiohttp
 import orjson
 import pytest
 
@@ -9,6 +9,7 @@ from passerelle.config import TimeoutConfig
 from passerelle.errors import UpstreamError, UpstreamTimeout
 from passerelle.relay import SSEScanner, StreamRelay
 from passerelle.request import RequestRecord, State
+from passerelle.upstream import ServerDisconnected
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
@@ -18,7 +19,7 @@ DONE = b"data: [DONE]\n\n"
 STREAM = ROLE + CHUNK % b"a" + CHUNK % b"b" + CHUNK % b"c" + FINAL + USAGE + DONE
 
 
-class FakeContent:
+class FakeResponse:
     def __init__(self, parts, *, delays=None, fail_with=None):
         self.parts = list(parts)
         self.delays = list(delays or [])
@@ -32,11 +33,6 @@ class FakeContent:
         if self.fail_with is not None:
             raise self.fail_with
         return b""
-
-
-class FakeResponse:
-    def __init__(self, parts, **kw):
-        self.content = FakeContent(parts, **kw)
 
 
 class Client:
@@ -81,6 +77,27 @@ def test_scanner_crlf_comments_and_mixed_terminators():
     assert s.feed(b"data: partial") == [] and s.pending == b"data: partial"
 
 
+def test_scanner_matches_a_plain_split_on_random_input():
+    def reference(buf):  # the earliest terminator of either kind, searched afresh each time
+        events, start = [], 0
+        while True:
+            ends = [i + len(t) for t in (b"\n\n", b"\r\n\r\n") if (i := buf.find(t, start)) >= 0]
+            if not ends:
+                return events, buf[start:]
+            events.append(buf[start:min(ends)])
+            start = min(ends)
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        data = bytes(rng.choice(b"a\r\n") for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(len(data) + 1), min(3, len(data) + 1)))
+        s, got, prev = SSEScanner(), [], 0
+        for cut in [*cuts, len(data)]:
+            got += s.feed(data[prev:cut])
+            prev = cut
+        assert (got, s.pending) == reference(data)
+
+
 async def test_bytes_pass_through_untouched_and_tokens_counted():
     rec, client = await relay([STREAM[:50], STREAM[50:200], STREAM[200:]])
     assert client.body == STREAM
@@ -122,7 +139,7 @@ async def test_stream_without_done_is_an_error():
 
 async def test_broken_connection_is_an_error():
     with pytest.raises(UpstreamError, match="broke the stream"):
-        await relay([ROLE], fail_with=aiohttp.ClientPayloadError("cut"))
+        await relay([ROLE], fail_with=ServerDisconnected("cut", got_bytes=True))
 
 
 async def test_error_event_from_runtime_is_relayed_then_reported():
