@@ -33,14 +33,13 @@ import math
 import operator
 import time
 from array import array
-from bisect import bisect_right
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from itertools import accumulate
 from typing import Any
 
 from passerelle.backends import Backend
 from passerelle.errors import Cause
+from passerelle.loghist import BUCKETS, GAP, INV_LN, LARGEST, QWAIT, SHIFT, SMALLEST, TTFT, bucket, occupied, quantiles
 from passerelle.metrics import Metrics
 from passerelle.request import RequestRecord
 
@@ -52,34 +51,6 @@ SLOT_S = 1.0  # the longest slot; a chart bucket is a whole number of slots
 _OK = Cause.OK.value
 _CAUSES = list(Cause)
 _CAUSE_INDEX = {cause: i for i, cause in enumerate(_CAUSES)}
-
-# Histogram buckets: 0 holds values under SMALLEST (read as 0); bucket i ≥ 1 holds
-# [SMALLEST·GROWTH^(i-1), SMALLEST·GROWTH^i), the last one everything above.
-GROWTH = 1.004
-SMALLEST = 1e-6  # seconds
-LARGEST = 1e5
-REL_ERROR = math.sqrt(GROWTH) - 1  # a bucket's geometric middle against any value in it: ≈ 0.2 %
-BUCKETS = int(math.log(LARGEST / SMALLEST) / math.log(GROWTH)) + 2
-_INV_LN = 1.0 / math.log(GROWTH)
-_SHIFT = 1.0 - math.log(SMALLEST) * _INV_LN
-# The three histograms share one key space (and one dict per slot): key = offset + bucket.
-_TTFT, _QWAIT, _GAP = 0, BUCKETS, 2 * BUCKETS
-assert 3 * BUCKETS <= 1 << 16  # a closed slot's keys are C unsigned shorts
-
-
-def _bucket(v: float) -> int:
-    """The histogram bucket of ``v`` seconds: ``_bucket(0.0123)`` is 2360, read back as 12.32 ms."""
-    if not v >= SMALLEST:  # (NaN included)
-        return 0
-    if v >= LARGEST:
-        return BUCKETS - 1
-    return int(math.log(v) * _INV_LN + _SHIFT)
-
-
-def _middle(bucket: int) -> float:
-    """A bucket's value: its geometric middle (0 for the bucket of values under SMALLEST)."""
-    return SMALLEST * GROWTH ** (bucket - 0.5) if bucket > 0 else 0.0
-
 
 class _Ring:
     """One class's slots: slot k at position k % size. The open (current) slot's histogram is a
@@ -129,7 +100,7 @@ class _Ring:
 
     def freeze_chart(self, bucket: int) -> None:
         """The chart's bucket is over: keep its TTFT p50 / p95 (they will not change), start anew."""
-        summary = _quantiles(self.chart)
+        summary = quantiles(self.chart)
         if summary["count"]:
             self.charted[bucket] = (summary["p50"], summary["p95"])
             self.chart = array("I", [0]) * BUCKETS
@@ -150,39 +121,9 @@ class _Figures:
         self.errors += other.errors
         self.recent += other.recent
         self.recent_tokens += other.recent_tokens
-        for offset in _TTFT, _QWAIT, _GAP:
-            lo, hi = _occupied(other.hist, offset, offset + BUCKETS)
+        for offset in TTFT, QWAIT, GAP:
+            lo, hi = occupied(other.hist, offset, offset + BUCKETS)
             self.hist[lo:hi] = array("I", map(operator.add, self.hist[lo:hi], other.hist[lo:hi]))
-
-
-def _occupied(counts: array[int], lo: int, hi: int) -> tuple[int, int]:
-    """The narrowest [a, b) within [lo, hi) that holds every nonzero count, found on the raw bytes
-    at C speed (a snapshot does not walk thousands of empty buckets in Python)."""
-    raw = counts[lo:hi].tobytes()
-    head = len(raw) - len(raw.lstrip(b"\0"))
-    if head == len(raw):
-        return lo, lo
-    size = counts.itemsize
-    return lo + head // size, lo + -(-len(raw.rstrip(b"\0")) // size)
-
-
-def _quantiles(hist: array[int], offset: int = 0) -> dict[str, Any]:
-    """p50 / p95 in ms and the count of the histogram ``hist[offset:offset + BUCKETS]``."""
-    lo, hi = _occupied(hist, offset, offset + BUCKETS)
-    first = lo - offset
-    cum = list(accumulate(hist[lo:hi]))
-    n = cum[-1] if cum else 0
-    out: dict[str, Any] = {"p50": None, "p95": None, "count": n}
-    for q in (50, 95) if n else ():
-        pos = (n - 1) * q / 100.0
-        lo = math.floor(pos)
-        a, b = (_middle(first + bisect_right(cum, rank)) for rank in (lo, min(lo + 1, n - 1)))
-        out[f"p{q}"] = _ms(a + (b - a) * (pos - lo))
-    return out
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000.0, 1)
 
 
 def waiting_from_gauge(metrics: Metrics) -> dict[str, int]:
@@ -231,14 +172,14 @@ class LiveStats:
             live = ring.live
             ttft = rec.ttft
             if ttft is not None:
-                key = _bucket(ttft)
-                live[_TTFT + key] += 1
+                key = bucket(ttft)
+                live[TTFT + key] += 1
                 ring.chart[key] += 1
-            live[_QWAIT + _bucket(rec.queue_wait)] += 1
+            live[QWAIT + bucket(rec.queue_wait)] += 1
             if rec.gaps:  # inline _bucket: this runs for every token streamed
-                log, inv, shift, top = math.log, _INV_LN, _SHIFT + _GAP, _GAP + BUCKETS - 1
+                log, inv, shift, top = math.log, INV_LN, SHIFT + GAP, GAP + BUCKETS - 1
                 live.update([int(log(g) * inv + shift) if SMALLEST <= g < LARGEST
-                             else (top if g >= LARGEST else _GAP) for g in rec.gaps])
+                             else (top if g >= LARGEST else GAP) for g in rec.gaps])
         else:
             ring.errors[pos] += 1
             self._errors.append((now, {"cause": cause.value, "status": rec.status, "model": rec.model,
@@ -409,7 +350,7 @@ class LiveStats:
         # buckets that ended before passerelle started have no value (not zero)
         tps = [None if (first + i + 1) * step <= self.started else round(tokens_per_bucket[i] / spans[i], 2)
                for i in range(SERIES_POINTS)]
-        current = _quantiles(ring.chart)
+        current = quantiles(ring.chart)
         ttft = [ring.charted.get(first + i, (None, None)) for i in range(SERIES_POINTS - 1)]
         ttft.append((current["p50"], current["p95"]))
         return f, {"ttft_p50_ms": [p50 for p50, _ in ttft], "ttft_p95_ms": [p95 for _, p95 in ttft],
@@ -435,9 +376,9 @@ def _summary(f: _Figures, rate_span: float) -> dict[str, Any]:
         "ok": f.n - f.errors,
         "errors": f.errors,
         "waiting": 0,
-        "ttft_ms": _quantiles(f.hist, _TTFT),
-        "itl_ms": _quantiles(f.hist, _GAP),
-        "queue_wait_ms": _quantiles(f.hist, _QWAIT),
+        "ttft_ms": quantiles(f.hist, TTFT),
+        "itl_ms": quantiles(f.hist, GAP),
+        "queue_wait_ms": quantiles(f.hist, QWAIT),
         "tokens_per_s": round(f.recent_tokens / rate_span, 2),
         "requests_per_s": round(f.recent / rate_span, 3),
     }

@@ -13,7 +13,8 @@ import pytest
 from passerelle.backends import Backend
 from passerelle.config import BackendConfig, TimeoutConfig
 from passerelle.errors import Cause
-from passerelle.livestats import REL_ERROR, LiveStats, waiting_from_gauge
+from passerelle.livestats import LiveStats, waiting_from_gauge
+from passerelle.loghist import REL_ERROR
 from passerelle.metrics import Metrics
 from passerelle.request import RequestRecord
 
