@@ -844,8 +844,8 @@ LOOP = "event loop in C (uvloop: epoll, socket reads, callback dispatch)"
 SEND = "ASGI send to the client (uvicorn send -> transport.write -> write syscall)"
 SCAN = "relay.py: SSE split + byte scan (SSEScanner.feed, _scan)"
 RELAY = "relay.py: relay loop (StreamRelay.run: await/resume, per-chunk timeout reschedule)"
-UP_READ = "upstream read (aiohttp protocol, HTTP parser, StreamReader.readany)"
-UP_REQ = "upstream request (Backend.post: aiohttp request, pool, write, response headers)"
+UP_READ = "upstream read (http1.py protocol, httptools parser, Response.readany)"
+UP_REQ = "upstream request (Backend.post: upstream.py pool, connect, write, response headers)"
 UVICORN = "uvicorn + httptools request side (HTTP parse, ASGI receive, task start, keep-alive)"
 LOG = "access log (record_fields, logging, stderr write)"
 METRICS = "metrics (prometheus_client, observe_many)"
@@ -883,18 +883,18 @@ def categorise(frames: list[str]) -> str | None:
         if has("livestats.py", "usage.py"):
             return DASH
         return LIFECYCLE
-    if has("Backend.post", "write_bytes", "connector.py", "client_reqrep.py"):
+    if has("Backend.post", "passerelle/upstream.py"):
         return UP_REQ
     if has("StreamRelay.run"):
         if has("SSEScanner.feed", "StreamRelay._scan"):
             return SCAN
-        if has("aiohttp/", "backends/lean.py"):
+        if has("passerelle/http1.py"):
             return UP_READ
         return RELAY
     # Outside those regions: by the innermost Python frame (uvicorn frames sit at the bottom of
     # every request task, so the whole stack would say "uvicorn").
     inner = py[-1]
-    for category, fragments in ((UP_READ, ("aiohttp/", "backends/lean.py")), (UVICORN, ("uvicorn/", "httptools")),
+    for category, fragments in ((UP_READ, ("passerelle/http1.py",)), (UVICORN, ("uvicorn/", "httptools")),
                                 (METRICS, ("prometheus_client", "passerelle/metrics.py")), (LOG, ("/logging/",)),
                                 (DASH, ("livestats.py", "usage.py", "sqlite3")), (LIFECYCLE, ("passerelle/",)),
                                 (ASYNCIO, ("asyncio/",))):
