@@ -15,14 +15,14 @@ request arrives, the waiting request with the smallest key is dispatched to a re
 * arrival order: FIFO within a tenant.
 
 A class may hold only a share of a backend's slots (``batch`` 3 of 4 by default), so an
-interactive request finds a slot quickly even under a batch flood.
+interactive request finds a slot quickly even under a batch flood. Service is charged at dispatch
+from an estimate (prompt tokens + max_tokens) and corrected with the real usage at the end.
 
 A slot freed by an under-served tenant with nothing queued is held for it for ``hold_s`` (50 ms):
 a client that keeps N streams sends its next request a few milliseconds after each answer, and
 without the hold that slot would already be gone to a busier tenant's queued request, so a tenant
 with few streams would get far less than its share (anticipation, as in the anticipatory disk
-scheduler). A tenant that did not come back in time gets no hold again until it does. Service is charged at dispatch
-from an estimate (prompt tokens + max_tokens) and corrected with the real usage at the end.
+scheduler). A tenant that did not come back in time gets no hold again until it does.
 
 Example::
 
@@ -298,17 +298,13 @@ class Scheduler:
         """
         now = self.clock()
         usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
-        if self.holds:
-            rank = self._key(job, now)[0]
-            free = []
-            for b in usable:
-                total, same = self._held(b, job, rank)
-                if (b.in_flight + total < b.capacity
-                        and self.running.get((b.name, job.cls.name), 0) + same < self._limit(b, job.cls)):
-                    free.append(b)
-        else:
-            free = [b for b in usable if b.in_flight < b.capacity
-                    and self.running.get((b.name, job.cls.name), 0) < self._limit(b, job.cls)]
+        rank = self._key(job, now)[0] if self.holds else 0.0
+        free = []
+        for b in usable:
+            total, same = self._held(b, job, rank) if self.holds else (0, 0)
+            if (b.in_flight + total < b.capacity
+                    and self.running.get((b.name, job.cls.name), 0) + same < self._limit(b, job.cls)):
+                free.append(b)
         if self.policy == "round_robin":
             return free[next(self._rr) % len(free)] if free else None
         home_name = self.affinity.get(job.affinity) if job.affinity else None
