@@ -84,6 +84,7 @@ class _Tenant:
     waiting: int = 0
     running: int = 0
     released_at: float = -math.inf  # when its last request ended
+    submitted_at: float = -math.inf  # when it last sent one
     anticipate: bool = True  # came back within hold_s last time: worth holding a slot for
 
 
@@ -171,8 +172,9 @@ class Scheduler:
         now = self.clock()
         job.seq, job.enqueued_at = next(self._seq), now
         t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
-        back_soon = now - t.released_at <= self.hold_s
+        back_soon = self.hold_s > 0 and now - t.released_at <= self.hold_s
         t.anticipate = t.anticipate or back_soon
+        t.submitted_at = now
         if t.waiting == 0 and t.running == 0 and not back_soon:
             # Back from idle (nothing queued, nothing running): no banked credit. Start at the
             # least-served backlogged tenant, or where the last dispatch was when nobody waits.
@@ -270,15 +272,20 @@ class Scheduler:
         if hold in self.holds:
             self.holds.remove(hold)
             self.hold_counts["lapsed"] += 1
-            self.tenants[hold.tenant].anticipate = False  # it did not come back in time
+            t = self.tenants[hold.tenant]
+            if t.submitted_at < hold.until - self.hold_s:  # it did not come back in time (not: it
+                t.anticipate = False  # came back with fewer requests than it had holds)
             self.dispatch()
 
     def _held(self, b: Backend, job: Job, rank: float) -> tuple[int, int]:
         """Slots of ``b`` held for other tenants that ``job`` must leave alone: in all, of its class.
-        A request of a better class than the hold's ignores it."""
+        A request of a better class than the hold's ignores it, and so does one of a tenant that
+        has received less service than the hold's (the fair-share order stands)."""
         total = same = 0
+        counter = self.tenants[job.tenant].counter
         for h in self.holds:
-            if h.backend is b and h.tenant != job.tenant and rank >= h.cls.rank:
+            if (h.backend is b and h.tenant != job.tenant and rank >= h.cls.rank
+                    and counter > self.tenants[h.tenant].counter):
                 total += 1
                 same += h.cls is job.cls
         return total, same
@@ -371,6 +378,14 @@ class Scheduler:
                 if hold.timer is not None:
                     hold.timer.cancel()
         backend.in_flight += 1
+        if self.holds:
+            # Holds beyond the replica's free slots stand for no slot any more (a better class or a
+            # less-served tenant took it): drop them, without counting against their tenants.
+            on_b = [h for h in self.holds if h.backend is backend]
+            for h in on_b[:max(0, backend.in_flight + len(on_b) - backend.capacity)]:
+                self.holds.remove(h)
+                if h.timer is not None:
+                    h.timer.cancel()
         backend.last_used = time.monotonic()
         if backend.ejected_until:
             backend.probing = True  # half-open: this request decides whether it comes back

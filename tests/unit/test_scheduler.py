@@ -530,3 +530,40 @@ async def test_no_hold_for_a_tenant_with_its_own_queued_request(clock):
     s.submit(other)
     s.release(mine[0], prompt_tokens=1, completion_tokens=1)
     assert not s.holds and mine[1].backend is b
+
+
+async def test_hold_never_stops_a_less_served_tenant(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock, hold_s=0.05)
+    a1 = job([b], tenant="a")
+    s.submit(a1)
+    lo, hi = job([b], tenant="lo"), job([b], tenant="hi")
+    s.submit(lo)
+    s.submit(hi)
+    s.tenants["a"].counter, s.tenants["lo"].counter, s.tenants["hi"].counter = 100, 50, 200
+    s.release(a1)  # held against "hi", who has received more than "a"...
+    assert lo.backend is b and hi.backend is None  # ...but "lo" has received less: the order stands
+    assert not s.holds  # and with that slot taken, the hold stood for nothing
+
+
+async def test_leftover_hold_lapsing_keeps_holds_for_a_tenant_that_came_back(clock):
+    b = FakeBackend(capacity=3)
+    s = make(clock, hold_s=0.05)
+    mine = [job([b], tenant="b") for _ in range(2)]
+    for j in mine:
+        s.submit(j)
+    theirs = [job([b], tenant="a") for _ in range(4)]
+    for j in theirs:
+        s.submit(j)
+    s.tenants["b"].counter = 0.0  # b is the under-served one
+    s.release(mine[0])
+    s.release(mine[1])
+    assert len(s.holds) == 2 and theirs[1].backend is None
+    clock.now += 0.01
+    again = job([b], tenant="b")  # b comes back with one request for its two freed slots
+    s.submit(again)
+    assert again.backend is b and len(s.holds) == 1
+    clock.now += 0.05
+    s.expire_due()
+    assert not s.holds and theirs[1].backend is b
+    assert s.tenants["b"].anticipate  # it did come back: the lapsed leftover does not count
