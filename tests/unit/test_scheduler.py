@@ -370,24 +370,38 @@ async def test_excluded_replica_is_skipped_on_retry(clock):
     assert j.backend is b2
 
 
-async def test_conversation_waits_for_its_full_home_replica_when_the_other_is_nearly_as_busy(clock):
+def _second_turn_with_home_full(clock, *, other_busy: int):
+    """A conversation's first turn ran on ``home`` (2 slots); home is full again when its second
+    turn comes, the other replica has ``other_busy`` of its 2 slots busy."""
     b1, b2 = FakeBackend("b1", capacity=2), FakeBackend("b2", capacity=2)
     s = make(clock)
     first = job([b1, b2], affinity="conv")
     s.submit(first)
     home = first.backend
     other = b2 if home is b1 else b1
-    s.submit(job([home]))  # home is now full (2 of 2)
-    s.submit(job([other]))  # the other replica is half busy (1 of 2)
+    on_home = [job([home]), job([home])]
+    s.submit(on_home[0])
+    for _ in range(other_busy):
+        s.submit(job([other]))
     s.release(first)
-    s.submit(job([home]))  # home full again
+    s.submit(on_home[1])
     turn2 = job([b1, b2], affinity="conv")
     s.submit(turn2)
-    assert turn2.backend is None  # waits for home: 1.0 <= 0.5 + 1.0
-    # a slot frees on home: the conversation goes there, not to the other replica
-    home.in_flight -= 1
-    s.running[(home.name, "standard")] -= 1
-    s.dispatch()
+    return s, home, other, turn2, on_home
+
+
+async def test_conversation_waits_for_its_full_home_replica_when_the_other_is_nearly_as_busy(clock):
+    s, home, other, turn2, on_home = _second_turn_with_home_full(clock, other_busy=1)
+    assert turn2.backend is None and other.in_flight == 1  # waits for home: 1.0 <= 0.5 + 1.0
+    s.release(on_home[0])  # a slot frees on home: the conversation goes there, not to the other
+    assert turn2.backend is home
+
+
+async def test_conversation_waits_for_its_full_home_even_when_the_other_replica_is_idle(clock):
+    # Recomputing a long prompt elsewhere costs more than waiting for one of home's slots.
+    s, home, other, turn2, on_home = _second_turn_with_home_full(clock, other_busy=0)
+    assert turn2.backend is None and other.in_flight == 0  # 1.0 <= 0 + 1.0
+    s.release(on_home[0])
     assert turn2.backend is home
 
 
@@ -403,26 +417,6 @@ async def test_conversation_spills_when_home_is_much_busier(clock):
     turn2 = job([b1, b2], affinity="conv")
     s.submit(turn2)
     assert turn2.backend is other  # home full with one queued (1.5) > idle other (0) + slack 1.0
-
-
-async def test_conversation_waits_for_its_full_home_even_when_the_other_replica_is_idle(clock):
-    # Recomputing a long prompt elsewhere costs more than waiting for one of home's slots.
-    b1, b2 = FakeBackend("b1", capacity=2), FakeBackend("b2", capacity=2)
-    s = make(clock)
-    first = job([b1, b2], affinity="conv")
-    s.submit(first)
-    home = first.backend
-    other = b2 if home is b1 else b1
-    s.submit(job([home]))  # home full (2 of 2), the other idle
-    s.release(first)
-    s.submit(job([home]))
-    turn2 = job([b1, b2], affinity="conv")
-    s.submit(turn2)
-    assert turn2.backend is None and other.in_flight == 0  # 1.0 <= 0 + 1.0
-    home.in_flight -= 1
-    s.running[(home.name, "standard")] -= 1
-    s.dispatch()
-    assert turn2.backend is home
 
 
 def shares_with_slow_clients(s: Scheduler, clock: Clock, loop, conc: dict[str, int], *, units: int = 60,
