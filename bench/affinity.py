@@ -30,7 +30,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).parent))
 from ttft_gateway_vs_direct import free_port, pct, wait_http
 
-from passerelle import embedded
+from passerelle.runtimes import embedded
 
 MODEL = "gemma-3-270m"
 SYSTEM = ("You are the archivist of a coastal town. You answer questions about its lighthouses, its harbour, "

@@ -26,7 +26,7 @@ from passerelle.bench.progress import Progress
 from passerelle.bench.runner import Level, RunOptions, run_levels
 from passerelle.bench.target import Target
 from passerelle.bench.workload import TrafficClass, Workload
-from passerelle.fake_backend import start_fake_backend
+from passerelle.testing.fake_runtime import start_fake_backend
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

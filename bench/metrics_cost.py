@@ -34,7 +34,7 @@ from pathlib import Path
 
 import aiohttp
 
-from passerelle.fake_backend import start_fake_backend
+from passerelle.testing.fake_runtime import start_fake_backend
 
 MODEL = "fake-model"
 

@@ -38,7 +38,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).parent))
 from ttft_gateway_vs_direct import free_port, pct, wait_http
 
-from passerelle import embedded
+from passerelle.runtimes import embedded
 
 MODEL = "gemma-3-270m"
 _CONTENT = re.compile(rb'"content":"[^"]')  # a token, not the empty delta some chunks carry

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
-from passerelle import embedded
+from passerelle.runtimes import embedded
 
 
 def free_port() -> int:

@@ -21,7 +21,7 @@ def _setup_logging(fmt: str = "text") -> None:
 
 
 def _version_text() -> str:
-    from passerelle import embedded
+    from passerelle.runtimes import embedded
 
     info = embedded.build_info()
     runtime = (f"llama.cpp from llama-cpp-python {info['llama_cpp_python']} ({info['flavour']}; "
@@ -32,9 +32,9 @@ def _version_text() -> str:
 
 def _parse_upstream(spec: str, index: int):
     """``URL`` or ``KIND=URL`` → a BackendConfig, asking the server for its kind and models."""
-    from passerelle.backends import KINDS, detect_upstream
     from passerelle.config import BackendConfig
     from passerelle.errors import ConfigError
+    from passerelle.runtimes.kinds import KINDS, detect_upstream
 
     kind, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
     if kind and kind not in KINDS:
@@ -53,8 +53,8 @@ def _parse_upstream(spec: str, index: int):
 def build_app(cfg, loader=None):
     """The ASGI app for ``cfg`` with its supervised runtimes (nothing started yet); ``loader``
     re-reads the configuration on reload."""
-    from passerelle.app import App
-    from passerelle.runtimes import build_runtime, expand
+    from passerelle.runtimes.factory import build_runtime, expand
+    from passerelle.server.app import App
 
     cfg = expand(cfg)
     built = [build_runtime(bc, cfg.timeouts) for bc in cfg.backends]
@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    from passerelle import embedded
+    from passerelle.runtimes import embedded
 
     binary = embedded.find_or_build_llama_server()
     model = embedded.ensure_default_model()
@@ -102,7 +102,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 def _store(args: argparse.Namespace):
     from passerelle.config import load_config
-    from passerelle.keys import KeyStore
+    from passerelle.tenants.keys import KeyStore
 
     cfg = load_config(args.config)
     return cfg, KeyStore(args.db or cfg.auth.db or None)
@@ -161,7 +161,7 @@ def _parse_since(text: str | None) -> float:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from passerelle.usage import summarize
+    from passerelle.tenants.usage import summarize
 
     try:
         since = _parse_since(args.since)
@@ -211,7 +211,7 @@ def _admin_result(status: int, body: bytes, ok_text: str | None = None) -> int:
 
 
 def cmd_runtime(args: argparse.Namespace) -> int:
-    from passerelle.control import render
+    from passerelle.server.control import render
 
     if args.action == "list":
         status, body = _admin_call(args, "GET", "/admin/runtimes")
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     setup.set_defaults(func=cmd_setup)
 
     from passerelle.bench.cli import add_parser as add_bench_parser
-    from passerelle.fake_backend import add_parser as add_fake_parser
+    from passerelle.testing.fake_runtime import add_parser as add_fake_parser
 
     add_bench_parser(sub)
     add_fake_parser(sub)

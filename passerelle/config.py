@@ -41,7 +41,6 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     log_format: str = "json"  # "json" or "text"
     access_log: bool = True
-    log_prompts: bool = False  # never log prompts or completions unless asked
     shutdown_grace_s: float = 30.0
     cors_origins: tuple[str, ...] = ()
 

@@ -107,7 +107,7 @@ class Gateway(Server):
 
 @pytest.fixture(scope="session")
 def llama_paths() -> tuple[Path, Path]:
-    from passerelle import embedded
+    from passerelle.runtimes import embedded
 
     return embedded.find_or_build_llama_server(), embedded.ensure_default_model()
 

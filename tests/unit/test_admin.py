@@ -12,9 +12,9 @@ from typing import Any
 import orjson
 import pytest
 
-from passerelle.admin import AdminGuard, is_admin_path
-from passerelle.app import App
 from passerelle.config import AdminConfig, load_config
+from passerelle.server.admin import AdminGuard, is_admin_path
+from passerelle.server.app import App
 
 
 def scope(path: str, client: str | None = "127.0.0.1", headers: list[tuple[bytes, bytes]] | None = None,

@@ -1,6 +1,6 @@
 import orjson
 
-from passerelle.assemble import assemble
+from passerelle.proxy.assemble import assemble
 
 
 def ev(obj) -> bytes:

@@ -6,10 +6,10 @@ import pytest
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from passerelle.backends import detect_upstream, make_backend
 from passerelle.config import BackendConfig, TimeoutConfig
-from passerelle.metrics import Metrics
-from passerelle.routing import Router
+from passerelle.observe.metrics import Metrics
+from passerelle.runtimes.kinds import detect_upstream, make_backend
+from passerelle.runtimes.registry import Registry
 
 
 async def serve(routes: dict[str, tuple[int, str]]):
@@ -67,15 +67,15 @@ async def test_garbage_sets_up_to_zero_and_never_breaks_metrics():
                                "/metrics": (200, "this is {{ not prometheus")})
     m = Metrics()
     b = backend("llama-server", url)
-    router = Router([b], m)
-    await router.start()
+    registry = Registry([b], m)
+    await registry.start()
     try:
         assert b.stats.error
         text = generate_latest(m.registry).decode()
         assert 'passerelle_backend_up{backend="b"} 0.0' in text
         assert "passerelle_backend_slots_busy{" not in text
     finally:
-        await router.stop()
+        await registry.stop()
         await runner.cleanup()
 
 
@@ -84,17 +84,17 @@ async def test_a_backend_that_goes_down_loses_its_load_figures():
                                "/slots": (200, '[{"id":0,"is_processing":true}]')})
     m = Metrics()
     b = backend("llama-server", url)
-    router = Router([b], m)
-    await router.start()
+    registry = Registry([b], m)
+    await registry.start()
     try:
         assert 'passerelle_backend_slots_busy{backend="b"} 1.0' in generate_latest(m.registry).decode()
         await runner.cleanup()
-        await router.poll_once()
+        await registry.poll_once()
         text = generate_latest(m.registry).decode()
         assert 'passerelle_backend_up{backend="b"} 0.0' in text
         assert 'passerelle_backend_slots_busy{backend="b"}' not in text
     finally:
-        await router.stop()
+        await registry.stop()
 
 
 @pytest.mark.parametrize(("routes", "kind"), [

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from passerelle.cli import main
-from passerelle.fake_backend import start_fake_backend
+from passerelle.testing.fake_runtime import start_fake_backend
 
 TTFT_MS, ITL_MS, TOKENS = 400.0, 40.0, 16
 

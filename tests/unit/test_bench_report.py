@@ -12,7 +12,7 @@ import pytest
 
 from passerelle.bench.report import cell, run_table
 from passerelle.cli import main
-from passerelle.fake_backend import start_fake_backend
+from passerelle.testing.fake_runtime import start_fake_backend
 
 DESIGN_RUN_KEYS = {"target", "concurrency", "rate", "requests_ok", "errors", "ttft_ms", "tpot_ms", "itl_ms",
                    "e2e_ms", "output_tokens_per_s", "requests_per_s", "goodput_rps", "token_count_source"}

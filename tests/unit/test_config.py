@@ -16,7 +16,7 @@ def test_defaults_use_the_embedded_runtime():
     cfg = load_config(env={})
     assert cfg.uses_embedded
     assert (cfg.server.host, cfg.server.port, cfg.server.max_body_bytes) == ("127.0.0.1", 8080, 8 * 1024 * 1024)
-    assert cfg.server.log_prompts is False and cfg.server.cors_origins == ()
+    assert cfg.server.cors_origins == ()
 
 
 def test_backends_are_frozen_dataclasses(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from passerelle.metrics import Metrics
+from passerelle.observe.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"

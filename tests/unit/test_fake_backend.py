@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from passerelle.fake_backend import VOCAB, start_fake_backend
+from passerelle.testing.fake_runtime import VOCAB, start_fake_backend
 
 
 def sse_events(text: str) -> list[str]:

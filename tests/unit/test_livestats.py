@@ -10,13 +10,12 @@ import tracemalloc
 
 import pytest
 
-from passerelle.backends import Backend
 from passerelle.config import BackendConfig, TimeoutConfig
 from passerelle.errors import Cause
-from passerelle.livestats import LiveStats, waiting_from_gauge
-from passerelle.loghist import REL_ERROR
-from passerelle.metrics import Metrics
-from passerelle.request import RequestRecord
+from passerelle.observe.livestats import LiveStats
+from passerelle.observe.loghist import REL_ERROR
+from passerelle.observe.record import RequestRecord
+from passerelle.runtimes.kinds import Backend
 
 
 class Clock:
@@ -193,18 +192,12 @@ def test_series_buckets_per_class():
     assert std["tokens_per_s"][0] is None and std["tokens_per_s"][-4] == 0.0
 
 
-def test_backends_and_waiting_gauge():
+def test_backends_and_waiting():
     b = Backend(BackendConfig(name="b1", url="http://127.0.0.1:9", models=("m",), max_concurrency=4), TimeoutConfig())
     b.in_flight = 3
     b.stats.up, b.stats.slots_busy, b.stats.slots_total = True, 2, 4
     b.stats.kv_cache_usage_ratio, b.stats.queue_depth = 0.25, 1
-    metrics = Metrics()
-    metrics.waiting.labels("m", "batch").set(4)
-    metrics.waiting.labels("m2", "batch").set(1)
-    metrics.waiting.labels("m", "interactive").set(2)
-    waiting = waiting_from_gauge(metrics)
-    assert waiting == {"batch": 5, "interactive": 2}
-    snap = LiveStats(clock=Clock()).snapshot(backends=[b], waiting=waiting)
+    snap = LiveStats(clock=Clock()).snapshot(backends=[b.describe()], waiting={"batch": 5, "interactive": 2})
     assert snap["running"] == 3
     (row,) = snap["backends"]
     assert row | {"checked_ago_s": None} == {
@@ -229,13 +222,10 @@ def test_tokens_are_spread_over_the_time_they_were_generated():
     assert live.snapshot()["totals"]["tokens_per_s"] == round(100 / 60, 2)
 
 
-def test_a_slow_snapshot_is_reused_for_ten_times_its_cost(monkeypatch):
-    import passerelle.livestats as livestats
-
-    ticks = iter(x * 0.1 for x in range(100))  # every perf_counter() call: 100 ms later
-    monkeypatch.setattr(livestats.time, "perf_counter", lambda: next(ticks))
+def test_a_slow_snapshot_is_reused_for_ten_times_its_cost():
+    ticks = iter(x * 0.1 for x in range(100))  # every timer() call: 100 ms later
     clock = Clock()
-    live = LiveStats(window_s=300, clock=clock)
+    live = LiveStats(window_s=300, clock=clock, timer=lambda: next(ticks))
     live.observe(record())
     assert live.snapshot()["totals"]["requests"] == 1  # took "100 ms": reused for up to 1 s
     live.observe(record())

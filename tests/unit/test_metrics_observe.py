@@ -6,7 +6,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from passerelle.metrics import TOKEN_GAP_BUCKETS, observe_many
+from passerelle.observe.metrics import TOKEN_GAP_BUCKETS, observe_many
 
 
 def test_observe_many_equals_observe_one_by_one():

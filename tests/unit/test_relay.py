@@ -7,9 +7,9 @@ import pytest
 
 from passerelle.config import TimeoutConfig
 from passerelle.errors import UpstreamError, UpstreamTimeout
-from passerelle.relay import SSEScanner, StreamRelay
-from passerelle.request import RequestRecord, State
-from passerelle.upstream import ServerDisconnected
+from passerelle.observe.record import RequestRecord, State
+from passerelle.proxy.relay import SSEScanner, StreamRelay
+from passerelle.upstream.client import ServerDisconnected
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'

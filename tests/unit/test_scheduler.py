@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from passerelle.backends.base import Backend, BackendStats
 from passerelle.config import DEFAULT_CLASSES, ClassConfig
 from passerelle.errors import NoBackend, QueueFull, QueueTimeout
-from passerelle.scheduler import Job, Scheduler
+from passerelle.runtimes.base import Backend, BackendStats
+from passerelle.scheduling.scheduler import Job, Scheduler
 
 CLS = {c.name: c for c in DEFAULT_CLASSES}
 

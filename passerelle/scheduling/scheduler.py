@@ -1,0 +1,403 @@
+"""Who goes next: priority classes with aging, fair share between tenants, slot shares, deadlines.
+
+passerelle, not the runtime's first-come-first-served queue, decides the order: a backend never
+gets more requests than its capacity (its slots), and the rest wait here. When a slot frees or a
+request arrives, the waiting request with the smallest key is dispatched to a replica that fits:
+
+    key = (effective rank, tenant's virtual counter, arrival order)
+
+* effective rank: the class's rank (``interactive`` 0 < ``standard`` 1 < ``batch`` 2) minus one
+  for every ``aging_s`` waited, so that nothing starves;
+* virtual counter (the Virtual Token Counter of "Fairness in Serving Large Language Models",
+  OSDI 2024): service a tenant received, in weighted tokens, divided by its weight. The backlogged
+  tenant that has received least goes next. A tenant that returns from idle is lifted to the
+  smallest counter among backlogged tenants, so idle time banks no credit;
+* arrival order: FIFO within a tenant.
+
+A class may hold only a share of a backend's slots (``batch`` 3 of 4 by default), so an
+interactive request finds a slot quickly even under a batch flood. Service is charged at dispatch
+from an estimate (prompt tokens + max_tokens) and corrected with the real usage at the end.
+
+A slot freed by an under-served tenant with nothing queued is held for it for ``hold_s`` (50 ms):
+a client that keeps N streams sends its next request a few milliseconds after each answer, and
+without the hold that slot would already be gone to a busier tenant's queued request, so a tenant
+with few streams would get far less than its share (anticipation, as in the anticipatory disk
+scheduler). A tenant that did not come back in time gets no hold again until it does.
+
+Example::
+
+    sched = Scheduler(classes, aging_s=30)
+    backend = await sched.acquire(job)     # waits; QueueFull / QueueTimeout / NoBackend
+    try: ...
+    finally: sched.release(job, prompt_tokens=12, completion_tokens=80)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from passerelle.config import DEFAULT_CLASSES, ClassConfig
+from passerelle.errors import NoBackend, QueueFull, QueueTimeout
+from passerelle.runtimes.kinds import Backend
+
+# Weights of the service charged to a tenant: generating a token costs more than reading one.
+PROMPT_WEIGHT = 1.0
+OUTPUT_WEIGHT = 2.0
+
+
+@dataclass(eq=False)
+class Job:
+    """One request waiting for, or holding, a backend slot."""
+
+    pool: list[Backend]
+    cls: ClassConfig
+    tenant: str
+    model: str = ""
+    weight: float = 1.0
+    est_prompt_tokens: int = 0
+    est_output_tokens: int = 256
+    can_wait_for_start: bool = False  # a supervised backend of the pool may come up
+    affinity: str = ""  # conversation or session: prefer the replica that served it before
+    exclude: set[str] = field(default_factory=set)  # replicas that already failed this request
+    seq: int = 0
+    enqueued_at: float = 0.0
+    backend: Backend | None = None
+    charged: float = 0.0
+    future: asyncio.Future[Backend] | None = None
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def estimate(self) -> float:
+        return PROMPT_WEIGHT * self.est_prompt_tokens + OUTPUT_WEIGHT * self.est_output_tokens
+
+
+@dataclass
+class _Tenant:
+    counter: float = 0.0
+    waiting: int = 0
+    running: int = 0
+    released_at: float = -math.inf  # when its last request ended
+    submitted_at: float = -math.inf  # when it last sent one
+    anticipate: bool = True  # came back within hold_s last time: worth holding a slot for
+
+
+@dataclass(eq=False)
+class _Hold:
+    """A freed slot kept for ``tenant``'s next request until ``until``."""
+
+    backend: Backend
+    cls: ClassConfig
+    tenant: str
+    until: float
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class _DrainRate:
+    """Dispatches per second over a sliding window, for an honest Retry-After."""
+
+    window_s: float = 60.0
+    times: deque[float] = field(default_factory=deque)
+
+    def add(self, now: float) -> None:
+        self.times.append(now)
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self.times and self.times[0] < now - self.window_s:
+            self.times.popleft()
+
+    def rate(self, now: float) -> float:
+        self._trim(now)
+        if len(self.times) < 2:
+            return 0.0
+        span = max(now - self.times[0], 1e-3)
+        return len(self.times) / span
+
+
+class Scheduler:
+    def __init__(self, classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, aging_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
+                 affinity_slack: float = 1.0, hold_s: float = 0.05) -> None:
+        self.classes = {c.name: c for c in classes}
+        self.aging_s = aging_s
+        self.clock = clock
+        self.on_change = on_change
+        self.waiting: list[Job] = []
+        self.tenants: dict[str, _Tenant] = {}
+        self.running: dict[tuple[str, str], int] = {}  # (backend, class) -> requests
+        self.served_tokens: dict[str, float] = {}  # tenant -> weighted tokens, for reports
+        self._seq = itertools.count()
+        self._drain = _DrainRate()
+        self._vtime = 0.0  # counter of the tenant dispatched last: where a newcomer starts
+        self.policy = policy  # "least_loaded" (with affinity) or "round_robin"
+        self.affinity_slack = affinity_slack  # how much busier than the least loaded an affine replica may be
+        self.affinity: OrderedDict[str, str] = OrderedDict()  # conversation/session -> replica name
+        self._rr = itertools.count()
+        self.hold_s = hold_s
+        self.holds: list[_Hold] = []
+        self.hold_counts = {"kept": 0, "lapsed": 0}  # holds used by their tenant / given up
+
+    # -- public ----------------------------------------------------------------------------
+    def waiting_by_class(self) -> dict[str, int]:
+        out = dict.fromkeys(self.classes, 0)
+        for j in self.waiting:
+            out[j.cls.name] += 1
+        return out
+
+    def retry_after(self, ahead: int | None = None) -> float:
+        """Seconds until ``ahead`` queued requests (default: all) have drained at the recent rate."""
+        ahead = len(self.waiting) if ahead is None else ahead
+        rate = self._drain.rate(self.clock())
+        if rate <= 0:
+            return 5.0 if not ahead else min(60.0, 5.0 * ahead)
+        return min(300.0, max(1.0, (ahead + 1) / rate))
+
+    def submit(self, job: Job) -> None:
+        """Admit ``job`` (raise QueueFull/NoBackend) and dispatch what can go now."""
+        if not any(b.stats.up and not b.draining for b in job.pool) and not job.can_wait_for_start:
+            raise NoBackend("No backend serving this model is up right now.", retry_after=self.retry_after())
+        queued = sum(1 for j in self.waiting if j.cls is job.cls)
+        if queued >= job.cls.max_queue:
+            raise QueueFull(f"The '{job.cls.name}' queue is full ({job.cls.max_queue} waiting); retry later.",
+                            retry_after=self.retry_after(queued))
+        now = self.clock()
+        job.seq, job.enqueued_at = next(self._seq), now
+        t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
+        back_soon = self.hold_s > 0 and now - t.released_at <= self.hold_s
+        t.anticipate = t.anticipate or back_soon
+        t.submitted_at = now
+        if t.waiting == 0 and t.running == 0 and not back_soon:
+            # Back from idle (nothing queued, nothing running): no banked credit. Start at the
+            # least-served backlogged tenant, or where the last dispatch was when nobody waits.
+            # A tenant with requests running, or one back within hold_s, is not idle, so a
+            # closed-loop client that resubmits as each answer ends keeps its place.
+            floor = min((self.tenants[j.tenant].counter for j in self.waiting), default=self._vtime)
+            t.counter = max(t.counter, floor)
+        t.waiting += 1
+        self.waiting.append(job)
+        self.dispatch()
+        if job.backend is None and self.on_change:
+            self.on_change()
+
+    async def acquire(self, job: Job) -> Backend:
+        """Wait for a slot; the backend it is on. Cancelling the caller removes the job at once."""
+        loop = asyncio.get_running_loop()
+        job.future = loop.create_future()
+        self.submit(job)
+        if job.backend is not None:
+            return job.backend
+        job.timer = loop.call_later(job.cls.max_queue_wait_s, self._expire, job)
+        try:
+            return await job.future
+        except BaseException:
+            if job.backend is not None and not (job.future.done() and job.future.exception()):
+                self.release(job)  # dispatched in the same instant the caller left
+            else:
+                self._remove(job)
+            raise
+        finally:
+            job.timer.cancel()
+
+    def release(self, job: Job, *, prompt_tokens: int | None = None, completion_tokens: int | None = None) -> None:
+        """Give the slot back and correct the tenant's charge with the real usage."""
+        b = job.backend
+        if b is None:
+            return
+        job.backend = None
+        b.in_flight -= 1
+        self.tenants[job.tenant].running -= 1
+        key = (b.name, job.cls.name)
+        self.running[key] -= 1
+        if prompt_tokens is not None or completion_tokens is not None:
+            actual = PROMPT_WEIGHT * (prompt_tokens or 0) + OUTPUT_WEIGHT * (completion_tokens or 0)
+            self._charge(job.tenant, (actual - job.charged) / job.weight, actual - job.charged)
+        t = self.tenants[job.tenant]
+        now = t.released_at = self.clock()
+        if self.hold_s > 0 and t.waiting == 0 and t.anticipate and self._contested(b, job.cls, t, now):
+            self._hold(_Hold(b, job.cls, job.tenant, now + self.hold_s))
+        self.dispatch()
+
+    def expire_due(self) -> None:
+        """Fail every job whose queue wait is over, end every hold past its time (the loop's
+        timers do this in production)."""
+        now = self.clock()
+        for job in [j for j in self.waiting if now - j.enqueued_at >= j.cls.max_queue_wait_s]:
+            self._expire(job)
+        for hold in [h for h in self.holds if h.until <= now]:
+            self._hold_expired(hold)
+
+    # -- internals -------------------------------------------------------------------------
+    def _charge(self, tenant: str, virtual: float, tokens: float) -> None:
+        self.tenants[tenant].counter += virtual
+        self.served_tokens[tenant] = self.served_tokens.get(tenant, 0.0) + tokens
+
+    def _remove(self, job: Job) -> None:
+        if job in self.waiting:
+            self.waiting.remove(job)
+            self.tenants[job.tenant].waiting -= 1
+            if self.on_change:
+                self.on_change()
+
+    def _expire(self, job: Job) -> None:
+        if job not in self.waiting:
+            return
+        self._remove(job)
+        if job.future is not None and not job.future.done():
+            ahead = sum(1 for j in self.waiting if j.seq < job.seq)
+            job.future.set_exception(QueueTimeout(
+                f"Waited {job.cls.max_queue_wait_s:g} s in the '{job.cls.name}' queue without a free slot.",
+                retry_after=self.retry_after(ahead)))
+
+    # -- holds -----------------------------------------------------------------------------
+    def _contested(self, b: Backend, cls: ClassConfig, t: _Tenant, now: float) -> bool:
+        """Would a better-served tenant's queued request (not of a better class) take this slot?"""
+        return any(b in j.pool and self._key(j, now)[0] >= cls.rank and self.tenants[j.tenant].counter > t.counter
+                   for j in self.waiting)
+
+    def _hold(self, hold: _Hold) -> None:
+        self.holds.append(hold)
+        with contextlib.suppress(RuntimeError):  # no loop (a synchronous caller): expire_due() ends it
+            hold.timer = asyncio.get_running_loop().call_later(self.hold_s, self._hold_expired, hold)
+
+    def _hold_expired(self, hold: _Hold) -> None:
+        if hold in self.holds:
+            self.holds.remove(hold)
+            self.hold_counts["lapsed"] += 1
+            t = self.tenants[hold.tenant]
+            if t.submitted_at < hold.until - self.hold_s:  # it did not come back in time (not: it
+                t.anticipate = False  # came back with fewer requests than it had holds)
+            self.dispatch()
+
+    def _held(self, b: Backend, job: Job, rank: float) -> tuple[int, int]:
+        """Slots of ``b`` held for other tenants that ``job`` must leave alone: in all, of its class.
+        A request of a better class than the hold's ignores it, and so does one of a tenant that
+        has received less service than the hold's (the fair-share order stands)."""
+        total = same = 0
+        counter = self.tenants[job.tenant].counter
+        for h in self.holds:
+            if (h.backend is b and h.tenant != job.tenant and rank >= h.cls.rank
+                    and counter > self.tenants[h.tenant].counter):
+                total += 1
+                same += h.cls is job.cls
+        return total, same
+
+    def _limit(self, backend: Backend, cls: ClassConfig) -> int:
+        return max(1, math.floor(cls.slot_share * backend.capacity + 1e-9))
+
+    def _fit(self, job: Job) -> Backend | None:
+        """The replica this job may start on now, or None to keep it waiting.
+
+        A job with an affinity (a conversation, a session) goes to its home replica, the one that
+        served it before and holds its prompt cache, while home is at most ``affinity_slack`` of
+        its slots busier than the least loaded replica, counting requests queued for each; if home
+        is full within that bound, the job waits for it rather than recompute its prompt elsewhere.
+        Past the bound it spills to the least loaded replica (prefix-only routing collapses under
+        skew). Other jobs go to the least loaded replica, or the next in turn (``round_robin``).
+        """
+        now = self.clock()
+        usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
+        rank = self._key(job, now)[0] if self.holds else 0.0
+        free = []
+        for b in usable:
+            total, same = self._held(b, job, rank) if self.holds else (0, 0)
+            if (b.in_flight + total < b.capacity
+                    and self.running.get((b.name, job.cls.name), 0) + same < self._limit(b, job.cls)):
+                free.append(b)
+        if self.policy == "round_robin":
+            return free[next(self._rr) % len(free)] if free else None
+        home_name = self.affinity.get(job.affinity) if job.affinity else None
+        home = next((b for b in usable if b.name == home_name), None)
+        if home is not None and len(usable) > 1:
+            queued: dict[str, int] = {}
+            for j in self.waiting:  # queued for a replica: homed there, or it is their only one
+                if j is job:
+                    continue
+                name = self.affinity.get(j.affinity) if j.affinity else (j.pool[0].name if len(j.pool) == 1 else None)
+                if name is not None:
+                    queued[name] = queued.get(name, 0) + 1
+
+            def pending(b: Backend) -> float:
+                return (b.in_flight + queued.get(b.name, 0)) / b.capacity
+
+            others = min(pending(b) for b in usable if b is not home)
+            if pending(home) <= others + self.affinity_slack:
+                return home if home in free else None
+        if not free:
+            return None
+        return min(free, key=lambda b: b.in_flight / b.capacity)
+
+    def _key(self, job: Job, now: float) -> tuple[float, float, int]:
+        promoted = int((now - job.enqueued_at) // self.aging_s) if self.aging_s > 0 else 0
+        return (job.cls.rank - promoted, self.tenants[job.tenant].counter, job.seq)
+
+    def dispatch(self) -> None:
+        """Start every waiting job that can start now, best key first."""
+        changed = False
+        while self.waiting:
+            now = self.clock()
+            best: Job | None = None
+            best_key: tuple[float, float, int] | None = None
+            best_backend: Backend | None = None
+            for job in self.waiting:
+                if job.future is not None and job.future.done():
+                    continue
+                key = self._key(job, now)
+                if best_key is not None and key >= best_key:
+                    continue
+                backend = self._fit(job)
+                if backend is not None:
+                    best, best_key, best_backend = job, key, backend
+            if best is None or best_backend is None:
+                break
+            self._start(best, best_backend, now)
+            changed = True
+        if changed and self.on_change:
+            self.on_change()
+
+    def _start(self, job: Job, backend: Backend, now: float) -> None:
+        self.waiting.remove(job)
+        t = self.tenants[job.tenant]
+        t.waiting -= 1
+        t.running += 1
+        job.backend = backend
+        if self.holds:  # the tenant's next request came: its hold (on this replica first) is used up
+            mine = [h for h in self.holds if h.tenant == job.tenant]
+            if mine:
+                hold = next((h for h in mine if h.backend is backend), mine[0])
+                self.holds.remove(hold)
+                self.hold_counts["kept"] += 1
+                if hold.timer is not None:
+                    hold.timer.cancel()
+        backend.in_flight += 1
+        if self.holds:
+            # Holds beyond the replica's free slots stand for no slot any more (a better class or a
+            # less-served tenant took it): drop them, without counting against their tenants.
+            on_b = [h for h in self.holds if h.backend is backend]
+            for h in on_b[:max(0, backend.in_flight + len(on_b) - backend.capacity)]:
+                self.holds.remove(h)
+                if h.timer is not None:
+                    h.timer.cancel()
+        backend.last_used = time.monotonic()
+        if backend.ejected_until:
+            backend.probing = True  # half-open: this request decides whether it comes back
+        if job.affinity:
+            self.affinity[job.affinity] = backend.name
+            self.affinity.move_to_end(job.affinity)
+            if len(self.affinity) > 100_000:
+                self.affinity.popitem(last=False)
+        self.running[(backend.name, job.cls.name)] = self.running.get((backend.name, job.cls.name), 0) + 1
+        job.charged = job.estimate
+        self._charge(job.tenant, job.estimate / job.weight, job.estimate)
+        self._vtime = t.counter
+        self._drain.add(now)
+        if job.future is not None and not job.future.done():
+            job.future.set_result(backend)
