@@ -22,8 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from passerelle.bench.processes import run_levels
 from passerelle.bench.progress import Progress
-from passerelle.bench.runner import Level, RunOptions, run_levels
+from passerelle.bench.runner import Level, RunOptions
 from passerelle.bench.target import Target
 from passerelle.bench.workload import TrafficClass, Workload
 from passerelle.testing.fake_runtime import start_fake_backend

@@ -320,7 +320,7 @@ def _measure_all(args: argparse.Namespace, urls: list[tuple[str, str]], workload
                  described: list[dict[str, Any]], samples: dict[tuple[str, str], dict[str, list[float]]],
                  request_rows: list[dict[str, Any]], notes: list[str]) -> int:
     """Run the levels against each target in turn, filling the lists; returns how many failed."""
-    from passerelle.bench import runner, stats
+    from passerelle.bench import processes, runner, stats
     from passerelle.bench.target import Target
 
     failed = 0
@@ -331,7 +331,7 @@ def _measure_all(args: argparse.Namespace, urls: list[tuple[str, str]], workload
             notes.append(f"{name}: {note}.")
             calibration = {"tokens_per_word": tuned.tokens_per_word, "overhead_tokens": tuned.prompt_overhead}
             mine = [_retune(level, workload, tuned) for level in levels]
-            results = runner.run_levels(target, mine, replace(options, index_base=t_no * 1_000_000_000), progress)
+            results = processes.run_levels(target, mine, replace(options, index_base=t_no * 1_000_000_000), progress)
         except (runner.BenchError, RuntimeError, OSError) as exc:
             failed += 1
             notes.append(f"{name}: not measured — {exc}")

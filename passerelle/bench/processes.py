@@ -17,12 +17,14 @@ from typing import Any
 
 from passerelle.bench.progress import Progress, Tally
 from passerelle.bench.runner import (
+    LEVEL_STRIDE,
     BenchError,
     Level,
     LevelResult,
     RunOptions,
     make_session,
     pool_size,
+    run_levels_here,
     run_load,
     run_loop,
     summary,
@@ -161,3 +163,13 @@ def run_level_processes(target: Target, level: Level, options: RunOptions, progr
                          [x for res in done.values() for x in res.send_lag])
     progress.end_level(summary(merged) + f" ({n} processes)")
     return merged
+
+
+def run_levels(target: Target, levels: list[Level], options: RunOptions,
+               progress: Progress) -> list[LevelResult]:
+    """Run ``levels`` against ``target``: in this process, or each level spread over
+    ``options.processes`` processes."""
+    if options.processes > 1:
+        return [run_level_processes(target, level, options, progress, options.index_base + i * LEVEL_STRIDE)
+                for i, level in enumerate(levels)]
+    return run_levels_here(target, levels, options, progress)

@@ -295,13 +295,9 @@ def prepare(target: Target, workload: Workload, *, calibrate_prompts: bool = Tru
 
 
 # --- a sweep against one target --------------------------------------------------------------
-def run_levels(target: Target, levels: list[Level], options: RunOptions,
-               progress: Progress) -> list[LevelResult]:
-    if options.processes > 1:
-        from passerelle.bench.processes import run_level_processes
-
-        return [run_level_processes(target, level, options, progress, options.index_base + i * LEVEL_STRIDE)
-                for i, level in enumerate(levels)]
+def run_levels_here(target: Target, levels: list[Level], options: RunOptions,
+                    progress: Progress) -> list[LevelResult]:
+    """Every level in this process, one after the other (``processes.run_levels`` chooses)."""
     return run_loop(_run_levels(target, levels, options, progress))
 
 

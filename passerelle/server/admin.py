@@ -33,10 +33,6 @@ Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
 
 
-def is_admin_path(path: str) -> bool:
-    return path in ("/ui", "/metrics") or path.startswith("/admin/") or path == "/admin"
-
-
 class Forbidden(GatewayError):
     status, type, code, cause = 403, "permission_error", "forbidden", Cause.UNAUTHORIZED
 

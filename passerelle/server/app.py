@@ -25,28 +25,20 @@ from passerelle.errors import ConfigError, GatewayError, InvalidRequest
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
-from passerelle.observe.record import new_request_id
-from passerelle.proxy.gateway import ENDPOINTS, Gateway, Receive, Scope, Send, header
+from passerelle.proxy.gateway import Gateway, Receive, Scope, Send, header
 from passerelle.runtimes.factory import build_runtime, expand
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
 from passerelle.scheduling.scheduler import Scheduler
 from passerelle.server import control
-from passerelle.server.admin import AdminGuard, AdminListener, is_admin_path
-from passerelle.server.control import is_control_path
+from passerelle.server.admin import AdminGuard, AdminListener
+from passerelle.server.responses import error_response, json_response, raw_response
+from passerelle.server.routes import Access, NotFound, is_admin_path, match
 from passerelle.tenants.keys import KeyRing, KeyStore
 from passerelle.tenants.usage import UsageRecorder
 
 log = logging.getLogger("passerelle.server.app")
-
-
-class NotFound(InvalidRequest):
-    status, code = 404, "not_found"
-
-
-class MethodNotAllowed(InvalidRequest):
-    status, code = 405, "method_not_allowed"
 
 
 class App:
@@ -93,102 +85,92 @@ class App:
             if self._cors:
                 send = self._with_cors(scope, send)
                 if scope["method"] == "OPTIONS":
-                    await self._json(send, 204, None)
+                    await json_response(send, 204, None)
                     return
             await self._http(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path, method = scope["path"], scope["method"]
-        endpoint = ENDPOINTS.get(path)
-        if endpoint is not None:
-            if method != "POST":
-                await self._error(send, MethodNotAllowed(f"Use POST for {path}."))
-                return
-            await self.gateway.handle(scope, receive, send, endpoint)
-            return
-        if method not in ("GET", "HEAD") and not is_control_path(path):
-            await self._error(send, NotFound(f"No route for {method} {path}.")
-                              if path not in ROUTES else MethodNotAllowed(f"Use GET for {path}."))
-            return
-        if is_admin_path(path):
-            await self._admin(scope, send, on_admin_port=False, receive=receive)
-            return
-        handler = ROUTES.get(path)
-        if handler is None:
-            await self._error(send, NotFound(f"No route for {method} {path}."))
-            return
-        await handler(self, scope, send)
+        await self._route(scope, receive, send, on_admin_port=False)
 
-    # -- admin routes (/admin/*, /ui, /metrics): see admin.py ------------------------------
     async def admin_app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app of the separate admin port ([admin] port): admin routes only."""
-        if scope["type"] != "http":
-            return
+        if scope["type"] == "http":
+            await self._route(scope, receive, send, on_admin_port=True)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send, *, on_admin_port: bool) -> None:
+        """Find the route (routes.py), apply who may call it, and hand over to its handler."""
         path, method = scope["path"], scope["method"]
-        if not is_admin_path(path):
-            await self._error(send, NotFound(f"Only the admin routes are served on this port, not {path}."))
-        elif method not in ("GET", "HEAD") and not is_control_path(path):
-            await self._error(send, MethodNotAllowed(f"Use GET for {path}."))
-        else:
-            await self._admin(scope, send, on_admin_port=True, receive=receive)
-
-    async def _admin(self, scope: Scope, send: Send, *, on_admin_port: bool, receive: Receive | None = None) -> None:
-        path = scope["path"]
-        if is_control_path(path) and (self.admin_listener is not None) == on_admin_port and receive is not None:
-            if (err := self.admin_guard.check(scope)) is not None:
-                await self._error(send, err)
+        separate = self.admin_listener is not None
+        try:
+            admin = is_admin_path(path)
+            if on_admin_port and not admin:
+                raise NotFound(f"Only the admin routes are served on this port, not {path}.")
+            if admin and separate and not on_admin_port:
+                raise NotFound(f"No route for {method} {path} on this port.")
+            if admin and (err := self.admin_guard.check(scope)) is not None:
+                raise err
+            route = match(method, path)
+            if route.access is Access.INFERENCE:
+                await self.gateway.handle(scope, receive, send, route.target)
                 return
-            await control.handle(self, scope, receive, send)
-            return
-        handler = ROUTES.get(path)
-        if handler is None or (self.admin_listener is not None) != on_admin_port:
-            where = " on this port" if self.admin_listener is not None and not on_admin_port else ""
-            await self._error(send, NotFound(f"No route for {scope['method']} {path}{where}."))
-            return
-        if (err := self.admin_guard.check(scope)) is not None:
-            await self._error(send, err)
-            return
-        await handler(self, scope, send)
+            await getattr(self, route.target)(scope, receive, send)
+        except GatewayError as err:
+            await error_response(send, err)
 
-    async def admin_stats(self, scope: Scope, send: Send) -> None:
+    async def admin_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
         snap = self.live.snapshot(backends=[b.describe() for b in self.registry.backends],
                                   waiting=self.waiting_by_class())
         snap["metrics_enabled"] = self.cfg.metrics.enabled
         snap["slot_holds"] = dict(self.scheduler.hold_counts)  # freed slots kept for a returning tenant
-        await self._raw(send, 200, orjson.dumps(snap), b"application/json", [(b"cache-control", b"no-store")])
+        await raw_response(send, 200, orjson.dumps(snap), b"application/json", [(b"cache-control", b"no-store")])
 
-    async def ui(self, scope: Scope, send: Send) -> None:
+    async def ui(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._ui_page is None:
             self._ui_page = (resources.files("passerelle") / "static" / "ui.html").read_bytes()
         # The page is self-contained; the policy makes sure it never reaches anything but this server.
         csp = (b"default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
                b"connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'")
-        await self._raw(send, 200, self._ui_page, b"text/html; charset=utf-8",
+        await raw_response(send, 200, self._ui_page, b"text/html; charset=utf-8",
                         [(b"cache-control", b"no-store"), (b"content-security-policy", csp)])
 
     # -- small routes ----------------------------------------------------------------------
-    async def health(self, scope: Scope, send: Send) -> None:
-        await self._json(send, 200, {"status": "ok"})
+    async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await json_response(send, 200, {"status": "ok"})
 
-    async def ready(self, scope: Scope, send: Send) -> None:
+    async def ready(self, scope: Scope, receive: Receive, send: Send) -> None:
         up = [b.name for b in self.registry.backends if b.stats.up]
         # an on-demand runtime can serve too: it starts when asked
         on_demand = [b.name for b in self.registry.backends if b.cfg.on_demand and not b.stats.up and not b.draining]
         status = 200 if up or on_demand else 503
-        await self._json(send, status, {"status": "ready" if status == 200 else "unavailable", "backends_up": up,
+        await json_response(send, status, {"status": "ready" if status == 200 else "unavailable", "backends_up": up,
                                         "on_demand": on_demand})
 
-    async def models(self, scope: Scope, send: Send) -> None:
+    async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         created = int(self.started_at)
         data = [{"id": m, "object": "model", "created": created, "owned_by": "passerelle",
                  "backends": [b.name for b in self.registry.backends_of(m)]} for m in self.registry.models]
-        await self._json(send, 200, {"object": "list", "data": data})
+        await json_response(send, 200, {"object": "list", "data": data})
 
-    async def prom(self, scope: Scope, send: Send) -> None:
+    async def prom(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = generate_latest(self.metrics.registry)
-        await self._raw(send, 200, body, CONTENT_TYPE_LATEST.encode())
+        await raw_response(send, 200, body, CONTENT_TYPE_LATEST.encode())
+
+    # -- runtime control (control.py) -------------------------------------------------------
+    async def reload_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await json_response(send, 200, await self.reload())
+
+    async def runtimes(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await json_response(send, 200, control.runtimes(self.supervisor))
+
+    async def runtime_action(self, scope: Scope, receive: Receive, send: Send) -> None:
+        out = await control.runtime_action(self.supervisor, scope["path"], scope["method"],
+                                           scope.get("query_string", b""))
+        if isinstance(out, str):
+            await raw_response(send, 200, out.encode(), b"text/plain; charset=utf-8")
+        else:
+            await json_response(send, 200, out)
 
     # -- plumbing --------------------------------------------------------------------------
     def _with_cors(self, scope: Scope, send: Send) -> Send:
@@ -205,19 +187,6 @@ class App:
             await send(message)
 
         return cors_send
-
-    async def _raw(self, send: Send, status: int, body: bytes, ctype: bytes,
-                   extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode()),
-                   (b"x-request-id", new_request_id().encode()), *(extra or [])]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    async def _json(self, send: Send, status: int, obj: Any) -> None:
-        await self._raw(send, status, b"" if obj is None else orjson.dumps(obj), b"application/json")
-
-    async def _error(self, send: Send, err: GatewayError) -> None:
-        await self._raw(send, err.status, err.body(), b"application/json", err.headers())
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -336,12 +305,3 @@ class App:
             await self.supervisor.stop_all()
         self.access_log.flush()  # (requests cut short after this are flushed at exit)
 
-
-ROUTES = {
-    "/health": App.health,
-    "/ready": App.ready,
-    "/v1/models": App.models,
-    "/metrics": App.prom,
-    "/admin/stats": App.admin_stats,
-    "/ui": App.ui,
-}

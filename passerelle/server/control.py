@@ -5,65 +5,53 @@
     GET  /admin/runtimes/NAME/logs?lines=N     the tail of its output
     POST /admin/reload                         re-read the configuration (also on SIGHUP)
 
-They are admin routes: the same guard as ``/admin/*`` applies (loopback by default).
+They are admin routes (routes.py): the same guard as ``/admin/*`` applies (loopback by default).
+The functions here return data or raise a GatewayError; the app writes the response.
+
+Example::
+
+    text_or_obj = await runtime_action(supervisor, "/admin/runtimes/llama/restart", "POST", b"")
+    # {"runtime": "llama", "state": "ready", "pid": 4242}
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
 
-from passerelle.errors import GatewayError, InvalidRequest, NoBackend
-from passerelle.runtimes.supervisor import RuntimeFailed
-
-if TYPE_CHECKING:
-    from passerelle.proxy.gateway import Receive, Scope, Send
-    from passerelle.server.app import App
+from passerelle.errors import InvalidRequest, NoBackend
+from passerelle.runtimes.supervisor import RuntimeFailed, Supervisor
+from passerelle.server.routes import NotFound
 
 
-def is_control_path(path: str) -> bool:
-    return path == "/admin/reload" or path == "/admin/runtimes" or path.startswith("/admin/runtimes/")
+def runtimes(sup: Supervisor | None) -> dict[str, Any]:
+    return {"runtimes": sup.describe() if sup else []}
 
 
-class NotFound(InvalidRequest):
-    status, code = 404, "not_found"
-
-
-async def handle(app: App, scope: Scope, receive: Receive, send: Send) -> None:
-    path, method = scope["path"], scope["method"]
-    sup = app.supervisor
-    try:
-        if path == "/admin/reload":
-            if method != "POST":
-                raise InvalidRequest("Use POST /admin/reload.")
-            await app._json(send, 200, await app.reload())
-            return
-        if path == "/admin/runtimes":
-            await app._json(send, 200, {"runtimes": sup.describe() if sup else []})
-            return
-        parts = path.removeprefix("/admin/runtimes/").split("/")
-        if len(parts) != 2 or sup is None or sup.get(parts[0]) is None:
-            raise NotFound(f"No runtime at {path}; GET /admin/runtimes lists them.")
-        name, action = parts
-        proc = sup.get(name)
-        assert proc is not None
-        if action == "logs" and method in ("GET", "HEAD"):
-            query = parse_qs(scope.get("query_string", b"").decode())
-            lines = int(query.get("lines", ["100"])[0])
-            await app._raw(send, 200, (proc.log_tail(lines) + "\n").encode(), b"text/plain; charset=utf-8")
-            return
-        if method != "POST" or action not in ("start", "stop", "restart"):
-            raise InvalidRequest(f"Use POST /admin/runtimes/{name}/start, stop or restart, "
-                                 f"or GET /admin/runtimes/{name}/logs.")
+async def runtime_action(sup: Supervisor | None, path: str, method: str, query: bytes) -> dict[str, Any] | str:
+    """Start, stop or restart one runtime (a JSON object comes back), or its log tail (text)."""
+    parts = path.removeprefix("/admin/runtimes/").split("/")
+    proc = sup.get(parts[0]) if sup is not None and len(parts) == 2 else None
+    if sup is None or proc is None:
+        raise NotFound(f"No runtime at {path}; GET /admin/runtimes lists them.")
+    name, action = parts
+    if action == "logs" and method in ("GET", "HEAD"):
+        raw = parse_qs(query.decode("latin-1")).get("lines", ["100"])[0]
         try:
-            await getattr(sup, action)(name)
-        except RuntimeFailed as exc:
-            raise NoBackend(str(exc)) from None
-        await app._json(send, 200, {"runtime": name, "state": proc.state.value, "pid": proc.pid})
-    except GatewayError as err:
-        await app._error(send, err)
+            lines = max(1, min(int(raw), 10_000))
+        except ValueError:
+            raise InvalidRequest(f"'lines' must be a whole number, not {raw!r}.", param="lines") from None
+        return proc.log_tail(lines) + "\n"
+    if method != "POST" or action not in ("start", "stop", "restart"):
+        raise InvalidRequest(f"Use POST /admin/runtimes/{name}/start, stop or restart, "
+                             f"or GET /admin/runtimes/{name}/logs.")
+    try:
+        await getattr(sup, action)(name)
+    except RuntimeFailed as exc:
+        raise NoBackend(str(exc)) from None
+    return {"runtime": name, "state": proc.state.value, "pid": proc.pid}
 
 
 def render(body: bytes) -> str:

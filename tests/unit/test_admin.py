@@ -13,8 +13,9 @@ import orjson
 import pytest
 
 from passerelle.config import AdminConfig, load_config
-from passerelle.server.admin import AdminGuard, is_admin_path
+from passerelle.server.admin import AdminGuard
 from passerelle.server.app import App
+from passerelle.server.routes import is_admin_path
 
 
 def scope(path: str, client: str | None = "127.0.0.1", headers: list[tuple[bytes, bytes]] | None = None,

@@ -1,0 +1,97 @@
+"""The one route table: every path the gateway answers, its methods, who may call it, and what
+handles it.
+
+    INFERENCE  POST, routed by model through the scheduler (proxy/gateway.py); the value is the
+               endpoint name the gateway knows
+    PUBLIC     small answers of the app itself (health, readiness, the model list)
+    ADMIN      /admin/*, /ui, /metrics: the admin guard applies (loopback by default), and with
+               ``[admin] port`` they move to the admin listener
+
+A path matches a route exactly, or, for a route whose path ends in ``/``, by prefix
+(``/admin/runtimes/`` covers ``/admin/runtimes/NAME/start``).
+
+Example::
+
+    >>> match("POST", "/v1/chat/completions").target
+    'chat'
+    >>> match("GET", "/v1/chat/completions")
+    Traceback (most recent call last):
+    ...
+    passerelle.server.routes.MethodNotAllowed: Use POST for /v1/chat/completions.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from passerelle.errors import InvalidRequest
+
+
+class NotFound(InvalidRequest):
+    status, code = 404, "not_found"
+
+
+class MethodNotAllowed(InvalidRequest):
+    status, code = 405, "method_not_allowed"
+
+
+class Access(enum.Enum):
+    INFERENCE = "inference"
+    PUBLIC = "public"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    path: str
+    methods: tuple[str, ...]
+    access: Access
+    target: str  # the gateway's endpoint name, or the name of the handler that answers
+
+
+GET = ("GET", "HEAD")
+POST = ("POST",)
+
+ROUTES: tuple[Route, ...] = (
+    Route("/v1/chat/completions", POST, Access.INFERENCE, "chat"),
+    Route("/v1/completions", POST, Access.INFERENCE, "completions"),
+    Route("/v1/embeddings", POST, Access.INFERENCE, "embeddings"),
+    Route("/health", GET, Access.PUBLIC, "health"),
+    Route("/ready", GET, Access.PUBLIC, "ready"),
+    Route("/v1/models", GET, Access.PUBLIC, "models"),
+    Route("/metrics", GET, Access.ADMIN, "prom"),
+    Route("/ui", GET, Access.ADMIN, "ui"),
+    Route("/admin/stats", GET, Access.ADMIN, "admin_stats"),
+    Route("/admin/reload", POST, Access.ADMIN, "reload_route"),
+    Route("/admin/runtimes", GET, Access.ADMIN, "runtimes"),
+    Route("/admin/runtimes/", (*GET, *POST), Access.ADMIN, "runtime_action"),
+)
+
+_EXACT = {r.path: r for r in ROUTES if not r.path.endswith("/")}
+_PREFIX = tuple(r for r in ROUTES if r.path.endswith("/"))
+
+
+def find(path: str) -> Route | None:
+    """The route serving ``path``, whatever the method."""
+    route = _EXACT.get(path)
+    if route is None:
+        route = next((r for r in _PREFIX if path.startswith(r.path) and len(path) > len(r.path)), None)
+    return route
+
+
+def match(method: str, path: str) -> Route:
+    """The route for ``method path``; raises NotFound or MethodNotAllowed."""
+    route = find(path)
+    if route is None:
+        raise NotFound(f"No route for {method} {path}.")
+    if method not in route.methods:
+        raise MethodNotAllowed(f"Use {' or '.join(m for m in route.methods if m != 'HEAD')} for {path}.")
+    return route
+
+
+def is_admin_path(path: str) -> bool:
+    """Paths the admin guard covers: the admin routes, and anything under /admin (so an unknown
+    admin path tells a stranger nothing more than a known one)."""
+    route = find(path)
+    return (route is not None and route.access is Access.ADMIN) or path == "/admin" or path.startswith("/admin/")
