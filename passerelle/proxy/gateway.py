@@ -12,8 +12,8 @@ Races worth knowing:
 * The client may leave at any time. A watcher task waits on ASGI ``receive()`` for
   ``http.disconnect`` and cancels the request task; the upstream response is then closed, so the
   runtime sees its socket close and frees the slot. uvicorn also answers ``receive()`` with
-  ``http.disconnect`` once the response is complete, so ``_finishing`` is set before the last
-  ``send`` to tell the two apart.
+  ``http.disconnect`` once the response is complete, so ``Exchange.finishing`` is set before the
+  last ``send`` to tell the two apart (exchange.py keeps the request's flags).
 * Response headers go out only once the runtime's status is known, so a runtime error before
   the first byte reaches the client with the runtime's status; after that, only an SSE error
   event can report it.
@@ -26,7 +26,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -45,8 +45,9 @@ from passerelle.errors import (
 )
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
-from passerelle.observe.record import RequestRecord, State, new_request_id
+from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.assemble import assemble
+from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.relay import StreamRelay, read_body
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
@@ -54,15 +55,6 @@ from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey, KeyRing
 from passerelle.tenants.limits import FailedAuthThrottle, Grant, KeyLimiter
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-ENDPOINTS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "embeddings",
-}
 log = logging.getLogger("passerelle.proxy.gateway")
 
 _REQUIRED = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
@@ -153,12 +145,6 @@ class _Collector:
         self.parts.append(message.get("body", b""))
 
 
-def header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope["headers"]:
-        if k == name:
-            return v.decode("latin-1")
-    return None
-
 
 class Gateway:
     def __init__(self, cfg: Config, registry: Registry, metrics: Metrics, access_log: AccessLog,
@@ -233,40 +219,13 @@ class Gateway:
 
     # -- the request's life ----------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
-        client = scope.get("client")
-        rec = RequestRecord(id=new_request_id(), endpoint=endpoint, client=client[0] if client else "")
-        started = False  # response headers sent to the client
-        finishing = False
-        task = asyncio.current_task()
-        assert task is not None
-        disconnected = False
-        watcher: asyncio.Task[None] | None = None
+        ex = Exchange(scope, receive, send, endpoint)
+        rec = ex.rec
         job: Job | None = None
         grant: Grant | None = None
-
-        async def watch() -> None:
-            nonlocal disconnected
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    if not finishing:
-                        disconnected = True
-                        task.cancel()
-                    return
-
-        def mark_finishing() -> None:  # before the last send: see "Races" at the top
-            nonlocal finishing
-            finishing = True
-
-        async def start(status: int, extra: list[tuple[bytes, bytes]]) -> None:
-            nonlocal started
-            started = True
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [*extra, (b"x-request-id", rec.id.encode())]})
-
         try:
             body = await read_request_body(scope, receive, self.cfg.server.max_body_bytes)
-            watcher = asyncio.create_task(watch())
+            ex.watch()
             key = self.authenticate(scope, rec)
             data = parse_request(body, endpoint)
             rec.model = data["model"]
@@ -293,54 +252,23 @@ class Gateway:
                       affinity=self.affinity_key(scope, data, endpoint) if len(pool) > 1 else "")
             if self.on_demand is not None and not any(b.stats.up for b in pool):
                 self.on_demand(pool)
-            rec.t_queued = time.perf_counter()
-            rec.to(State.QUEUED)
-            self._retry_budget = min(10.0, self._retry_budget + 0.2)
-            deadline = rec.t_arrival + self.cfg.timeouts.total_s
-            while True:
-                backend = await self.scheduler.acquire(job)
-                rec.backend = backend.name
-                rec.t_dispatch = time.perf_counter()
-                rec.to(State.DISPATCHED)
-                running = self.metrics.running.labels(backend.name, rec.model)
-                running.inc()
-                try:
-                    await self._attempt(backend, rec, data, body, endpoint, cls, deadline, send, start,
-                                        mark_finishing)
-                    break
-                except UpstreamError as err:
-                    if started or not self._may_retry(err, job, rec, deadline):
-                        raise
-                    log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
-                    backend.record_failure(time.monotonic())
-                    job.exclude.add(backend.name)
-                    rec.retries += 1
-                    self.scheduler.release(job)
-                    rec.to(State.QUEUED)
-                finally:
-                    running.dec()
-            if backend.failures:
-                backend.record_success()
+            await self._dispatch(ex, job, data, body, cls)
             rec.finish(Cause.OK, 200)
         except asyncio.CancelledError:
-            if not disconnected:
+            if not ex.disconnected:
                 raise
-            task.uncancel()
+            ex.task.uncancel()
             rec.finish(Cause.CLIENT_DISCONNECT, 499, "client disconnected")
         except GatewayError as err:
             rec.finish(err.cause, err.status, err.message)
             if not isinstance(err, ClientDisconnect):
-                finishing = True
-                await self._report(send, rec, err, started=started)
+                await ex.report(err)
         except Exception:
             log.exception("request %s failed inside the gateway", rec.id)
             rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
-            finishing = True
-            await self._report(send, rec, GatewayError("Internal error in the gateway; see its log."),
-                               started=started)
+            await ex.report(GatewayError("Internal error in the gateway; see its log."))
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            ex.close()
             if rec.cause is None:  # an unexpected exception: still one cause, one log line
                 rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
             used = None if rec.completion_tokens is None else (rec.prompt_tokens or 0) + rec.completion_tokens
@@ -349,6 +277,38 @@ class Gateway:
             if grant is not None:
                 self.limiter.finish(grant, used)
             self.account(rec)
+
+    async def _dispatch(self, ex: Exchange, job: Job, data: dict[str, Any], body: bytes, cls: ClassConfig) -> None:
+        """Queue for a replica and try it; before the client got a byte, a replica that could not
+        take the request is replaced by another (within the retry budget)."""
+        rec = ex.rec
+        rec.t_queued = time.perf_counter()
+        rec.to(State.QUEUED)
+        self._retry_budget = min(10.0, self._retry_budget + 0.2)
+        deadline = rec.t_arrival + self.cfg.timeouts.total_s
+        while True:
+            backend = await self.scheduler.acquire(job)
+            rec.backend = backend.name
+            rec.t_dispatch = time.perf_counter()
+            rec.to(State.DISPATCHED)
+            running = self.metrics.running.labels(backend.name, rec.model)
+            running.inc()
+            try:
+                await self._attempt(ex, backend, data, body, cls, deadline)
+                break
+            except UpstreamError as err:
+                if ex.started or not self._may_retry(err, job, rec, deadline):
+                    raise
+                log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
+                backend.record_failure(time.monotonic())
+                job.exclude.add(backend.name)
+                rec.retries += 1
+                self.scheduler.release(job)
+                rec.to(State.QUEUED)
+            finally:
+                running.dec()
+        if backend.failures:
+            backend.record_success()
 
     def _may_retry(self, err: UpstreamError, job: Job, rec: RequestRecord, deadline: float) -> bool:
         """Retry on another replica only before the client got a byte, for a runtime that could
@@ -362,12 +322,11 @@ class Gateway:
         self._retry_budget -= 1.0
         return True
 
-    async def _attempt(self, backend: Backend, rec: RequestRecord, data: dict[str, Any], body: bytes,
-                       endpoint: str, cls: ClassConfig, deadline: float, send: Send,
-                       start: Callable[[int, list[tuple[bytes, bytes]]], Awaitable[None]],
-                       mark_finishing: Callable[[], None]) -> None:
+    async def _attempt(self, ex: Exchange, backend: Backend, data: dict[str, Any], body: bytes,
+                       cls: ClassConfig, deadline: float) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing."""
+        rec, endpoint = ex.rec, ex.rec.endpoint
         strip_usage = False
         collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
         if collect:
@@ -382,12 +341,12 @@ class Gateway:
                 raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
                 raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
             if rec.stream:
-                relay = StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage,
-                                    before_first=lambda: start(200, _SSE_HEADERS), on_done=mark_finishing)
+                relay = StreamRelay(rec, ex.send, self.cfg.timeouts, strip_usage=strip_usage,
+                                    before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing)
                 await relay.run(resp, deadline)
-                mark_finishing()
+                ex.mark_finishing()
                 with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await ex.send_body(b"", more=False)
                 return
             if collect:
                 sink = _Collector()
@@ -397,27 +356,11 @@ class Gateway:
             else:
                 raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
                 ctype = resp.headers.get("Content-Type", "application/json").encode()
-            await start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
-            mark_finishing()
-            await send({"type": "http.response.body", "body": raw, "more_body": False})
+            await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
+            ex.mark_finishing()
+            await ex.send_body(raw, more=False)
         finally:
             resp.close()  # drops the connection if unread: the runtime stops generating
-
-    async def _report(self, send: Send, rec: RequestRecord, err: GatewayError, *, started: bool) -> None:
-        """Tell the client: an OpenAI error response, or an SSE error event once streaming began."""
-        with contextlib.suppress(OSError):
-            if not started:
-                await self._send_error(send, rec, err)
-            else:
-                await send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
-
-    async def _send_error(self, send: Send, rec: RequestRecord, err: GatewayError) -> None:
-        body = err.body()
-        ctype = err.content_type if isinstance(err, UpstreamStatus) and err.content_type else b"application/json"
-        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode()),
-                   (b"x-request-id", rec.id.encode()), *err.headers()]
-        await send({"type": "http.response.start", "status": err.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def account(self, rec: RequestRecord) -> None:
         m = self.metrics

@@ -25,7 +25,8 @@ from passerelle.errors import ConfigError, GatewayError, InvalidRequest
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
-from passerelle.proxy.gateway import Gateway, Receive, Scope, Send, header
+from passerelle.proxy.exchange import Receive, Scope, Send, header
+from passerelle.proxy.gateway import Gateway
 from passerelle.runtimes.factory import build_runtime, expand
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
