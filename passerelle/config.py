@@ -20,6 +20,7 @@ import dataclasses
 import ipaddress
 import os
 import re
+import shutil
 import tomllib
 import types
 import typing
@@ -357,6 +358,10 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                key=f"{key}.url", field_name="url", **ck)
         _check(not b.launch or "{port}" in " ".join(b.launch),
                "the launch command must contain {port} so passerelle can choose the port",
+               key=f"{key}.launch", field_name="launch", **ck)
+        program = b.launch[0] if b.launch else ""
+        _check(not program or shutil.which(program) is not None,
+               f"the program {program!r} is not an executable file or a command on PATH",
                key=f"{key}.launch", field_name="launch", **ck)
         _check(bool(b.models), "list at least one model id this backend serves", key=f"{key}.models",
                field_name="models" if "models" in table else "name", **ck)

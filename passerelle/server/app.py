@@ -238,6 +238,10 @@ class App:
         for b in self.registry.backends:
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
                          f"[{', '.join(b.cfg.endpoints)}], {b.capacity} slots, {'up' if b.stats.up else 'DOWN'}")
+        e = self.cfg.embedded
+        if not e.model_path and any(b.cfg.name == "local" for b in self.registry.backends):
+            lines.append(f"  note: {e.model_id} is a small base model: it continues text rather than chats "
+                         "(serve your own GGUF with [embedded] model_path)")
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _spawn(self, coro: Any, name: str) -> None:

@@ -1,3 +1,4 @@
+import os
 import textwrap
 
 import pytest
@@ -78,6 +79,24 @@ def test_invalid_toml_is_reported(tmp_path):
         load_config(write(tmp_path, "[server\n"), env={})
 
 
-def test_example_configuration_loads():
+def test_example_configuration_loads(tmp_path, monkeypatch):
+    # the example launches `llama-server` from PATH, as an installed llama.cpp provides it
+    stub = tmp_path / "llama-server"
+    stub.write_text("#!/bin/sh\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     cfg = load_config("passerelle.example.toml", env={})
     assert cfg.backends, "the example shows backends"
+
+
+def test_a_launch_program_that_does_not_exist_is_named_with_file_key_and_line(tmp_path):
+    path = write(tmp_path, """
+        [[backends]]
+        name = "a"
+        models = ["m"]
+        launch = ["/nowhere/llama-server", "--port", "{port}"]
+    """)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert str(err.value) == (f"{path}:5: key 'backends[0].launch': the program '/nowhere/llama-server' "
+                              "is not an executable file or a command on PATH")
