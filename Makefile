@@ -31,8 +31,10 @@ test: setup
 test-quick: $(STAMP)
 	$(BIN)/pytest -q -m "not llama and not vllm" $(PYTEST_ARGS)
 
+# ruff, and mypy over the package (configured in pyproject.toml: strict on the hot path)
 lint: $(STAMP)
 	$(BIN)/ruff check passerelle tests bench
+	$(BIN)/mypy
 
 bench-ttft: setup
 	$(BIN)/python bench/ttft_gateway_vs_direct.py

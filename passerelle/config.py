@@ -349,7 +349,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     for i, table in enumerate(raw_backends):
         b: BackendConfig = _build(BackendConfig, table, file=file, text=text, header="backends", nth=i)
         key = f"backends[{i}]"
-        ck = dict(file=file, text=text, header="backends", nth=i)
+        ck: dict[str, Any] = dict(file=file, text=text, header="backends", nth=i)
         _check(b.kind in BACKEND_KINDS, f"expected one of {', '.join(BACKEND_KINDS)}", key=f"{key}.kind",
                field_name="kind", **ck)
         _check(bool(b.url) != bool(b.launch), "give exactly one of 'url' or 'launch'", key=f"{key}.url",
@@ -383,7 +383,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
 
 
 def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: str) -> None:
-    ck = dict(file=file, text=text, header="admin")
+    ck: dict[str, Any] = dict(file=file, text=text, header="admin")
     for net in admin.allow:
         try:
             ipaddress.ip_network(net, strict=False)
@@ -405,7 +405,7 @@ def _load_classes(raw: Any, auth: AuthConfig, *, file: str, text: str) -> tuple[
     by_name = {c.name: c for c in DEFAULT_CLASSES}
     for i, table in enumerate(raw):
         c: ClassConfig = _build(ClassConfig, table, file=file, text=text, header="classes", nth=i)
-        ck = dict(file=file, text=text, header="classes", nth=i)
+        ck: dict[str, Any] = dict(file=file, text=text, header="classes", nth=i)
         _check(c.max_queue > 0, "expected a positive integer", key=f"classes[{i}].max_queue",
                field_name="max_queue", **ck)
         _check(c.max_queue_wait_s > 0, "expected a positive number of seconds", key=f"classes[{i}].max_queue_wait_s",

@@ -80,7 +80,7 @@ class AccessLog:
                     f"tokens={fields['prompt_tokens']}/{fields['completion_tokens']} backend={rec.backend or '-'} "
                     f"tenant={rec.tenant} class={rec.priority}\n").encode()
         self._buf.append(line)
-        if self._flush_at is None or self._flush_loop.is_closed():
+        if self._flush_at is None or self._flush_loop is None or self._flush_loop.is_closed():
             try:
                 self._flush_loop = asyncio.get_running_loop()
             except RuntimeError:  # no event loop: nothing to batch with

@@ -36,7 +36,7 @@ def observe_many(child: Histogram, values: Sequence[float]) -> None:
     # observe() puts v in the first bucket whose bound is >= v: with the values sorted, the
     # number of values up to each bound is one bisection, and a bucket gets the difference.
     xs = sorted(values)
-    buckets = child._buckets  # type: ignore[attr-defined]
+    buckets = child._buckets
     done = 0
     for i, bound in enumerate(bounds):
         upto = bisect_right(xs, bound)
@@ -45,7 +45,7 @@ def observe_many(child: Histogram, values: Sequence[float]) -> None:
             done = upto
             if done == len(xs):
                 break
-    child._sum.inc(math.fsum(xs))  # type: ignore[attr-defined]
+    child._sum.inc(math.fsum(xs))
 
 
 class Metrics:

@@ -41,7 +41,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 def header(scope: Scope, name: bytes) -> str | None:
     for k, v in scope["headers"]:
         if k == name:
-            return v.decode("latin-1")
+            return bytes(v).decode("latin-1")
     return None
 
 
