@@ -293,6 +293,7 @@ class Gateway:
             rec.to(State.DISPATCHED)
             running = self.metrics.running.labels(backend.name, rec.model)
             running.inc()
+            sent_with = backend.in_flight
             try:
                 await self._attempt(ex, backend, data, body, cls, deadline)
                 break
@@ -307,6 +308,9 @@ class Gateway:
                 rec.to(State.QUEUED)
             finally:
                 running.dec()
+                if rec.t_first > rec.t_dispatch and (rec.stream or backend.stream_always):
+                    # a streamed first token: the signal a runtime's learned capacity follows
+                    backend.observe_first_token(rec.t_first - rec.t_dispatch, sent_with, job.est_prompt_tokens)
         if backend.failures:
             backend.record_success()
 

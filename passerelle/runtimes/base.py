@@ -21,6 +21,7 @@ from typing import Any
 
 from passerelle.config import BackendConfig, TimeoutConfig
 from passerelle.errors import UpstreamError
+from passerelle.runtimes.capacity import Capacity
 from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, UpstreamClient
 
 _JSON = b"Content-Type: application/json\r\n"
@@ -53,10 +54,11 @@ class Backend:
         self.cfg = cfg
         self.name = cfg.name
         self.models = cfg.models
-        self.capacity = cfg.max_concurrency
+        self.capacity_info = Capacity(cfg.max_concurrency)  # declared, reported or learned
         self.url = cfg.url.rstrip("/")
         self.timeouts = timeouts
         self.in_flight = 0  # requests dispatched and not finished; the scheduler keeps it
+        self.peak_in_flight = 0  # the most in flight since the last load poll; the scheduler keeps it
         self.supervised = False  # launched by passerelle: may come back after a crash
         self.draining = False  # removed by a reload: finishes its requests, takes no new one
         self.last_used = time.monotonic()  # last dispatch, for idle stop and LRU eviction
@@ -67,6 +69,7 @@ class Backend:
         self.ejected_until = 0.0
         self.probing = False
         self._missed_health = False
+        self._asked_capacity = False
         self._client: UpstreamClient | None = None
         self._started = False
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -74,6 +77,26 @@ class Backend:
             self.health_path = cfg.health_path
 
     EJECT_AFTER = 3
+
+    @property
+    def capacity(self) -> int:
+        """Requests this backend is sent at once at most (see capacity.py)."""
+        return self.capacity_info.value
+
+    def observe_first_token(self, ttft_s: float, in_flight: int, prompt_tokens: int) -> None:
+        """A request sent with ``in_flight`` requests on this backend (itself included) got its
+        first token ``ttft_s`` after it was sent: the signal of a runtime that says nothing about
+        its own queue (declared and reported capacities do not move on it: a CPU runtime's first
+        tokens slow down with every busy slot without any request waiting)."""
+        cap = self.capacity_info
+        if not cap.declared and not cap.reported:
+            cap.limiter.observe_ttft(ttft_s, in_flight, prompt_tokens)
+            self._fit_pool()
+
+    def _fit_pool(self) -> None:
+        """Room in the connection pool for a capacity that grew (the scheduler never sends more)."""
+        if self._client is not None and self._client.limit < self.capacity + 4:
+            self._client.limit = self.capacity + 4
 
     def routable(self, now: float) -> bool:
         """May this replica take a new request now (up, not draining, not ejected)?"""
@@ -178,7 +201,13 @@ class Backend:
                 return stats
             self._missed_health = not stats.up and self._missed_health
             if stats.up:
+                if not self.capacity_info.declared and not self._asked_capacity:
+                    self.capacity_info.report(*await self._report_capacity())
+                    self._asked_capacity = True  # once per start: a size does not change while it runs
                 await self._scrape_load(stats)
+                self._follow_queue(stats)
+            else:
+                self._asked_capacity = False
         except Exception as exc:  # garbage from a runtime must never break the gateway
             stats.error = f"{exc.__class__.__name__}: {exc}"
         self.stats = stats
@@ -186,6 +215,19 @@ class Backend:
 
     async def _scrape_load(self, stats: BackendStats) -> None:
         """Kind-specific load figures; the generic OpenAI server reports none."""
+
+    async def _report_capacity(self) -> tuple[int | None, str]:
+        """How many requests the runtime says it runs at once, and where it said so; (None, "")
+        when it does not say (then the capacity is learned)."""
+        return None, ""
+
+    def _follow_queue(self, stats: BackendStats) -> None:
+        """Feed the runtime's waiting gauge, where it has one, to the learned limit."""
+        cap = self.capacity_info
+        if stats.queue_depth is not None and not cap.declared:
+            cap.limiter.observe_gauge(stats.queue_depth, self.in_flight, max(self.peak_in_flight, self.in_flight))
+            self._fit_pool()
+        self.peak_in_flight = self.in_flight
 
 
     def describe(self) -> dict[str, Any]:
@@ -195,7 +237,7 @@ class Backend:
             "name": self.name, "kind": self.kind, "url": self.url, "models": list(self.models),
             "up": s.up, "slots_busy": s.slots_busy, "slots_total": s.slots_total,
             "kv_cache_usage_ratio": s.kv_cache_usage_ratio, "queue_depth": s.queue_depth,
-            "in_flight": self.in_flight, "capacity": self.capacity,
+            "in_flight": self.in_flight, **self.capacity_info.as_dict(),
             "checked_ago_s": round(time.time() - s.scraped_at, 1) if s.scraped_at else None,
             "error": s.error,
         }

@@ -21,15 +21,14 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     model = Path(e.model_path).expanduser() if e.model_path else embedded.ensure_default_model()
     if not model.is_file():
         raise ConfigError(f"model file {model} does not exist", file=cfg.source, key="embedded.model_path")
+    # No max_concurrency: llama-server reports its slots (/props total_slots), see capacity.py.
     chat = BackendConfig(name="local", kind="llama-server", models=(e.model_id,), endpoints=("chat", "completions"),
-                         max_concurrency=e.slots,
                          launch=embedded.launch_command(binary, model, alias=e.model_id, slots=e.slots,
                                                         ctx_per_slot=e.ctx_per_slot, threads=e.threads,
                                                         extra=e.extra_args))
     if not e.embeddings:
         return (chat,)
     embed = BackendConfig(name="local-embed", kind="llama-server", models=(e.model_id,), endpoints=("embeddings",),
-                          max_concurrency=1,
                           launch=embedded.launch_command(binary, model, alias=e.model_id, slots=1, ctx_per_slot=2048,
                                                          threads=e.threads, embeddings=True))
     return chat, embed

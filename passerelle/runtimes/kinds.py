@@ -23,12 +23,12 @@ def make_backend(cfg: BackendConfig, timeouts: TimeoutConfig) -> Backend:
     return KINDS[cfg.kind](cfg, timeouts)
 
 
-async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[str], int | None]:
-    """Ask an existing server what it is, which models it serves and, where it says, how many
-    requests it runs at once: ``(kind, model ids, slots)``.
+async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[str]]:
+    """Ask an existing server what it is and which models it serves: ``(kind, model ids)``.
 
     The kind is read from endpoints only one runtime has: llama-server's ``/props``, vLLM's
-    ``/version`` with its metrics, Ollama's ``/api/version``, SGLang's ``/get_model_info``.
+    ``/version`` with its metrics, Ollama's ``/api/version``, SGLang's ``/get_model_info``. How
+    many requests it runs at once is the backend's to find out once it runs (capacity.py).
     """
     import aiohttp  # only here, at start-up: the gateway's own requests go through upstream.py
 
@@ -48,15 +48,8 @@ async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[
             resp.raise_for_status()
             data = await resp.json(content_type=None)
         models = [m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
-        slots = None
         if await ok("/props", "build_info"):
             kind = "llama-server"
-            try:
-                async with session.get(url + "/slots") as resp:
-                    listed = await resp.json(content_type=None)
-                    slots = len(listed) if resp.status == 200 and isinstance(listed, list) else None
-            except (TimeoutError, aiohttp.ClientError, ValueError):
-                slots = None
         elif await ok("/api/version", "version"):
             kind = "ollama"
         elif await ok("/get_model_info", "model_path"):
@@ -65,4 +58,4 @@ async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[
             kind = "vllm"
         else:
             kind = "openai"
-        return kind, models, slots
+        return kind, models

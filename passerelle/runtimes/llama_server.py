@@ -1,4 +1,5 @@
-"""llama.cpp's ``llama-server``: load from ``/slots`` and ``/metrics`` (needs ``--slots --metrics``)."""
+"""llama.cpp's ``llama-server``: load from ``/slots`` and ``/metrics`` (needs ``--slots --metrics``),
+its size from ``/props`` (``total_slots``, the ``-np`` it was started with)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ class LlamaServerBackend(Backend):
     # llama-server checks for a closed connection only between streamed chunks; a non-streaming
     # request would hold its slot after the client left (see assemble.py).
     stream_always = True
+
+    async def _report_capacity(self) -> tuple[int | None, str]:
+        status, body = await self._get("/props")
+        if status == 200:
+            props = orjson.loads(body)
+            total = props.get("total_slots") if isinstance(props, dict) else None
+            if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+                return total, "/props total_slots"
+        status, body = await self._get("/slots")  # an older llama-server: count the slots it lists
+        if status == 200:
+            slots = orjson.loads(body)
+            if isinstance(slots, list) and slots:
+                return len(slots), "/slots"
+        return None, ""
 
     async def _scrape_load(self, stats: BackendStats) -> None:
         status, body = await self._get("/slots")
@@ -32,4 +47,3 @@ class LlamaServerBackend(Backend):
                 stats.kv_cache_usage_ratio = samples["llamacpp:kv_cache_usage_ratio"]
             if stats.slots_busy is None and "llamacpp:requests_processing" in samples:
                 stats.slots_busy = int(samples["llamacpp:requests_processing"])
-

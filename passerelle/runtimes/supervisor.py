@@ -309,6 +309,7 @@ class Supervisor:
         return [{"name": name, "kind": p.backend.kind, "state": p.state.value, "pid": p.pid, "url": p.backend.url,
                  "restarts": p.restarts, "in_flight": p.backend.in_flight, "up": p.backend.stats.up,
                  "on_demand": p.backend.cfg.on_demand, "need_gib": round(self.need_gib(p), 2),
+                 **p.backend.capacity_info.as_dict(),
                  "log": str(p.log_path), "command": p.command or list(p.template)}
                 for name, p in self.processes.items()]
 

@@ -163,7 +163,7 @@ class App:
         await json_response(send, 200, await self.reload())
 
     async def runtimes(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await json_response(send, 200, control.runtimes(self.supervisor))
+        await json_response(send, 200, control.runtimes(self.supervisor, self.registry.backends))
 
     async def runtime_action(self, scope: Scope, receive: Receive, send: Send) -> None:
         out = await control.runtime_action(self.supervisor, scope["path"], scope["method"],
@@ -236,8 +236,10 @@ class App:
         lines = [f"passerelle serving on http://{s.host}:{s.port}/v1  (OpenAI-compatible; health at /health)",
                  f"  dashboard at {admin}/ui, metrics at {admin}/metrics"]
         for b in self.registry.backends:
+            cap = b.capacity_info
+            size = f"capacity {cap.describe()}" if b.stats.up or cap.declared else "capacity asked once it is up"
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
-                         f"[{', '.join(b.cfg.endpoints)}], {b.capacity} slots, {'up' if b.stats.up else 'DOWN'}")
+                         f"[{', '.join(b.cfg.endpoints)}], {size}, {'up' if b.stats.up else 'DOWN'}")
         e = self.cfg.embedded
         if not e.model_path and any(b.cfg.name == "local" for b in self.registry.backends):
             lines.append(f"  note: {e.model_id} is a small base model: it continues text rather than chats "

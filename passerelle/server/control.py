@@ -16,18 +16,28 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
 
 from passerelle.errors import InvalidRequest, NoBackend
+from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.supervisor import RuntimeFailed, Supervisor
 from passerelle.server.routes import NotFound
 
 
-def runtimes(sup: Supervisor | None) -> dict[str, Any]:
-    return {"runtimes": sup.describe() if sup else []}
+def runtimes(sup: Supervisor | None, backends: Iterable[Backend] = ()) -> dict[str, Any]:
+    """Every launched runtime, then every backend passerelle reaches at a URL (state ``external``)."""
+    rows = sup.describe() if sup else []
+    launched = {r["name"] for r in rows}
+    for b in backends:
+        if b.name not in launched:
+            rows.append({"name": b.name, "kind": b.kind, "state": "external", "pid": None, "url": b.url,
+                         "restarts": 0, "in_flight": b.in_flight, "up": b.stats.up, "on_demand": False,
+                         **b.capacity_info.as_dict()})
+    return {"runtimes": rows}
 
 
 async def runtime_action(sup: Supervisor | None, path: str, method: str, query: bytes) -> dict[str, Any] | str:
@@ -57,9 +67,11 @@ async def runtime_action(sup: Supervisor | None, path: str, method: str, query: 
 def render(body: bytes) -> str:
     """A runtime list as a table, for the command line."""
     rows = orjson.loads(body)["runtimes"]
-    out = [f"{'NAME':16}{'KIND':14}{'STATE':10}{'PID':>8}{'UP':>4}{'BUSY':>6}{'RESTARTS':>10}  URL"]
+    out = [f"{'NAME':16}{'KIND':14}{'STATE':10}{'PID':>8}{'UP':>4}{'BUSY':>6}{'CAPACITY':>9} {'FROM':9}"
+           f"{'RESTARTS':>9}  URL"]
     for r in rows:
         out.append(f"{r['name']:16}{r['kind']:14}{r['state']:10}{r['pid'] or '-':>8}{'yes' if r['up'] else 'no':>4}"
-                   f"{r['in_flight']:>6}{r['restarts']:>10}  {r['url'] or '-'}"
-                   + ("  (on demand)" if r["on_demand"] else ""))
-    return "\n".join(out)
+                   f"{r['in_flight']:>6}{r.get('capacity', '-'):>9} {r.get('capacity_source', '-'):9}"
+                   f"{r['restarts']:>9}  {r['url'] or '-'}" + ("  (on demand)" if r["on_demand"] else ""))
+    details = [f"  {r['name']}: {r['capacity_detail']}" for r in rows if r.get("capacity_detail")]
+    return "\n".join([*out, "", "capacity, requests at once:", *details] if details else out)
