@@ -42,6 +42,7 @@ from passerelle.errors import (
     UnknownModel,
     UpstreamError,
     UpstreamStatus,
+    UpstreamTimeout,
 )
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
@@ -49,6 +50,7 @@ from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.assemble import assemble
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.relay import StreamRelay, read_body
+from passerelle.proxy.resume import Splice, suspendable
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
@@ -159,6 +161,8 @@ class Gateway:
         self.auth_throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
         self.classes = {c.name: c for c in cfg.classes}
         self._retry_budget = 10.0  # retries allowed now; refilled by 0.2 per request
+        self.preemption_stats = {"suspensions": 0, "resumed_streams": 0, "resume_prompt_tokens_processed": 0,
+                                 "resume_prompt_tokens_cached": 0}
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
         self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
@@ -248,11 +252,15 @@ class Gateway:
                 grant = self.limiter.admit(key, est_prompt + est_output)
             job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=rec.model, weight=key.weight if key else 1.0,
                       est_prompt_tokens=est_prompt, est_output_tokens=est_output,
-                      can_wait_for_start=any(b.supervised for b in pool),
-                      affinity=self.affinity_key(scope, data, endpoint) if len(pool) > 1 else "")
+                      can_wait_for_start=any(b.supervised for b in pool), slotted=endpoint != "embeddings",
+                      affinity=self.affinity_key(scope, data, endpoint)
+                      if len(pool) > 1 or any(b.slot_ids for b in pool) else "")
             if self.on_demand is not None and not any(b.stats.up for b in pool):
                 self.on_demand(pool)
-            await self._dispatch(ex, job, data, body, cls)
+            # A stream of a preemptible class may be cut for a better one and continued (resume.py).
+            splice = (Splice(data, endpoint) if cls.preemptible and self.scheduler.preemption is not None
+                      and any(b.continuation for b in pool) and suspendable(data, endpoint) else None)
+            await self._dispatch(ex, job, data, body, cls, splice)
             rec.finish(Cause.OK, 200)
         except asyncio.CancelledError:
             if not ex.disconnected:
@@ -278,39 +286,66 @@ class Gateway:
                 self.limiter.finish(grant, used)
             self.account(rec)
 
-    async def _dispatch(self, ex: Exchange, job: Job, data: dict[str, Any], body: bytes, cls: ClassConfig) -> None:
+    async def _dispatch(self, ex: Exchange, job: Job, data: dict[str, Any], body: bytes, cls: ClassConfig,
+                        splice: Splice | None = None) -> None:
         """Queue for a replica and try it; before the client got a byte, a replica that could not
-        take the request is replaced by another (within the retry budget)."""
+        take the request is replaced by another (within the retry budget). A stream suspended
+        for a better class queues again and continues where it was cut."""
         rec = ex.rec
         rec.t_queued = time.perf_counter()
         rec.to(State.QUEUED)
         self._retry_budget = min(10.0, self._retry_budget + 0.2)
         deadline = rec.t_arrival + self.cfg.timeouts.total_s
+        suspended_at = 0.0
         while True:
             backend = await self.scheduler.acquire(job)
             rec.backend = backend.name
-            rec.t_dispatch = time.perf_counter()
-            rec.to(State.DISPATCHED)
+            if suspended_at:  # resumed
+                rec.suspended_s += time.perf_counter() - suspended_at
+                rec.to(State.STREAMING if rec.content_chunks else State.DISPATCHED)
+            else:
+                rec.t_dispatch = time.perf_counter()
+                rec.to(State.DISPATCHED)
             running = self.metrics.running.labels(backend.name, rec.model)
             running.inc()
             sent_with = backend.in_flight
             try:
-                await self._attempt(ex, backend, data, body, cls, deadline)
-                break
-            except UpstreamError as err:
-                if ex.started or not self._may_retry(err, job, rec, deadline):
+                await self._attempt(ex, backend, job, data, body, cls, deadline, splice)
+                if splice is None or not splice.suspended:
+                    break
+            except (UpstreamError, UpstreamTimeout) as err:
+                if splice is not None and splice.suspended:
+                    pass  # cut by the scheduler, not a failure of the runtime
+                elif isinstance(err, UpstreamTimeout) or ex.started or not self._may_retry(err, job, rec, deadline):
                     raise
-                log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
-                backend.record_failure(time.monotonic())
-                job.exclude.add(backend.name)
-                rec.retries += 1
-                self.scheduler.release(job)
-                rec.to(State.QUEUED)
+                else:
+                    log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
+                    backend.record_failure(time.monotonic())
+                    job.exclude.add(backend.name)
+                    rec.retries += 1
+                    self.scheduler.release(job)
+                    rec.to(State.QUEUED)
+                    continue
             finally:
                 running.dec()
-                if rec.t_first > rec.t_dispatch and (rec.stream or backend.stream_always):
+                if not suspended_at and rec.t_first > rec.t_dispatch and (rec.stream or backend.stream_always):
                     # a streamed first token: the signal a runtime's learned capacity follows
                     backend.observe_first_token(rec.t_first - rec.t_dispatch, sent_with, job.est_prompt_tokens)
+            # Suspended: the scheduler has freed the slot and queued the job again.
+            assert splice is not None
+            splice.resumed()
+            rec.suspensions = splice.suspensions
+            suspended_at = time.perf_counter()
+            ex.finishing = False  # (the cut attempt may have seen its end, the client did not)
+            rec.to(State.SUSPENDED)
+            self.preemption_stats["suspensions"] += 1
+        if splice is not None:
+            rec.prompt_tokens, rec.completion_tokens = splice.totals(rec.prompt_tokens, rec.completion_tokens)
+            rec.resume_prompt_tokens = splice.resume_prompt_processed
+            if splice.suspensions:
+                self.preemption_stats["resumed_streams"] += 1
+                self.preemption_stats["resume_prompt_tokens_processed"] += splice.resume_prompt_processed
+                self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
         if backend.failures:
             backend.record_success()
 
@@ -326,35 +361,52 @@ class Gateway:
         self._retry_budget -= 1.0
         return True
 
-    async def _attempt(self, ex: Exchange, backend: Backend, data: dict[str, Any], body: bytes,
-                       cls: ClassConfig, deadline: float) -> None:
+    async def _attempt(self, ex: Exchange, backend: Backend, job: Job, data: dict[str, Any], body: bytes,
+                       cls: ClassConfig, deadline: float, splice: Splice | None = None) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
-        replica that fails before that can be replaced without the client noticing."""
+        replica that fails before that can be replaced without the client noticing. With a
+        ``splice`` the stream may be cut by the scheduler (then this returns or raises with
+        ``splice.suspended`` set), and a later try continues it."""
         rec, endpoint = ex.rec, ex.rec.endpoint
         strip_usage = False
         collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
+        dialect = backend.continuation if splice is not None else ""
+        if dialect and splice is not None:
+            data = splice.request_data(dialect)
+            body = orjson.dumps(data)
         if collect:
             body = orjson.dumps({**data, "stream": True, "stream_options": {"include_usage": True}})
         elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
             body, strip_usage = with_usage_requested(body, data), True
-        body = backend.prepare(body, cls.rank)
+        body = backend.prepare(body, cls.rank, job.slot)
         resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body,
                                   request_id=rec.id)
         try:
             if resp.status != 200:
                 raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
                 raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
+            if collect and splice is not None:
+                splice.collector = splice.collector or _Collector()
+            send: Any = splice.collector if collect and splice is not None else (_Collector() if collect else ex.send)
+            sink = send
+            if dialect and splice is not None:
+                send = splice.watch(resp, send, dialect)
+                self.scheduler.allow_suspend(job, splice.suspend)
             if rec.stream:
-                relay = StreamRelay(rec, ex.send, self.cfg.timeouts, strip_usage=strip_usage,
-                                    before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing)
+                relay = StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage,
+                                    before_first=None if ex.started else lambda: ex.start(200, _SSE_HEADERS),
+                                    on_done=ex.mark_finishing)
                 await relay.run(resp, deadline)
+                if splice is not None and splice.suspended:
+                    return
                 ex.mark_finishing()
                 with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
                     await ex.send_body(b"", more=False)
                 return
             if collect:
-                sink = _Collector()
-                await StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False).run(resp, deadline)
+                await StreamRelay(rec, send, self.cfg.timeouts, strip_usage=False).run(resp, deadline)
+                if splice is not None and splice.suspended:
+                    return
                 raw = assemble(b"".join(sink.parts), endpoint)
                 ctype = b"application/json"
             else:
@@ -364,6 +416,9 @@ class Gateway:
             ex.mark_finishing()
             await ex.send_body(raw, more=False)
         finally:
+            if splice is not None:
+                self.scheduler.forbid_suspend(job)
+                splice.done()
             resp.close()  # drops the connection if unread: the runtime stops generating
 
     def account(self, rec: RequestRecord) -> None:

@@ -49,6 +49,12 @@ class Backend:
     # Ask for a stream even when the client did not, and assemble the answer in the gateway:
     # for runtimes that notice a departed client only while streaming.
     stream_always = False
+    # A request may name the slot it runs in (llama-server's id_slot): passerelle then knows
+    # which slot every stream holds, and resumes a suspended one where its prompt cache is.
+    slot_ids = False
+    # How a cut stream is continued (proxy/resume.py): "" for a runtime that cannot (its streams
+    # are never suspended), else the dialect of the continuation request.
+    continuation = ""
 
     def __init__(self, cfg: BackendConfig, timeouts: TimeoutConfig) -> None:
         self.cfg = cfg
@@ -152,8 +158,9 @@ class Backend:
         return self._client
 
     # -- requests --------------------------------------------------------------------------
-    def prepare(self, body: bytes, priority_rank: int) -> bytes:
-        """Rewrite the body for this runtime (e.g. vLLM's ``priority``); default: untouched."""
+    def prepare(self, body: bytes, priority_rank: int, slot: int | None = None) -> bytes:
+        """Rewrite the body for this runtime (e.g. vLLM's ``priority``, llama-server's
+        ``id_slot``); default: untouched."""
         return body
 
     async def post(self, path: str, body: bytes, *, request_id: str = "") -> Response:

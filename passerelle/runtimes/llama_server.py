@@ -15,6 +15,20 @@ class LlamaServerBackend(Backend):
     # llama-server checks for a closed connection only between streamed chunks; a non-streaming
     # request would hold its slot after the client left (see assemble.py).
     stream_always = True
+    slot_ids = True
+    continuation = "llama-server"
+
+    def prepare(self, body: bytes, priority_rank: int, slot: int | None = None) -> bytes:
+        """Name the slot passerelle chose (``id_slot``), replacing any the client gave: only
+        passerelle knows which slots are free (scheduling/slots.py)."""
+        if slot is None:
+            return body
+        if b'"id_slot"' not in body:
+            i = body.index(b"{")
+            return b'%s"id_slot":%d,%s' % (body[: i + 1], slot, body[i + 1 :])
+        data = orjson.loads(body)
+        data["id_slot"] = slot
+        return orjson.dumps(data)
 
     async def _report_capacity(self) -> tuple[int | None, str]:
         status, body = await self._get("/props")

@@ -24,6 +24,7 @@ class VllmBackend(Backend):
     kind = "vllm"
     health_path = "/health"
     prefix = "vllm:"
+    continuation = "vllm"
     running_gauge = "num_requests_running"
     waiting_gauge = "num_requests_waiting"
 
@@ -55,7 +56,7 @@ class VllmBackend(Backend):
                 stats.kv_cache_usage_ratio = samples[name]
                 break
 
-    def prepare(self, body: bytes, priority_rank: int) -> bytes:
+    def prepare(self, body: bytes, priority_rank: int, slot: int | None = None) -> bytes:
         """Pass the class as vLLM's ``priority`` (lower is more urgent; needs
         ``--scheduling-policy priority``, enabled per backend by ``priority = true``).
 
@@ -76,6 +77,7 @@ class VllmBackend(Backend):
 class SglangBackend(VllmBackend):
     kind = "sglang"
     prefix = "sglang:"
+    continuation = ""  # not checked against a real SGLang: its streams are not suspended
     running_gauge = "num_running_reqs"
     waiting_gauge = "num_queue_reqs"
 

@@ -14,9 +14,11 @@ request arrives, the waiting request with the smallest key is dispatched to a re
   smallest counter among backlogged tenants, so idle time banks no credit;
 * arrival order: FIFO within a tenant.
 
-A class may hold only a share of a backend's slots (``batch`` 3 of 4 by default), so an
-interactive request finds a slot quickly even under a batch flood. Service is charged at dispatch
-from an estimate (prompt tokens + max_tokens) and corrected with the real usage at the end.
+A class may hold only a share of a backend's slots (``slot_share``), so that a request of a better
+class finds a slot free. With preemption (preemption.py, on by default) batch may hold every slot:
+a better request that waited ``preempt_after_ms`` suspends one batch stream, whose slot it takes,
+and the suspended stream queues again and resumes later as a continuation. Service is charged at
+dispatch from an estimate (prompt tokens + max_tokens) and corrected with the real usage at the end.
 
 A slot freed by an under-served tenant with nothing queued is held for it for ``hold_s`` (50 ms):
 a client that keeps N streams sends its next request a few milliseconds after each answer, and
@@ -46,37 +48,11 @@ from dataclasses import dataclass, field
 from passerelle.config import DEFAULT_CLASSES, ClassConfig
 from passerelle.errors import NoBackend, QueueFull, QueueTimeout
 from passerelle.runtimes.kinds import Backend
+from passerelle.scheduling.job import OUTPUT_WEIGHT, PROMPT_WEIGHT, Job
+from passerelle.scheduling.preemption import PreemptionPolicy, is_due, next_eligible, pick_victim
+from passerelle.scheduling.slots import SlotMap
 
-# Weights of the service charged to a tenant: generating a token costs more than reading one.
-PROMPT_WEIGHT = 1.0
-OUTPUT_WEIGHT = 2.0
-
-
-@dataclass(eq=False)
-class Job:
-    """One request waiting for, or holding, a backend slot."""
-
-    pool: list[Backend]
-    cls: ClassConfig
-    tenant: str
-    model: str = ""
-    weight: float = 1.0
-    est_prompt_tokens: int = 0
-    est_output_tokens: int = 256
-    can_wait_for_start: bool = False  # a supervised backend of the pool may come up
-    affinity: str = ""  # conversation or session: prefer the replica that served it before
-    exclude: set[str] = field(default_factory=set)  # replicas that already failed this request
-    seq: int = 0
-    enqueued_at: float = 0.0
-    backend: Backend | None = None
-    charged: float = 0.0
-    future: asyncio.Future[Backend] | None = None
-    timer: asyncio.TimerHandle | None = None
-
-    @property
-    def estimate(self) -> float:
-        return PROMPT_WEIGHT * self.est_prompt_tokens + OUTPUT_WEIGHT * self.est_output_tokens
-
+__all__ = ["Job", "PreemptionPolicy", "Scheduler"]
 
 @dataclass
 class _Tenant:
@@ -126,7 +102,8 @@ class Scheduler:
     def __init__(self, classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, aging_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
-                 affinity_slack: float = 1.0, hold_s: float = 0.05) -> None:
+                 affinity_slack: float = 1.0, hold_s: float = 0.05,
+                 preemption: PreemptionPolicy | None = None) -> None:
         self.classes = {c.name: c for c in classes}
         self.aging_s = aging_s
         self.clock = clock
@@ -145,6 +122,11 @@ class Scheduler:
         self.hold_s = hold_s
         self.holds: list[_Hold] = []
         self.hold_counts = {"kept": 0, "lapsed": 0}  # holds used by their tenant / given up
+        self.preemption = preemption
+        self.suspendable: set[Job] = set()  # running jobs whose stream may be suspended now
+        self.preempt_counts = {"suspended": 0, "resumed": 0}
+        self._preempt_timer: asyncio.TimerHandle | None = None
+        self._slots: dict[str, SlotMap] = {}  # backend -> its named slots (runtimes with slot ids)
 
     # -- public ----------------------------------------------------------------------------
     def waiting_by_class(self) -> dict[str, int]:
@@ -170,7 +152,7 @@ class Scheduler:
             raise QueueFull(f"The '{job.cls.name}' queue is full ({job.cls.max_queue} waiting); retry later.",
                             retry_after=self.retry_after(queued))
         now = self.clock()
-        job.seq, job.enqueued_at = next(self._seq), now
+        job.seq, job.enqueued_at, job.queued_at = next(self._seq), now, now
         t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
         back_soon = self.hold_s > 0 and now - t.released_at <= self.hold_s
         t.anticipate = t.anticipate or back_soon
@@ -185,16 +167,25 @@ class Scheduler:
         t.waiting += 1
         self.waiting.append(job)
         self.dispatch()
-        if job.backend is None and self.on_change:
-            self.on_change()
+        if job.backend is None:
+            self._arm_preemption()
+            if self.on_change:
+                self.on_change()
 
     async def acquire(self, job: Job) -> Backend:
-        """Wait for a slot; the backend it is on. Cancelling the caller removes the job at once."""
+        """Wait for a slot; the backend it is on. Cancelling the caller removes the job at once.
+        A suspended job is already queued again: this waits for it to resume."""
         loop = asyncio.get_running_loop()
-        job.future = loop.create_future()
-        self.submit(job)
-        if job.backend is not None:
+        if job.backend is not None:  # suspended, and resumed before its caller came back for it
             return job.backend
+        if job.resuming and job.future is not None:
+            if job.future.done():
+                return job.future.result()
+        else:
+            job.future = loop.create_future()
+            self.submit(job)
+            if job.backend is not None:
+                return job.backend
         job.timer = loop.call_later(job.cls.max_queue_wait_s, self._expire, job)
         try:
             return await job.future
@@ -210,21 +201,126 @@ class Scheduler:
     def release(self, job: Job, *, prompt_tokens: int | None = None, completion_tokens: int | None = None) -> None:
         """Give the slot back and correct the tenant's charge with the real usage."""
         b = job.backend
-        if b is None:
-            return
-        job.backend = None
-        b.in_flight -= 1
-        self.tenants[job.tenant].running -= 1
-        key = (b.name, job.cls.name)
-        self.running[key] -= 1
-        if prompt_tokens is not None or completion_tokens is not None:
+        if job.starts and (prompt_tokens is not None or completion_tokens is not None):
             actual = PROMPT_WEIGHT * (prompt_tokens or 0) + OUTPUT_WEIGHT * (completion_tokens or 0)
             self._charge(job.tenant, (actual - job.charged) / job.weight, actual - job.charged)
+            job.charged = actual
+        if b is None:
+            if job.resuming:  # suspended and never resumed (the client left, the wait ran out)
+                job.resuming = False
+                self._remove(job)
+            return
+        self._free(job, b)
         t = self.tenants[job.tenant]
+        t.running -= 1
         now = t.released_at = self.clock()
         if self.hold_s > 0 and t.waiting == 0 and t.anticipate and self._contested(b, job.cls, t, now):
             self._hold(_Hold(b, job.cls, job.tenant, now + self.hold_s))
         self.dispatch()
+
+    def _free(self, job: Job, b: Backend) -> None:
+        """The slot's bookkeeping, for a release or a suspension."""
+        job.backend = None
+        b.in_flight -= 1
+        self.running[(b.name, job.cls.name)] -= 1
+        self.suspendable.discard(job)
+        job.suspend = None
+        if job.slot is not None and b.name in self._slots:
+            self._slots[b.name].give(job)
+
+    # -- preemption (preemption.py decides; this keeps the books) ---------------------------
+    def allow_suspend(self, job: Job, suspend: Callable[[], bool]) -> None:
+        """From now on ``job``'s stream may be suspended by calling ``suspend`` (which says
+        False when it cannot be after all): its relay runs and its request can be continued."""
+        if self.preemption is None or job.backend is None or not job.cls.preemptible:
+            return
+        job.suspend = suspend
+        self.suspendable.add(job)
+        self._arm_preemption()
+
+    def forbid_suspend(self, job: Job) -> None:
+        job.suspend = None
+        self.suspendable.discard(job)
+
+    def _arm_preemption(self) -> None:
+        """Check again when the earliest waiting request that could preempt becomes due."""
+        policy = self.preemption
+        if policy is None or not self.suspendable:
+            return
+        worst = max(v.cls.rank for v in self.suspendable)
+        due = min((j.queued_at + policy.after_s for j in self.waiting if j.cls.rank < worst), default=math.inf)
+        if due == math.inf:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): preempt_due() does it
+            return
+        when = loop.time() + max(0.0, due - self.clock())
+        if self._preempt_timer is not None:
+            if self._preempt_timer.when() <= when + 1e-4:
+                return
+            self._preempt_timer.cancel()
+        self._preempt_timer = loop.call_at(when, self._preempt_fired)
+
+    def _preempt_fired(self) -> None:
+        self._preempt_timer = None
+        self.preempt_due()
+
+    def preempt_due(self) -> None:
+        """Suspend a stream for every due waiting request that can only start that way."""
+        policy = self.preemption
+        if policy is None:
+            return
+        now = self.clock()
+        retry = math.inf
+        for job in sorted(self.waiting, key=lambda j: self._key(j, now)):
+            if not self.suspendable:
+                break
+            if (job.future is not None and job.future.done()) or job.backend is not None:
+                continue
+            if not is_due(job, now, policy):
+                continue
+            rank = self._key(job, now)[0]
+            for b in job.pool:
+                if (b.name in job.exclude or not b.routable(now) or b.in_flight < b.capacity
+                        or self.running.get((b.name, job.cls.name), 0) >= self._limit(b, job.cls)):
+                    continue  # a slot is free, or its own class's share is what stops it
+                on_b = [v for v in self.suspendable if v.backend is b]
+                victim = pick_victim(on_b, rank, now, policy)
+                while victim is not None and not (victim.suspend is not None and victim.suspend()):
+                    self.forbid_suspend(victim)  # it cannot after all (finishing, unsafe output)
+                    on_b.remove(victim)
+                    victim = pick_victim(on_b, rank, now, policy)
+                if victim is not None:
+                    self._suspend(victim, b, now)
+                    break
+                retry = min(retry, next_eligible(on_b, policy))
+        if retry < math.inf:
+            with contextlib.suppress(RuntimeError):
+                loop = asyncio.get_running_loop()
+                if self._preempt_timer is None:
+                    self._preempt_timer = loop.call_at(loop.time() + max(0.0, retry - now), self._preempt_fired)
+
+    def _suspend(self, job: Job, b: Backend, now: float) -> None:
+        """Free ``job``'s slot now and queue it again (its stream is being cut upstream)."""
+        job.resume_slot = job.slot
+        job.resuming = True
+        self._free(job, b)
+        t = self.tenants[job.tenant]
+        t.running -= 1
+        t.waiting += 1
+        job.suspensions += 1
+        job.suspended_at = now
+        job.waited_s += max(0.0, job.started_at - job.enqueued_at)
+        job.enqueued_at = now - job.waited_s  # aging counts every wait, not the time it ran
+        job.queued_at = now
+        if job.future is not None:
+            job.future = job.future.get_loop().create_future()
+        self.waiting.append(job)
+        self.preempt_counts["suspended"] += 1
+        self.dispatch()
+        if self.on_change:
+            self.on_change()
 
     def expire_due(self) -> None:
         """Fail every job whose queue wait is over, end every hold past its time (the loop's
@@ -234,6 +330,7 @@ class Scheduler:
             self._expire(job)
         for hold in [h for h in self.holds if h.until <= now]:
             self._hold_expired(hold)
+        self.preempt_due()
 
     # -- internals -------------------------------------------------------------------------
     def _charge(self, tenant: str, virtual: float, tokens: float) -> None:
@@ -364,11 +461,19 @@ class Scheduler:
             self.on_change()
 
     def _start(self, job: Job, backend: Backend, now: float) -> None:
+        resumed, job.resuming = job.resuming, False
         self.waiting.remove(job)
         t = self.tenants[job.tenant]
         t.waiting -= 1
         t.running += 1
         job.backend = backend
+        job.started_at = now
+        if job.slotted and backend.slot_ids and self.preemption is not None:
+            slots = self._slots.get(backend.name)
+            if slots is None:
+                slots = self._slots[backend.name] = SlotMap(backend.capacity)
+            slots.grow(backend.capacity)
+            job.slot = slots.take(job, now)
         if self.holds:  # the tenant's next request came: its hold (on this replica first) is used up
             mine = [h for h in self.holds if h.tenant == job.tenant]
             if mine:
@@ -395,8 +500,12 @@ class Scheduler:
             if len(self.affinity) > 100_000:
                 self.affinity.popitem(last=False)
         self.running[(backend.name, job.cls.name)] = self.running.get((backend.name, job.cls.name), 0) + 1
-        job.charged = job.estimate
-        self._charge(job.tenant, job.estimate / job.weight, job.estimate)
+        job.starts += 1
+        if job.starts == 1:  # (a retry on another replica or a resume is not charged again)
+            job.charged = job.estimate
+            self._charge(job.tenant, job.estimate / job.weight, job.estimate)
+        if resumed:
+            self.preempt_counts["resumed"] += 1
         self._vtime = t.counter
         self._drain.add(now)
         if job.future is not None and not job.future.done():

@@ -31,7 +31,7 @@ from passerelle.runtimes.factory import build_runtime, expand
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
-from passerelle.scheduling.scheduler import Scheduler
+from passerelle.scheduling.scheduler import PreemptionPolicy, Scheduler
 from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener
 from passerelle.server.responses import error_response, json_response, raw_response
@@ -54,9 +54,12 @@ class App:
         self.metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
         self.registry = Registry(backends, self.metrics)
         self.access_log = AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format)
-        self.scheduler = Scheduler(cfg.classes, aging_s=cfg.scheduler.aging_s, on_change=self._queue_changed,
+        sc = cfg.scheduler
+        self.scheduler = Scheduler(cfg.classes, aging_s=sc.aging_s, on_change=self._queue_changed,
                                    policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack,
-                                   hold_s=cfg.scheduler.hold_s)
+                                   hold_s=sc.hold_s,
+                                   preemption=PreemptionPolicy(sc.preempt_after_ms / 1000, sc.min_run_s)
+                                   if sc.preemption else None)
         self.supervisor = Supervisor(processes or [], max_loaded_gib=cfg.runtimes.max_loaded_gib,
                                      on_ready=self.scheduler.dispatch)
         for proc in self.supervisor.processes.values():
@@ -125,6 +128,9 @@ class App:
                                   waiting=self.waiting_by_class())
         snap["metrics_enabled"] = self.cfg.metrics.enabled
         snap["slot_holds"] = dict(self.scheduler.hold_counts)  # freed slots kept for a returning tenant
+        # streams suspended for a better class, resumed, and the prompt tokens resuming cost
+        snap["preemption"] = {"enabled": self.scheduler.preemption is not None, **self.scheduler.preempt_counts,
+                              **self.gateway.preemption_stats}
         await raw_response(send, 200, orjson.dumps(snap), b"application/json", [(b"cache-control", b"no-store")])
 
     async def ui(self, scope: Scope, receive: Receive, send: Send) -> None:
