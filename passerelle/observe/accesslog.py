@@ -42,6 +42,7 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "endpoint": rec.endpoint,
         "model": rec.model,
         "backend": rec.backend,
+        **({"slot": rec.slot} if rec.slot is not None else {}),
         "tenant": rec.tenant,
         "priority": rec.priority,
         "stream": rec.stream,

@@ -55,6 +55,7 @@ class RequestRecord:
     priority: str = "standard"
     tenant: str = "anonymous"
     backend: str = ""
+    slot: int | None = None  # the runtime's slot it ran in, where passerelle names it (llama-server)
     max_tokens: int | None = None
     status: int = 0
     cause: Cause | None = None

@@ -299,7 +299,7 @@ class Gateway:
         suspended_at = 0.0
         while True:
             backend = await self.scheduler.acquire(job)
-            rec.backend = backend.name
+            rec.backend, rec.slot = backend.name, job.slot
             if suspended_at:  # resumed
                 rec.suspended_s += time.perf_counter() - suspended_at
                 rec.to(State.STREAMING if rec.content_chunks else State.DISPATCHED)

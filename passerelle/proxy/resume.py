@@ -47,7 +47,15 @@ _UNSAFE = ("tools", "functions", "response_format", "grammar", "json_schema", "l
            "n_probs", "best_of", "echo", "suffix", "guided_json", "guided_regex", "guided_choice",
            "guided_grammar", "structured_outputs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
            "repeat_penalty", "dry_multiplier", "lora")
-_NEUTRAL: tuple[Any, ...] = (None, False, 0, 0.0, 1.0, [], {}, "")  # 1.0: repeat_penalty off
+
+
+def _off(key: str, value: Any) -> bool:
+    if value is None or value is False:
+        return True
+    if isinstance(value, bool):
+        return False
+    return value in (0, "", [], {}) or (key == "repeat_penalty" and value == 1)
+
 _EVENT = re.compile(rb"(.*?)(?:\r\n\r\n|\n\n)", re.DOTALL)
 _MAX_TOKENS_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
 MIN_LEFT = 4  # a stream this close to its max_tokens is not worth suspending: it ends by itself
@@ -57,7 +65,7 @@ def suspendable(data: dict[str, Any], endpoint: str) -> bool:
     """Can this request be cut and continued exactly?"""
     if endpoint not in ("chat", "completions") or data.get("n") not in (None, 1):
         return False
-    if any(data.get(k) not in _NEUTRAL for k in _UNSAFE):
+    if not all(_off(k, data.get(k)) for k in _UNSAFE):
         return False
     if endpoint == "completions":
         return isinstance(data.get("prompt"), str)
@@ -86,7 +94,6 @@ class Splice:
         self._first_id: Any = None
         self._first_created: Any = None
         self._echo = ""  # what the continuation's runtime may repeat before new text
-        self._echo_held = ""
         self._counted = False  # the runtime gives token counts (timings or usage) in this attempt
         self._prompt_seen = False
         self._continuing = False  # this attempt continues text the client already has
@@ -153,7 +160,6 @@ class Splice:
         self.suspended = False
         self.attempt_tokens = self.attempt_events = 0
         self._counted = self._prompt_seen = False
-        self._echo_held = ""
         return self._send
 
     def suspend(self) -> bool:
@@ -169,6 +175,8 @@ class Splice:
     def resumed(self) -> None:
         """The cut attempt is over; the next one continues it."""
         self.tokens_before = self.tokens
+        self.attempt_tokens = self.attempt_events = 0
+        self._counted = False
         self.suspensions += 1
         self._resp = None
 
@@ -299,19 +307,12 @@ class Splice:
         return True, edited
 
     def _unecho(self, content: str) -> str:
-        """``content`` less the continued message the runtime repeats, if it does."""
-        if not self._echo:
-            return content
-        seen = self._echo_held + content
-        if seen.startswith(self._echo):
-            new = seen[len(self._echo):]
-            self._echo = self._echo_held = ""
-            return new
-        if self._echo.startswith(seen):
-            self._echo_held = seen  # all of it may still be the repeat: wait for more
-            return ""
-        self._echo = self._echo_held = ""  # it does not repeat it: what was held back is new text
-        return seen
+        """``content`` less the continued message, when the runtime repeats it: llama-server
+        sends it whole in the continuation's first delta, with the first new token. Anything
+        else is new text (a runtime that does not repeat it, or a message that only happens to
+        begin the same way)."""
+        echo, self._echo = self._echo, ""  # only the first content delta may carry it
+        return content[len(echo):] if echo and content.startswith(echo) else content
 
     def _total_usage(self, usage: dict[str, Any]) -> None:
         prompt, completion = self.totals(usage.get("prompt_tokens"), usage.get("completion_tokens"))
