@@ -276,11 +276,14 @@ class Scheduler:
         for job in sorted(self.waiting, key=lambda j: self._key(j, now)):
             if not self.suspendable:
                 break
-            if (job.future is not None and job.future.done()) or job.backend is not None:
-                continue
-            if not is_due(job, now, policy):
-                continue
             rank = self._key(job, now)[0]
+            if ((job.future is not None and job.future.done()) or job.backend is not None
+                    or rank >= max(v.cls.rank for v in self.suspendable)):
+                continue  # (no stream it could preempt)
+            if not is_due(job, now, policy):
+                # (a timer may fire a little early on the loop's coarser clock: come back then)
+                retry = min(retry, job.queued_at + policy.after_s)
+                continue
             for b in job.pool:
                 if (b.name in job.exclude or not b.routable(now) or b.in_flight < b.capacity
                         or self.running.get((b.name, job.cls.name), 0) >= self._limit(b, job.cls)):
@@ -299,7 +302,7 @@ class Scheduler:
             with contextlib.suppress(RuntimeError):
                 loop = asyncio.get_running_loop()
                 if self._preempt_timer is None:
-                    self._preempt_timer = loop.call_at(loop.time() + max(0.0, retry - now), self._preempt_fired)
+                    self._preempt_timer = loop.call_at(loop.time() + max(0.001, retry - now), self._preempt_fired)
 
     def _suspend(self, job: Job, b: Backend, now: float) -> None:
         """Free ``job``'s slot now and queue it again (its stream is being cut upstream)."""

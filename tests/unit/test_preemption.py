@@ -266,3 +266,20 @@ def test_slot_choice_prefers_the_conversations_slot_then_the_least_recently_used
     assert slots.take(again_b, 10.0) == 1  # its conversation's slot
     new = Job(pool=[], cls=CLS["standard"], tenant="t")
     assert slots.take(new, 11.0) == 0  # least recently used of the free ones
+
+
+async def test_a_check_that_comes_a_little_early_comes_back(clock):
+    """The loop's timers run on a coarser clock than the scheduler's: one that fires a hair before
+    the request is due must not leave it waiting for a slot to free by itself."""
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    running_batch(s, b, 1, clock)
+    chat = job([b], "interactive")
+    s.submit(chat)
+    clock.now += 0.0497
+    s.preempt_due()
+    assert chat.backend is None and s._preempt_timer is not None
+    s._preempt_timer.cancel()
+    clock.now += 0.001
+    s._preempt_fired()
+    assert chat.backend is b
