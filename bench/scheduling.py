@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -228,7 +229,8 @@ def main() -> int:
         llama.wait(30)
 
     def p95(name: str) -> float:
-        return pct(results[name][0].ttfts, 95) * 1000
+        xs = results[name][0].ttfts
+        return pct(xs, 95) * 1000 if xs else math.nan
 
     floods = ["flood share 0.75", "flood preemption", *variants]
 
@@ -244,7 +246,7 @@ def main() -> int:
     reference = f"flood direct {args.slots - 1}"
     for name in ("alone direct", "alone gateway", "flood direct", reference, *floods):
         if report(name):
-            xs = results[name][0].ttfts
+            xs = results[name][0].ttfts or [math.nan]  # (none in the phase: a runtime far too slow)
             alone = "alone direct" if "direct" in name or "alone" in name else "alone gateway"
             rel = f"{p95(name) / p95(alone):10.2f}x" if report(alone) and "alone" not in name else " " * 11
             ref = f"{p95(name) / p95(reference):8.2f}x" if report(reference) and name.startswith("flood") else ""

@@ -18,7 +18,8 @@ client and makes the attempts one stream:
 
 Only a request that can be continued exactly is ever suspended (:func:`suspendable`): no tools,
 ``response_format``, grammars, ``n`` > 1, log probabilities, echo or suffix, no history-dependent
-penalties, a text prompt; nor a stream that produced tool calls or reasoning, or is about to end.
+penalties, a text prompt; nor a stream that produced tool calls or reasoning, or text with U+FFFD
+(bytes that were no valid UTF-8: the continuation could not give them back), or is about to end.
 
 Example::
 
@@ -298,6 +299,8 @@ class Splice:
             if new:
                 self.text.append(new)
                 self.attempt_events += 1
+                if "\ufffd" in new:  # bytes that are no text: what was sent cannot be given back as it was
+                    self.unsafe = True
             content = new
         if ch.get("finish_reason"):
             self.finished = True

@@ -163,6 +163,10 @@ async def test_what_cannot_be_continued_is_not_suspended():
     tool["choices"][0]["delta"] = {"tool_calls": [{"index": 0, "function": {"name": "f"}}]}
     await send({"body": ev(tool), "more_body": True})
     assert splice2.suspend() is False  # tool calls in the output
+    splice3 = Splice(DATA, "chat")
+    send = splice3.watch(FakeResp(), client, "llama-server")
+    await send({"body": ev(chat_chunk("A", "caf\ufffd")), "more_body": True})
+    assert splice3.suspend() is False  # bytes that were no text: the continuation cannot give them back
 
 
 @pytest.mark.parametrize(("extra", "ok"), [
