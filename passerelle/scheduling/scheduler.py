@@ -49,7 +49,7 @@ from passerelle.config import DEFAULT_CLASSES, ClassConfig
 from passerelle.errors import NoBackend, QueueFull, QueueTimeout
 from passerelle.runtimes.kinds import Backend
 from passerelle.scheduling.job import OUTPUT_WEIGHT, PROMPT_WEIGHT, Job
-from passerelle.scheduling.preemption import PreemptionPolicy, is_due, next_eligible, pick_victim
+from passerelle.scheduling.preemption import Preempting, PreemptionPolicy
 from passerelle.scheduling.slots import SlotMap
 
 __all__ = ["Job", "PreemptionPolicy", "Scheduler"]
@@ -98,7 +98,7 @@ class _DrainRate:
         return len(self.times) / span
 
 
-class Scheduler:
+class Scheduler(Preempting):
     def __init__(self, classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, aging_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
@@ -228,102 +228,18 @@ class Scheduler:
         if job.slot is not None and b.name in self._slots:
             self._slots[b.name].give(job)
 
-    # -- preemption (preemption.py decides; this keeps the books) ---------------------------
-    def allow_suspend(self, job: Job, suspend: Callable[[], bool]) -> None:
-        """From now on ``job``'s stream may be suspended by calling ``suspend`` (which says
-        False when it cannot be after all): its relay runs and its request can be continued."""
-        if self.preemption is None or job.backend is None or not job.cls.preemptible:
-            return
-        job.suspend = suspend
-        self.suspendable.add(job)
-        self._arm_preemption()
-
-    def forbid_suspend(self, job: Job) -> None:
-        job.suspend = None
-        self.suspendable.discard(job)
-
-    def _arm_preemption(self) -> None:
-        """Check again when the earliest waiting request that could preempt becomes due."""
-        policy = self.preemption
-        if policy is None or not self.suspendable:
-            return
-        worst = max(v.cls.rank for v in self.suspendable)
-        due = min((j.queued_at + policy.after_s for j in self.waiting if j.cls.rank < worst), default=math.inf)
-        if due == math.inf:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a synchronous caller): preempt_due() does it
-            return
-        when = loop.time() + max(0.0, due - self.clock())
-        if self._preempt_timer is not None:
-            if self._preempt_timer.when() <= when + 1e-4:
-                return
-            self._preempt_timer.cancel()
-        self._preempt_timer = loop.call_at(when, self._preempt_fired)
-
-    def _preempt_fired(self) -> None:
-        self._preempt_timer = None
-        self.preempt_due()
-
-    def preempt_due(self) -> None:
-        """Suspend a stream for every due waiting request that can only start that way."""
-        policy = self.preemption
-        if policy is None:
-            return
-        now = self.clock()
-        retry = math.inf
-        for job in sorted(self.waiting, key=lambda j: self._key(j, now)):
-            if not self.suspendable:
-                break
-            rank = self._key(job, now)[0]
-            if ((job.future is not None and job.future.done()) or job.backend is not None
-                    or rank >= max(v.cls.rank for v in self.suspendable)):
-                continue  # (no stream it could preempt)
-            if not is_due(job, now, policy):
-                # (a timer may fire a little early on the loop's coarser clock: come back then)
-                retry = min(retry, job.queued_at + policy.after_s)
-                continue
-            for b in job.pool:
-                if (b.name in job.exclude or not b.routable(now) or b.in_flight < b.capacity
-                        or self.running.get((b.name, job.cls.name), 0) >= self._limit(b, job.cls)):
-                    continue  # a slot is free, or its own class's share is what stops it
-                on_b = [v for v in self.suspendable if v.backend is b]
-                victim = pick_victim(on_b, rank, now, policy)
-                while victim is not None and not (victim.suspend is not None and victim.suspend()):
-                    self.forbid_suspend(victim)  # it cannot after all (finishing, unsafe output)
-                    on_b.remove(victim)
-                    victim = pick_victim(on_b, rank, now, policy)
-                if victim is not None:
-                    self._suspend(victim, b, now)
-                    break
-                retry = min(retry, next_eligible(on_b, policy))
-        if retry < math.inf:
-            with contextlib.suppress(RuntimeError):
-                loop = asyncio.get_running_loop()
-                if self._preempt_timer is None:
-                    self._preempt_timer = loop.call_at(loop.time() + max(0.001, retry - now), self._preempt_fired)
-
-    def _suspend(self, job: Job, b: Backend, now: float) -> None:
-        """Free ``job``'s slot now and queue it again (its stream is being cut upstream)."""
-        job.resume_slot = job.slot
-        job.resuming = True
-        self._free(job, b)
+    def _requeue(self, job: Job, now: float) -> None:
+        """Queue a suspended job again: its place in its tenant's order (``seq``) stays, and its
+        aging counts every wait so far, not the time it ran."""
         t = self.tenants[job.tenant]
         t.running -= 1
         t.waiting += 1
-        job.suspensions += 1
-        job.suspended_at = now
         job.waited_s += max(0.0, job.started_at - job.enqueued_at)
-        job.enqueued_at = now - job.waited_s  # aging counts every wait, not the time it ran
+        job.enqueued_at = now - job.waited_s
         job.queued_at = now
         if job.future is not None:
             job.future = job.future.get_loop().create_future()
         self.waiting.append(job)
-        self.preempt_counts["suspended"] += 1
-        self.dispatch()
-        if self.on_change:
-            self.on_change()
 
     def expire_due(self) -> None:
         """Fail every job whose queue wait is over, end every hold past its time (the loop's
