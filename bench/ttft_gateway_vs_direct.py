@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,12 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from passerelle.runtimes import embedded
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from passerelle.runtimes.supervisor import free_port
 
 
 def wait_http(url: str, timeout: float = 120) -> None:

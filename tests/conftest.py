@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,13 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from passerelle.runtimes.supervisor import free_port
+
 MODEL_ID = "gemma-3-270m"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(cond: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition"):
@@ -223,3 +220,14 @@ def upstream_config(url: str, *, model: str = MODEL_ID, kind: str = "llama-serve
     max_concurrency = {slots}
     {extra}
     """
+
+
+@pytest.fixture
+def llama_server_on_path(tmp_path, monkeypatch):
+    """A `llama-server` on PATH, as an installed llama.cpp provides it (the example configuration
+    launches one, and the configuration checks that the program exists)."""
+    stub = tmp_path / "bin" / "llama-server"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stub.parent}:{os.environ['PATH']}")

@@ -38,6 +38,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from passerelle import config
 from passerelle.errors import Cause
 from passerelle.observe.loghist import (
     BUCKETS,
@@ -54,7 +55,7 @@ from passerelle.observe.loghist import (
 )
 from passerelle.observe.record import RequestRecord
 
-DEFAULT_CLASSES = ("interactive", "standard", "batch")
+DEFAULT_CLASSES = tuple(c.name for c in config.DEFAULT_CLASSES)
 RATE_WINDOW_S = 60.0  # tokens/s and requests/s: over the last minute
 SERIES_POINTS = 30  # the charts' resolution: the window cut into this many buckets
 RECENT_ERRORS = 20

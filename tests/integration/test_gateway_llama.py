@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL_ID, slots_busy, tokens_decoded, upstream_config, wait_until
+from tests.conftest import MODEL_ID, free_port, slots_busy, tokens_decoded, upstream_config, wait_until
 
 pytestmark = pytest.mark.llama
 
@@ -191,9 +191,7 @@ def test_upstream_option_detects_the_kind_and_models(gateway, llama_server):
 
 
 def test_unreachable_backend_is_503_no_backend(gateway):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()  # nobody listens there
     gw = gateway(upstream_config(f"http://127.0.0.1:{dead}"), wait_ready=False)
     assert httpx.get(gw.url + "/ready").status_code == 503
     r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL_ID, "messages": MSG})
