@@ -57,16 +57,17 @@ def build_app(cfg, loader=None):
     from passerelle.runtimes.factory import build_runtime, expand
     from passerelle.server.app import App
 
+    configured = not cfg.uses_embedded
     cfg = expand(cfg)
     built = [build_runtime(bc, cfg.timeouts) for bc in cfg.backends]
-    return App(cfg, [b for b, _ in built], [p for _, p in built if p is not None], loader=loader)
+    return App(cfg, [b for b, _ in built], [p for _, p in built if p is not None], loader=loader,
+               backends_configured=configured)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from passerelle.config import load_config, with_server
     from passerelle.errors import ConfigError
+    from passerelle.server.serving import gateway_server
 
     _setup_logging()
     try:
@@ -88,10 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"passerelle: cannot listen on {cfg.server.host}:{cfg.server.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=cfg.server.host, port=cfg.server.port, loop="uvloop", http="httptools", lifespan="on",
-        access_log=False, log_level="warning", timeout_graceful_shutdown=int(cfg.server.shutdown_grace_s),
-        timeout_keep_alive=30))
+    server = gateway_server(app, cfg)  # client limits, descriptor budget, clean shutdown: server/serving.py
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, through the handlers that were
     # in place before it started; no-op handlers make a graceful stop exit with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -152,11 +150,13 @@ def cmd_keys(args: argparse.Namespace) -> int:
               f"(store: {store.path})", file=sys.stderr)
         return 0
     if args.keys_command == "list":
+        from passerelle.observe.accesslog import printable
+
         rows = store.list()
         print(f"{'ID':14}{'TENANT':18}{'CLASS':13}{'MAX CLASS':13}{'RPM':>6}{'TPM':>9}{'CONC':>6}{'WEIGHT':>8}"
               f"  {'CREATED':20}STATUS")
         for k in rows:
-            print(f"{k.id:14}{k.tenant:18}{k.priority or '-':13}{k.max_priority or '-':13}{k.rpm or '-':>6}"
+            print(f"{k.id:14}{printable(k.tenant):18}{k.priority or '-':13}{k.max_priority or '-':13}{k.rpm or '-':>6}"
                   f"{k.tpm or '-':>9}{k.max_concurrency or '-':>6}{k.weight:>8g}  "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(k.created)):20}"
                   f"{'revoked' if k.revoked else 'active'}")
@@ -183,6 +183,7 @@ def _parse_since(text: str | None) -> float:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
+    from passerelle.observe.accesslog import printable
     from passerelle.tenants.usage import summarize
 
     try:
@@ -194,8 +195,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
     _, store = _store(args)
     rows = summarize(store.conn, since)
     print(f"{'TENANT':20}{'CLASS':13}{'REQUESTS':>10}{'PROMPT TOK':>12}{'COMPL TOK':>12}{'NOT OK':>8}")
-    for tenant, cls, n, p, c, bad in rows:
-        print(f"{tenant:20}{cls:13}{n:>10}{p or 0:>12}{c or 0:>12}{bad or 0:>8}")
+    for tenant, cls, n, p, c, bad in rows:  # names come from clients: never raw to a terminal
+        print(f"{printable(tenant):20}{printable(cls):13}{n:>10}{p or 0:>12}{c or 0:>12}{bad or 0:>8}")
     return 0
 
 
@@ -249,7 +250,7 @@ def cmd_runtime(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    status, body = _admin_call(args, "POST", "/admin/reload")
+    status, body = _admin_call(args, "POST", "/admin/reload?force=1" if args.force else "/admin/reload")
     return _admin_result(status, body)
 
 
@@ -310,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     runtime.set_defaults(func=cmd_runtime)
 
     reload_ = sub.add_parser("reload", help="make a running gateway re-read its configuration (like SIGHUP)")
+    reload_.add_argument("--force", action="store_true",
+                         help="reload even a file that lists no backend while backends are configured "
+                              "(refused otherwise: it would drain them all for the embedded default)")
     _add_admin_client_flags(reload_)
     reload_.set_defaults(func=cmd_reload)
 

@@ -40,10 +40,18 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes_total: int = 256 * 1024 * 1024  # request bodies held at once, all requests; past it: 503
     log_format: str = "json"  # "json" or "text"
     access_log: bool = True
     shutdown_grace_s: float = 30.0
     cors_origins: tuple[str, ...] = ()
+    # What a client may hold (docs/limits.md gives each limit and the error past it):
+    max_head_bytes: int = 65536  # request line + headers; past it: 431
+    max_headers: int = 100  # header lines; past it: 431
+    head_timeout_s: float = 10.0  # first byte of a request head -> its end; past it: 408
+    body_timeout_s: float = 60.0  # end of the head -> end of the body; past it: 408
+    keep_alive_s: float = 30.0  # a connection with no request in progress is closed after this
+    max_connections: int = 1024  # open client connections; beyond: the longest idle is closed, else 503
 
 
 @dataclass(frozen=True)
@@ -120,12 +128,14 @@ class AuthConfig:
     anonymous_priority: str = "standard"  # class of a request without a key
     anonymous_max_priority: str = "standard"  # highest class X-Priority may ask for without a key
     failed_attempts_per_minute: int = 20  # per client address; past it: 429 until the minute is over
+    max_user_chars: int = 64  # a request without a key is accounted to its `user`, cut to this (+ a hash)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     aging_s: float = 30.0  # a waiting request moves up one class per aging_s waited (0: never)
     hold_s: float = 0.05  # a freed slot waits this long for the next request of an under-served tenant (0: off)
+    max_tenants: int = 10000  # tenants remembered for fair share; the least recently seen idle one goes first
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,7 @@ class RoutingConfig:
     prefix_affinity: bool = True  # a chat stays on the replica that served its opening (prompt cache)
     affinity_slack: float = 1.0  # ...while that replica is at most this much busier (fraction of slots)
     session_header: str = "x-session-id"  # requests with the same value (or the same `user`) stick together
+    affinity_max_bytes: int = 8 * 1024 * 1024  # memory of which replica served a conversation; oldest forgotten
 
 
 @dataclass(frozen=True)
@@ -324,6 +335,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            text=text, header="server", field_name="port")
     _check(server.max_body_bytes > 0, "expected a positive size", file=file, key="server.max_body_bytes",
            text=text, header="server", field_name="max_body_bytes")
+    _check_client_limits(server, file=file, text=text)
+    _check(server.max_body_bytes_total >= server.max_body_bytes, "expected at least server.max_body_bytes",
+           file=file, key="server.max_body_bytes_total", text=text, header="server", field_name="max_body_bytes_total")
     timeouts: TimeoutConfig = sections["timeouts"]
     for f in dataclasses.fields(TimeoutConfig):
         _check(getattr(timeouts, f.name) > 0, "expected a positive number of seconds", file=file,
@@ -341,6 +355,12 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            key="scheduler.aging_s", text=text, header="scheduler", field_name="aging_s")
     _check(0 <= sections["scheduler"].hold_s <= 1, "expected seconds between 0 and 1", file=file,
            key="scheduler.hold_s", text=text, header="scheduler", field_name="hold_s")
+    _check(sections["scheduler"].max_tenants >= 100, "expected at least 100", file=file,
+           key="scheduler.max_tenants", text=text, header="scheduler", field_name="max_tenants")
+    _check(sections["routing"].affinity_max_bytes >= 65536, "expected at least 65536 bytes", file=file,
+           key="routing.affinity_max_bytes", text=text, header="routing", field_name="affinity_max_bytes")
+    _check(16 <= sections["auth"].max_user_chars <= 4096, "expected between 16 and 4096 characters", file=file,
+           key="auth.max_user_chars", text=text, header="auth", field_name="max_user_chars")
 
     raw_backends = data.get("backends", [])
     if not isinstance(raw_backends, list):
@@ -380,6 +400,20 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
                   routing=sections["routing"], runtimes=sections["runtimes"],
                   backends=tuple(backends), source=file)
+
+
+def _check_client_limits(server: ServerConfig, *, file: str, text: str) -> None:
+    ck: dict[str, Any] = dict(file=file, text=text, header="server")
+    _check(server.max_head_bytes >= 4096, "expected at least 4096 bytes", key="server.max_head_bytes",
+           field_name="max_head_bytes", **ck)
+    _check(server.max_headers >= 16, "expected at least 16", key="server.max_headers", field_name="max_headers", **ck)
+    for name in ("head_timeout_s", "body_timeout_s", "keep_alive_s"):
+        _check(getattr(server, name) > 0, "expected a positive number of seconds", key=f"server.{name}",
+               field_name=name, **ck)
+    _check(server.shutdown_grace_s >= 0, "expected zero or a positive number of seconds",
+           key="server.shutdown_grace_s", field_name="shutdown_grace_s", **ck)
+    _check(server.max_connections >= 16, "expected at least 16", key="server.max_connections",
+           field_name="max_connections", **ck)
 
 
 def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: str) -> None:

@@ -47,6 +47,7 @@ class Cause(enum.StrEnum):
     UNAUTHORIZED = "unauthorized"
     INVALID_REQUEST = "invalid_request"
     NO_BACKEND = "no_backend"
+    SHUTDOWN = "shutdown"  # cut short: the gateway stopped past server.shutdown_grace_s
 
 
 class PasserelleError(Exception):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import re
 import sys
 import time
 import weakref
@@ -26,6 +27,27 @@ from typing import TextIO
 import orjson
 
 from passerelle.observe.record import RequestRecord
+
+# Characters that would let a client's string (model, user) forge a line or drive a terminal:
+# C0 and C1 controls (newline, ESC), DEL, the Unicode line and paragraph separators, bidi overrides.
+# The backslash too, so that an escape in the output always means an escaped character.
+_UNPRINTABLE = re.compile("[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return "\\\\" if c == "\\" else f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character escaped, for text logs and terminals.
+
+    >>> printable("gpt\\n12:00:00 req_x forged")
+    'gpt\\\\x0a12:00:00 req_x forged'
+    >>> printable("\\x1b[2Jalice")
+    '\\\\x1b[2Jalice'
+    """
+    return _UNPRINTABLE.sub(_escape, text)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -75,10 +97,10 @@ class AccessLog:
         if self.fmt == "json":
             line = orjson.dumps(fields, option=orjson.OPT_APPEND_NEWLINE)
         else:
-            line = (f"{time.strftime('%H:%M:%S')} {rec.id} {rec.endpoint} {rec.model} -> {rec.status} "
+            line = (f"{time.strftime('%H:%M:%S')} {rec.id} {rec.endpoint} {printable(rec.model)} -> {rec.status} "
                     f"{fields['cause']} ttft={fields['ttft_ms']}ms dur={fields['duration_ms']}ms "
                     f"tokens={fields['prompt_tokens']}/{fields['completion_tokens']} backend={rec.backend or '-'} "
-                    f"tenant={rec.tenant} class={rec.priority}\n").encode()
+                    f"tenant={printable(rec.tenant)} class={rec.priority}\n").encode()
         self._buf.append(line)
         if self._flush_at is None or self._flush_loop is None or self._flush_loop.is_closed():
             try:

@@ -54,6 +54,7 @@ from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey, KeyRing
 from passerelle.tenants.limits import FailedAuthThrottle, Grant, KeyLimiter
+from passerelle.tenants.names import user_tenant
 
 log = logging.getLogger("passerelle.proxy.gateway")
 
@@ -131,7 +132,7 @@ def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
     if "stream_options" not in data:
         i = body.index(b"{")
         return body[: i + 1] + b'"stream_options":{"include_usage":true},' + body[i + 1 :]
-    data = dict(data, stream_options=dict(data["stream_options"], include_usage=True))
+    data = dict(data, stream_options={**(data["stream_options"] or {}), "include_usage": True})  # null is valid
     return orjson.dumps(data)
 
 
@@ -163,6 +164,8 @@ class Gateway:
         self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
         self.listeners: list[Callable[[RequestRecord], None]] = []
+        # Requests in progress; the server's shutdown ends those still running (server/shutdown.py).
+        self.open: set[Exchange] = set()
 
     # -- who is asking, and how urgent ---------------------------------------------------------
     def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:
@@ -206,8 +209,8 @@ class Gateway:
         cache is reused), else the OpenAI ``user``."""
         r = self.cfg.routing
         session = header(scope, r.session_header.lower().encode()) if r.session_header else None
-        if session:
-            return "s:" + session
+        if session:  # hashed, like the others: a client's string never sets an entry's size
+            return "s:" + hashlib.blake2b(session.encode("latin-1"), digest_size=12).hexdigest()
         if r.prefix_affinity and endpoint == "chat":
             opening = []
             for m in data["messages"]:
@@ -215,7 +218,9 @@ class Gateway:
                 if m.get("role") == "user":
                     break
             return "p:" + hashlib.blake2b(orjson.dumps(opening), digest_size=12).hexdigest()
-        return "u:" + data["user"] if isinstance(data.get("user"), str) else ""
+        user = data.get("user")
+        return "u:" + hashlib.blake2b(user.encode(errors="surrogatepass"), digest_size=12).hexdigest() \
+            if isinstance(user, str) else ""
 
     # -- the request's life ----------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
@@ -223,10 +228,11 @@ class Gateway:
         rec = ex.rec
         job: Job | None = None
         grant: Grant | None = None
+        self.open.add(ex)
         try:
+            key = self.authenticate(scope, rec)  # before the body: a stranger's body is never read
             body = await read_request_body(scope, receive, self.cfg.server.max_body_bytes)
             ex.watch()
-            key = self.authenticate(scope, rec)
             data = parse_request(body, endpoint)
             rec.model = data["model"]
             rec.stream = bool(data.get("stream")) and endpoint != "embeddings"
@@ -236,7 +242,7 @@ class Gateway:
             if key is not None:
                 rec.tenant = key.tenant
             elif data.get("user"):
-                rec.tenant = data["user"]
+                rec.tenant = user_tenant(data["user"], self.cfg.auth.max_user_chars)
             pool = self.registry.pool(rec.model, endpoint)
             if pool is None:
                 raise UnknownModel(rec.model, self.registry.models)
@@ -269,6 +275,7 @@ class Gateway:
             await ex.report(GatewayError("Internal error in the gateway; see its log."))
         finally:
             ex.close()
+            self.open.discard(ex)
             if rec.cause is None:  # an unexpected exception: still one cause, one log line
                 rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
             used = None if rec.completion_tokens is None else (rec.prompt_tokens or 0) + rec.completion_tokens

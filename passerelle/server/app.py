@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,15 +32,21 @@ from passerelle.runtimes.factory import build_runtime, expand
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
-from passerelle.scheduling.scheduler import Scheduler
+from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, Scheduler
 from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener
+from passerelle.server.connections import BodyBudget, BoundedReceive, ConnectionLimits
 from passerelle.server.responses import error_response, json_response, raw_response
 from passerelle.server.routes import Access, NotFound, is_admin_path, match
+from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_requests
 from passerelle.tenants.keys import KeyRing, KeyStore
 from passerelle.tenants.usage import UsageRecorder
 
 log = logging.getLogger("passerelle.server.app")
+
+
+class ReloadRefused(InvalidRequest):
+    status, code = 409, "reload_refused"
 
 
 class App:
@@ -47,23 +54,30 @@ class App:
     it launches, ``loader`` re-reads the configuration for a reload."""
 
     def __init__(self, cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] | None = None, *,
-                 loader: Callable[[], Config] | None = None) -> None:
+                 loader: Callable[[], Config] | None = None, backends_configured: bool | None = None) -> None:
         self.cfg = cfg
         self.loader = loader
+        # The configuration lists backends (not the embedded default): a reload to none is refused.
+        self.backends_configured = bool(cfg.backends) if backends_configured is None else backends_configured
+        self._ending: asyncio.Task[None] | None = None
+        self.body_budget = BodyBudget(cfg.server.max_body_bytes_total)
         self._tasks: set[asyncio.Future[Any]] = set()
         self.metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
         self.registry = Registry(backends, self.metrics)
         self.access_log = AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format)
         self.scheduler = Scheduler(cfg.classes, aging_s=cfg.scheduler.aging_s, on_change=self._queue_changed,
                                    policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack,
-                                   hold_s=cfg.scheduler.hold_s)
+                                   hold_s=cfg.scheduler.hold_s, max_tenants=cfg.scheduler.max_tenants,
+                                   affinity_max_entries=cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES)
         self.supervisor = Supervisor(processes or [], max_loaded_gib=cfg.runtimes.max_loaded_gib,
                                      on_ready=self.scheduler.dispatch)
         for proc in self.supervisor.processes.values():
             proc.on_ready = self.scheduler.dispatch
         self.keystore = KeyStore(cfg.auth.db or None)
-        self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler,
-                               KeyRing(self.keystore))
+        keyring = KeyRing(self.keystore)
+        self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler, keyring)
+        # A tenant label is a key's tenant or "other": a client's `user` never makes a series.
+        self.metrics.is_known_tenant = keyring.has_tenant
         self.gateway.on_demand = self.supervisor.request_start
         self.usage = UsageRecorder(self.keystore.conn)
         self.gateway.listeners.append(self.usage.record)
@@ -76,7 +90,8 @@ class App:
         # Requests waiting in passerelle's queue by class (the scheduler may put its own counter here).
         self.waiting_by_class: Callable[[], Mapping[str, int]] = self.scheduler.waiting_by_class
         self.admin_guard = AdminGuard(cfg.admin)
-        self.admin_listener = (AdminListener(self.admin_app, cfg.admin.host, cfg.admin.port)
+        self.admin_listener = (AdminListener(self.admin_app, cfg.admin.host, cfg.admin.port,
+                                             ConnectionLimits.of(cfg.server, max_connections=64))
                                if cfg.admin.port else None)
         self._ui_page: bytes | None = None
 
@@ -114,7 +129,13 @@ class App:
                 raise err
             route = match(method, path)
             if route.access is Access.INFERENCE:
-                await self.gateway.handle(scope, receive, send, route.target)
+                # the body has a deadline (408) and a share of a budget (503), and the shutdown path
+                # may end the answer (shutdown.py)
+                body = BoundedReceive(receive, self.cfg.server.body_timeout_s, self.body_budget)
+                try:
+                    await self.gateway.handle(scope, body, StreamGate(send), route.target)
+                finally:
+                    body.release()
                 return
             await getattr(self, route.target)(scope, receive, send)
         except GatewayError as err:
@@ -160,7 +181,9 @@ class App:
 
     # -- runtime control (control.py) -------------------------------------------------------
     async def reload_route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await json_response(send, 200, await self.reload())
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        force = query.get("force", ["0"])[-1].lower() in ("1", "true", "yes")
+        await json_response(send, 200, await self.reload(force=force))
 
     async def runtimes(self, scope: Scope, receive: Receive, send: Send) -> None:
         await json_response(send, 200, control.runtimes(self.supervisor))
@@ -260,13 +283,27 @@ class App:
 
         self._spawn(run(), "reload")
 
-    async def reload(self) -> dict[str, list[str]]:
+    async def reload(self, *, force: bool = False) -> dict[str, list[str]]:
         """Re-read the configuration: added backends start, removed ones drain (finish their
-        requests, then stop), unchanged ones are not touched and keep their streams."""
+        requests, then stop), unchanged ones are not touched and keep their streams.
+
+        A file that lists no backend means "the embedded default"; while backends are configured,
+        that is far more often a file emptied or cut short by an editor or a deploy than a wish to
+        drain them all, so it is refused unless ``force`` (``passerelle reload --force``)."""
         if self.loader is None:
             raise InvalidRequest("This gateway has no configuration file to reload.")
         try:
-            new = expand(await asyncio.to_thread(self.loader))
+            raw = await asyncio.to_thread(self.loader)
+        except ConfigError as exc:
+            raise InvalidRequest(f"Reload refused, the running configuration stays: {exc}") from None
+        if raw.uses_embedded and self.backends_configured and not force:
+            names = ", ".join(b.name for b in self.registry.backends)
+            raise ReloadRefused(f"Reload refused, the running configuration stays: {raw.source} lists no "
+                                f"[[backends]], which would drain every configured backend ({names}) and start "
+                                "the embedded default. If that is what you want: passerelle reload --force "
+                                "(POST /admin/reload?force=1).")
+        try:
+            new = expand(raw)
         except ConfigError as exc:
             raise InvalidRequest(f"Reload refused, the running configuration stays: {exc}") from None
         current = {b.name: b for b in self.registry.backends}
@@ -288,6 +325,7 @@ class App:
                 if not backend.cfg.on_demand:
                     self._spawn(self.supervisor.start(name), f"start-{name}")
         self.registry.set_backends(backends + [current[n] for n in removed])
+        self.backends_configured = not raw.uses_embedded
         log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
         return {"added": added, "removed": removed, "unchanged": kept}
 
@@ -301,7 +339,22 @@ class App:
         self.registry.set_backends([b for b in self.registry.backends if b is not backend])
         await backend.close()
 
+    def begin_shutdown(self) -> None:
+        """The server stopped accepting: requests still running after ``shutdown_grace_s`` are
+        ended with an error event or a 503, and the cause ``shutdown`` (shutdown.py)."""
+        grace = self.cfg.server.shutdown_grace_s
+
+        async def end_after_grace() -> None:
+            await asyncio.sleep(grace)
+            if n := await end_open_requests(self.gateway.open, ShuttingDown(grace)):
+                log.warning("shutdown: %d request(s) still running after %g s ended with an error", n, grace)
+
+        if self._ending is None:
+            self._ending = asyncio.ensure_future(end_after_grace())
+
     async def shutdown(self) -> None:
+        if self._ending is not None:
+            self._ending.cancel()
         if self.admin_listener is not None:
             await self.admin_listener.stop()
         await self.usage.stop()

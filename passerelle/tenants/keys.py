@@ -122,6 +122,7 @@ class KeyRing:
         self.store = store
         self.refresh_s = refresh_s
         self._keys: dict[str, ApiKey] = {}
+        self._tenants: frozenset[str] = frozenset()
         self._ever = False
         self._version = -1
         self._checked = 0.0
@@ -137,7 +138,13 @@ class KeyRing:
             self._version = version
             every = self.store.list()
             self._keys = {k.id: k for k in every if not k.revoked}
+            self._tenants = frozenset(k.tenant for k in every)
             self._ever = bool(every)
+
+    def has_tenant(self, tenant: str) -> bool:
+        """Whether some key, active or revoked, belongs to ``tenant`` (metrics label those only)."""
+        self.refresh()
+        return tenant in self._tenants
 
     @property
     def any(self) -> bool:

@@ -53,4 +53,4 @@ def test_upstream_status_passes_openai_bodies_and_wraps_others():
 def test_one_enum_of_causes_matches_the_contract():
     assert {c.value for c in e.Cause} == {
         "ok", "client_disconnect", "upstream_error", "upstream_timeout", "queue_timeout", "queue_full",
-        "rate_limited", "unauthorized", "invalid_request", "no_backend"}
+        "rate_limited", "unauthorized", "invalid_request", "no_backend", "shutdown"}
