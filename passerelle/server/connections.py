@@ -60,6 +60,10 @@ log = logging.getLogger("passerelle.server.connections")
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 _IDLE, _HEAD, _REQUEST, _CLOSED = range(4)
+# After a refusal the connection reads and drops what the client still sends, this long at most,
+# before closing: closing with unread bytes would reset the connection, and a client still
+# writing its (too large) head would lose the answer that says why.
+LINGER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ class _Table:
 
     def __init__(self) -> None:
         self.idle: dict[GuardedProtocol, None] = {}
+        self.lingering: dict[GuardedProtocol, None] = {}  # refused, draining: the first to go
         self.refused: dict[str, int] = {}
         self._logged_at = 0.0
 
@@ -205,6 +210,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._linger: asyncio.TimerHandle | None = None
         self._over_limit = False  # accepted past max_connections: 503 once the head is in
         self._refusal: bytes | None = None
 
@@ -216,38 +222,46 @@ class GuardedProtocol(HttpToolsProtocol):
         # byte would stay open for ever.
         self.timeout_keep_alive_task = self.loop.call_later(self.limits.keep_alive_s, self.timeout_keep_alive_handler)
         if len(self.connections) > self.limits.max_connections:
-            victim = next((c for c in self.table.idle if c is not self), None)
+            victim = next(iter(self.table.lingering), None) or next((c for c in self.table.idle if c is not self), None)
             if victim is not None:
-                self.table.count("idle connection closed for a new one")
+                if victim._linger is None:
+                    self.table.count("idle connection closed for a new one")
                 victim._close()
             else:
                 self._over_limit = True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._phase = _CLOSED
-        self.table.idle.pop(self, None)
-        self._cancel_timers()
+        self._forget()
         super().connection_lost(exc)
 
-    def _cancel_timers(self) -> None:
-        for timer in (self._head_timer, self._body_timer):
-            if timer is not None:
-                timer.cancel()
-        self._head_timer = self._body_timer = None
-
-    def _close(self) -> None:
+    def _forget(self) -> None:
         self._phase = _CLOSED
         self.table.idle.pop(self, None)
-        self._cancel_timers()
+        self.table.lingering.pop(self, None)
+        for timer in (self._head_timer, self._body_timer, self._linger):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = self._linger = None
         self._unset_keepalive_if_required()
+
+    def _close(self) -> None:
+        self._forget()
         self.transport.close()
 
     def _refuse(self, response: bytes, reason: str) -> None:
-        """Answer ``response`` (a complete HTTP response) and close."""
+        """Answer ``response`` (a complete HTTP response), then close: at once if the transport
+        cannot half-close, else once the client closes too or after ``LINGER_S``."""
         self.table.count(reason)
-        if not self.transport.is_closing():
-            self.transport.write(response)
-        self._close()
+        self._forget()
+        if self.transport.is_closing():
+            return
+        self.transport.write(response)
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self.table.lingering[self] = None
+        self._linger = self.loop.call_later(LINGER_S, self._close)
 
     # -- bytes in ----------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
