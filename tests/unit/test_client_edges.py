@@ -5,6 +5,7 @@ valid input that used to fail, reload of an emptied file, and requests ended by 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import tracemalloc
 from collections import OrderedDict
 from typing import Any
@@ -233,6 +234,21 @@ async def test_reload_refuses_a_file_without_backends_while_backends_are_configu
         resp = await gw.request("POST", "/admin/reload")
         assert resp.status == 409 and resp.json()["error"]["code"] == "reload_refused"
         assert [b.name for b in gw.app.registry.backends] == ["fake"] and not gw.app.registry.backends[0].draining
+        assert (await gw.post("/v1/chat/completions", CHAT)).status == 200
+
+
+async def test_a_forced_reload_of_a_file_without_backends_goes_ahead(monkeypatch):
+    async with fake_runtime() as fake, fake_runtime() as other, gateway(fake.backend_config()) as gw:
+        gw.app.loader = lambda: Config()
+        # a second fake runtime stands in for the embedded default (building llama-server is not the point)
+        monkeypatch.setattr("passerelle.server.app.expand",
+                            lambda cfg: dataclasses.replace(cfg, backends=(other.backend_config("local"),)))
+        resp = await gw.request("POST", "/admin/reload?force=1")
+        assert resp.status == 200 and resp.json() == {"added": ["local"], "removed": ["fake"], "unchanged": []}
+        assert not gw.app.backends_configured  # from now on, the embedded default is what runs
+        async with asyncio.timeout(10):
+            while not any(b.name == "local" and b.stats.up for b in gw.app.registry.backends):
+                await asyncio.sleep(0.02)  # its first health check
         assert (await gw.post("/v1/chat/completions", CHAT)).status == 200
 
 
