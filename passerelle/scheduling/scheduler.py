@@ -51,7 +51,7 @@ from passerelle.runtimes.kinds import Backend
 PROMPT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
 # Memory of one entry of the affinity map, its key a hashed 26-character string (the gateway's
-# affinity_key); measured in tests/unit/test_client_state.py. [routing] affinity_max_bytes / this
+# affinity_key); measured in tests/unit/test_client_edges.py. [routing] affinity_max_bytes / this
 # is how many conversations the map remembers.
 AFFINITY_ENTRY_BYTES = 200
 
