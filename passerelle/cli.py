@@ -89,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"passerelle: cannot listen on {cfg.server.host}:{cfg.server.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
-    server = gateway_server(app, cfg)  # client limits, descriptor budget, clean shutdown: server/serving.py
+    server = gateway_server(app, app.cfg)  # client limits, descriptor budget, clean shutdown: server/serving.py
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, through the handlers that were
     # in place before it started; no-op handlers make a graceful stop exit with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

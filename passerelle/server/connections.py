@@ -193,7 +193,8 @@ class _Table:
         now = time.monotonic()
         if now - self._logged_at >= 10.0:  # a flood must not flood the log too
             self._logged_at = now
-            log.warning("connections refused so far: %s", ", ".join(f"{k} {v}" for k, v in self.refused.items()))
+            log.warning("client connections cut by a limit so far: %s",
+                        ", ".join(f"{k} {v}" for k, v in self.refused.items()))
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -337,6 +338,8 @@ class GuardedProtocol(HttpToolsProtocol):
             self._head_timer = None
         self._phase = _REQUEST
         self.table.idle.pop(self, None)
+        if self._body_timer is not None:  # a request pipelined behind one whose body is complete
+            self._body_timer.cancel()
         self._body_timer = self.loop.call_later(self.limits.body_timeout_s + 1.0, self._body_timeout)
         super().on_headers_complete()
 
