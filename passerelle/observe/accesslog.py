@@ -26,7 +26,7 @@ from typing import TextIO
 
 import orjson
 
-from passerelle.observe.record import RequestRecord
+from passerelle.observe.record import RequestRecord, clip
 
 # Characters that would let a client's string (model, user) forge a line or drive a terminal:
 # C0 and C1 controls (newline, ESC), DEL, the Unicode line and paragraph separators, bidi overrides.
@@ -62,7 +62,7 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "ts": round(time.time(), 3),
         "request_id": rec.id,
         "endpoint": rec.endpoint,
-        "model": rec.model,
+        "model": clip(rec.model),
         "backend": rec.backend,
         "tenant": rec.tenant,
         "priority": rec.priority,
@@ -76,7 +76,7 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "completion_tokens": rec.completion_tokens if rec.completion_tokens is not None else rec.content_chunks,
         "tokens_per_s": round((tokens - 1) / gen_time, 2) if gen_time > 0 and tokens > 1 else None,
         "client": rec.client,
-        **({"error": rec.error} if rec.error else {}),
+        **({"error": clip(rec.error, 512)} if rec.error else {}),
     }
 
 
@@ -97,7 +97,7 @@ class AccessLog:
         if self.fmt == "json":
             line = orjson.dumps(fields, option=orjson.OPT_APPEND_NEWLINE)
         else:
-            line = (f"{time.strftime('%H:%M:%S')} {rec.id} {rec.endpoint} {printable(rec.model)} -> {rec.status} "
+            line = (f"{time.strftime('%H:%M:%S')} {rec.id} {rec.endpoint} {printable(clip(rec.model))} -> {rec.status} "
                     f"{fields['cause']} ttft={fields['ttft_ms']}ms dur={fields['duration_ms']}ms "
                     f"tokens={fields['prompt_tokens']}/{fields['completion_tokens']} backend={rec.backend or '-'} "
                     f"tenant={printable(rec.tenant)} class={rec.priority}\n").encode()

@@ -12,7 +12,7 @@ import logging
 import sqlite3
 import time
 
-from passerelle.observe.record import RequestRecord
+from passerelle.observe.record import RequestRecord, clip
 
 log = logging.getLogger("passerelle.tenants.usage")
 
@@ -27,7 +27,7 @@ class UsageRecorder:
     def record(self, rec: RequestRecord) -> None:
         if rec.cause is None:
             return
-        self._rows.append((time.time(), rec.tenant, rec.priority, rec.model or "", rec.cause.value,
+        self._rows.append((time.time(), rec.tenant, rec.priority, clip(rec.model), rec.cause.value,
                            rec.prompt_tokens or 0, rec.completion_tokens or 0))
 
     def _write(self, rows: list[tuple]) -> None:

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 from passerelle import cli
 from passerelle.config import Config, RoutingConfig, SchedulerConfig, ServerConfig, load_config
 from passerelle.errors import Cause, ConfigError
-from passerelle.observe.accesslog import AccessLog
+from passerelle.observe.accesslog import AccessLog, record_fields
 from passerelle.observe.record import RequestRecord
 from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES
 from passerelle.server.app import ReloadRefused
@@ -168,6 +168,16 @@ async def test_affinity_keys_are_hashed_and_the_map_is_sized_in_bytes():
         keys = list(gw.app.scheduler.affinity)
         assert {len(k) for k in keys} == {26}
         assert len(keys) == 65536 // AFFINITY_ENTRY_BYTES
+
+
+async def test_a_huge_model_name_is_clipped_wherever_it_is_kept():
+    async with fake_runtime() as fake, gateway(fake.backend_config()) as gw:
+        resp = await gw.post("/v1/chat/completions", {**CHAT, "model": "m" * 1_000_000})
+        assert resp.status == 404 and gw.records[0].cause is Cause.INVALID_REQUEST
+        assert len(orjson.dumps(record_fields(gw.records[0]))) < 2048  # the access-log line
+        assert len(gw.app.usage._rows[-1][3]) == 256  # the usage row's model
+        [err] = gw.app.live.snapshot(backends=[], waiting={})["recent_errors"]
+        assert len(err["model"]) == 256 and len(err["error"]) <= 512
 
 
 def test_one_affinity_entry_costs_at_most_affinity_entry_bytes():
