@@ -25,7 +25,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -45,9 +45,11 @@ def billed_tokens(rec: RequestRecord) -> tuple[int, int]:
 
 
 class UsageRecorder:
-    def __init__(self, conn: sqlite3.Connection, *, flush_s: float = 0.5) -> None:
+    def __init__(self, conn: sqlite3.Connection, *, flush_s: float = 0.5,
+                 clock: Callable[[], float] = time.time) -> None:
         self.conn = conn
         self.flush_s = flush_s
+        self.clock = clock  # a row's time: when its request ended
         self._rows: list[tuple] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -55,7 +57,7 @@ class UsageRecorder:
         if rec.cause is None:
             return
         prompt, completion = billed_tokens(rec)
-        self._rows.append((time.time(), rec.tenant, rec.key_id, rec.priority, rec.model or "", rec.cause.value,
+        self._rows.append((self.clock(), rec.tenant, rec.key_id, rec.priority, rec.model or "", rec.cause.value,
                            prompt, completion))
 
     def _write(self, rows: list[tuple]) -> None:
