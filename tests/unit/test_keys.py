@@ -10,6 +10,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -222,3 +223,22 @@ def test_presented_prefix_never_shows_a_secret():
     assert presented_prefix("psk_0123456789ab_SECRETSECRET") == "psk_0123456789ab"
     assert presented_prefix("sk-proj-abcdefghijkl") == "sk-proj-"
     assert presented_prefix("") == "(none)"
+
+
+# -- where the store lives -------------------------------------------------------------------------
+def test_the_state_directory_follows_the_configuration(tmp_path):
+    home_default = load_config(env={})
+    assert home_default.state_path(env={}).parts[-3:] == (".local", "state", "passerelle")
+    assert home_default.state_path(env={"PASSERELLE_STATE": "/srv/p"}) == Path("/srv/p")
+    path = tmp_path / "team.toml"
+    path.write_text("")
+    cfg = load_config(path, env={})
+    assert cfg.state_path(env={}) == tmp_path / "team.state"
+    assert cfg.db_path(env={}) == tmp_path / "team.state" / "passerelle.db"
+    assert cfg.state_path(env={"PASSERELLE_STATE": "/srv/p"}) == Path("/srv/p")  # explicit wins over the default
+    path.write_text('[server]\nstate_dir = "var"\n')
+    cfg = load_config(path, env={})
+    assert cfg.state_path(env={"PASSERELLE_STATE": "/srv/p"}) == tmp_path / "var"  # relative to the file
+    path.write_text('[server]\nstate_dir = "/var/lib/passerelle"\n[auth]\ndb = "/data/keys.db"\n')
+    cfg = load_config(path, env={})
+    assert cfg.state_path() == Path("/var/lib/passerelle") and cfg.db_path() == Path("/data/keys.db")
