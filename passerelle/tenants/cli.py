@@ -109,16 +109,18 @@ def _summary(key: Any) -> str:
 
 
 def _list(store: Any, *, show_all: bool) -> None:
-    keys = store.list(include_revoked=show_all)
-    print(f"{'ID':14}{'TENANT':16}{'LABEL':18}{'OWNER':18}{'CLASS':12}{'MODELS':20}{'RPM':>5}{'TPM':>8}"
-          f"{'CONC':>5}  {'QUOTAS':16}{'EXPIRES':18}STATUS")
     now = time.time()
-    for k in keys:
+    rows = [["ID", "TENANT", "LABEL", "OWNER", "CLASS", "MODELS", "RPM", "TPM", "CONC", "QUOTAS", "EXPIRES", "STATUS"]]
+    for k in store.list(include_revoked=show_all):
         status = "revoked" if k.revoked else "expired" if k.expired(now) else "active"
-        print(f"{k.id:14}{k.tenant[:15]:16}{(k.label or '-')[:17]:18}{(k.owner or '-')[:17]:18}"
-              f"{(k.priority or '-'):12}{(','.join(k.models) or '*')[:19]:20}{k.rpm or '-':>5}{k.tpm or '-':>8}"
-              f"{k.max_concurrency or '-':>5}  {(','.join(map(str, k.quotas)) or '-'):16}"
-              f"{_when(k.expires_at):18}{status}")
+        rows.append([k.id, k.tenant, k.label or "-", k.owner or "-", k.priority or "-", ",".join(k.models) or "*",
+                     str(k.rpm or "-"), str(k.tpm or "-"), str(k.max_concurrency or "-"),
+                     ",".join(map(str, k.quotas)) or "-", _when(k.expires_at), status])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    numeric = {6, 7, 8}
+    for r in rows:
+        print("  ".join(v.rjust(w) if i in numeric else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths,
+                                                                                                strict=True))).rstrip())
 
 
 def cmd_usage(args: argparse.Namespace) -> int:

@@ -44,6 +44,10 @@ class Quota:
     def __str__(self) -> str:
         return f"{human_tokens(self.tokens)}/{self.period}"
 
+    def words(self) -> str:
+        """``2M tokens a day``: for messages people read."""
+        return f"{human_tokens(self.tokens)} tokens a {self.period}"
+
 
 def human_tokens(n: int) -> str:
     """``2000000`` → ``2M``, ``1500`` → ``1.5k``, ``1234`` → ``1234`` (exact, or the plain number)."""
@@ -203,11 +207,11 @@ class QuotaBook:
             w = wins[q.period]
             left = q.tokens - w.used
             if left <= 0:
-                raise QuotaExceeded(f"This API key's quota of {q} tokens is used up ({int(w.used):,} used); "
+                raise QuotaExceeded(f"This API key's quota of {q.words()} is used up ({int(w.used):,} used); "
                                     f"it renews at {local_time(w.end)}.", retry_after=w.end - now)
             if tokens > left:
                 raise QuotaExceeded(f"This request needs about {int(tokens):,} tokens, and {int(left):,} are left "
-                                    f"of this API key's quota of {q} until {local_time(w.end)}. "
+                                    f"of this API key's quota of {q.words()} until {local_time(w.end)}. "
                                     "Lower max_tokens, or wait until then.", retry_after=w.end - now)
         for w in wins.values():
             w.used += tokens

@@ -161,7 +161,7 @@ def test_quota_429_until_the_windows_end_survives_a_restart_and_me_shows_it(gate
         assert len(codes) < 10
     assert 3 <= codes.count(200) <= 5 and r.status_code == 429
     err = r.json()["error"]
-    assert err["code"] == "quota_exceeded" and "100/day" in err["message"]
+    assert err["code"] == "quota_exceeded" and "100 tokens a day" in err["message"]
     to_midnight = window("day", time.time())[1] - time.time()
     assert abs(int(r.headers["retry-after"]) - to_midnight) <= 5
     assert gw.log_for(r.headers["x-request-id"])["cause"] == "quota_exceeded"

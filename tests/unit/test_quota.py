@@ -71,7 +71,7 @@ async def test_used_up_quota_is_429_until_the_end_of_the_day(tmp_path):
     assert err.status == 429 and err.code == "quota_exceeded" and err.cause.value == "quota_exceeded"
     assert err.retry_after == pytest.approx(2 * 3600)  # to midnight
     assert dict(err.headers())[b"retry-after"] == b"7200"
-    assert "1k/day" in err.message and "2026-12-03 00:00" in err.message
+    assert "1k tokens a day" in err.message and "2026-12-03 00:00" in err.message
     book.settle(big, 100)  # it used less than it reserved: room again
     assert book.usage("k", DAY)[0]["remaining"] == 500
     with pytest.raises(QuotaExceeded) as info:  # asks more than is left: says how much is left
