@@ -153,28 +153,29 @@ class QuotaBook:
         self._loading: dict[str, asyncio.Future[None]] = {}
 
     async def ensure(self, key_id: str, quotas: tuple[Quota, ...]) -> None:
-        """Load the key's usage in its current windows from the store, once."""
-        if not quotas or key_id in self._keys:
+        """Load the key's usage in its current windows from the store, once (requests that come
+        while it loads wait for that load rather than start their own)."""
+        if not quotas:
             return
-        pending = self._loading.get(key_id)
-        if pending is not None:
-            await asyncio.shield(pending)
-            return
+        while key_id not in self._keys:
+            pending = self._loading.get(key_id)
+            if pending is None:
+                await self._load(key_id)
+                return
+            await asyncio.wait([pending])  # its outcome is the loader's; then look again
+
+    async def _load(self, key_id: str) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._loading[key_id] = fut
         try:
             now = self.clock()
             bounds = {p: window(p, now) for p in PERIODS}
             used = await self.load(key_id, [b[0] for b in bounds.values()]) if self.load else [0] * len(PERIODS)
-            self._keys[key_id] = {p: _Window(b[0], b[1], float(u)) for (p, b), u in zip(bounds.items(), used,
-                                                                                           strict=True)}
-            fut.set_result(None)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # retrieved: a waiter may or may not exist
-            raise
+            self._keys[key_id] = {p: _Window(b[0], b[1], float(u))
+                                  for (p, b), u in zip(bounds.items(), used, strict=True)}
         finally:
             del self._loading[key_id]
+            fut.set_result(None)
 
     def _windows(self, key_id: str, now: float) -> dict[str, _Window] | None:
         wins = self._keys.get(key_id)

@@ -51,6 +51,7 @@ class UsageRecorder:
         self.flush_s = flush_s
         self.clock = clock  # a row's time: when its request ended
         self._rows: list[tuple] = []
+        self._write_lock = threading.Lock()  # flushes may overlap (the timer, a report asking for one)
         self._task: asyncio.Task[None] | None = None
 
     def record(self, rec: RequestRecord) -> None:
@@ -61,14 +62,15 @@ class UsageRecorder:
                            prompt, completion))
 
     def _write(self, rows: list[tuple]) -> None:
-        self.conn.execute("BEGIN")
-        try:
-            self.conn.executemany("INSERT INTO usage (ts, tenant, key_id, class, model, cause, prompt_tokens, "
-                                  "completion_tokens) VALUES (?,?,?,?,?,?,?,?)", rows)
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
+        with self._write_lock:
+            self.conn.execute("BEGIN")
+            try:
+                self.conn.executemany("INSERT INTO usage (ts, tenant, key_id, class, model, cause, prompt_tokens, "
+                                      "completion_tokens) VALUES (?,?,?,?,?,?,?,?)", rows)
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
 
     async def flush(self) -> None:
         if self._rows:

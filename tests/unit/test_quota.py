@@ -138,3 +138,41 @@ async def test_concurrent_first_requests_load_once(tmp_path):
     book = QuotaBook(load)
     await asyncio.gather(*(book.ensure("k", DAY) for _ in range(5)))
     assert calls == ["k"]
+
+
+async def test_overlapping_flushes_write_every_row_once(tmp_path):
+    import asyncio
+
+    conn = connect(tmp_path / "u.db")
+    recorder = UsageRecorder(connect(tmp_path / "u.db"))
+
+    def record(n: int) -> None:
+        for i in range(n):
+            rec = RequestRecord(id=f"r{i}", endpoint="chat", model="m", key_id="k", completion_tokens=1)
+            rec.finish(Cause.OK, 200)
+            recorder.record(rec)
+
+    for _ in range(20):
+        record(500)
+        timer = asyncio.create_task(recorder.flush())  # the timer's flush, writing in a thread...
+        await asyncio.sleep(0)
+        record(500)
+        await recorder.flush()  # ...and a report's, while it may still be at it
+        await timer
+    assert conn.execute("SELECT COUNT(*), SUM(completion_tokens) FROM usage").fetchone() == (20_000, 20_000)
+
+
+async def test_a_failed_load_is_not_remembered(tmp_path):
+    attempts = []
+
+    async def load(key_id, starts):
+        attempts.append(key_id)
+        if len(attempts) == 1:
+            raise OSError("disk unavailable")
+        return [5, 5, 5]
+
+    book = QuotaBook(load)
+    with pytest.raises(OSError):
+        await book.ensure("k", DAY)
+    await book.ensure("k", DAY)
+    assert attempts == ["k", "k"] and book.usage("k", DAY)[0]["used"] == 5
