@@ -169,6 +169,12 @@ def test_quota_429_until_the_windows_end_survives_a_restart_and_me_shows_it(gate
     usage = httpx.get(gw.url + "/v1/me/usage?since=1h", headers=auth).json()
     assert usage["total"]["total_tokens"] == used and usage["total"]["limited"] == 1
     assert [row["model"] for row in usage["data"]] == ["fake-model"]
+    # the dashboard's figures for the key and its tenant
+    stats = httpx.get(gw.url + "/admin/stats").json()
+    (k,) = stats["keys"]
+    assert (k["label"], k["requests"], k["limited"], k["tokens"]) == ("nightly", len(codes), 1, used)
+    assert k["quotas"][0]["used"] == used and k["quotas"][0]["remaining"] == max(0, 100 - used)
+    assert {t["tenant"]: t["requests"] for t in stats["tenants"]} == {"ci": len(codes)}
     # a restart reads the day's usage back from the store
     gw.stop()
     gw2 = gateway(config(fake.url), env=env)
