@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import hashlib
 import hmac
@@ -161,8 +162,8 @@ class KeyStore:
         now = time.time()
         if not fields.get("max_priority"):
             fields["max_priority"] = fields.get("priority")
-        rec = ApiKey(key_id, tenant, created=now, updated=now, digest=_hash(secret),
-                     **{k: (tuple(v) if k in ("models", "quotas") else v) for k, v in fields.items()})
+        given: dict[str, Any] = {k: (tuple(v) if k in ("models", "quotas") else v) for k, v in fields.items()}
+        rec = ApiKey(key_id, tenant, created=now, updated=now, digest=_hash(secret), **given)
         values = {name: _to_column(name, getattr(rec, name)) for name in EDITABLE}
         names = ", ".join(["id", "digest", "created", "updated", "revoked", *values])
         marks = ", ".join("?" * (5 + len(values)))
@@ -190,8 +191,8 @@ class KeyStore:
         old = self.get(key_id)
         if old is None or old.revoked:
             return None
-        new = dataclasses.replace(old, updated=time.time(),
-                                  **{k: (tuple(v) if k in ("models", "quotas") else v) for k, v in changes.items()})
+        given: dict[str, Any] = {k: (tuple(v) if k in ("models", "quotas") else v) for k, v in changes.items()}
+        new = dataclasses.replace(old, updated=time.time(), **given)
         changed = [n for n in changes if getattr(old, n) != getattr(new, n)]
         if not changed:
             return old
@@ -209,9 +210,10 @@ class KeyStore:
                            "UPDATE api_keys SET revoked = 1, revoked_at = ?, updated = ? WHERE id = ? AND revoked = 0",
                            (now, now, key_id)) == 1
 
-    def audit_log(self, *, limit: int = 100, key_id: str | None = None) -> list[dict[str, Any]]:
+    def audit_log(self, *, limit: int = 100, key_id: str | None = None) -> builtins.list[dict[str, Any]]:
         """The newest changes first: ``{"ts", "actor", "action", "key_id", "detail"}``."""
-        where, args = ("WHERE key_id = ?", (key_id, limit)) if key_id else ("", (limit,))
+        args: tuple[Any, ...] = (key_id, limit) if key_id else (limit,)
+        where = "WHERE key_id = ?" if key_id else ""
         with self._lock:
             rows = self.conn.execute(f"SELECT ts, actor, action, key_id, detail FROM audit {where} "
                                      "ORDER BY ts DESC, rowid DESC LIMIT ?", args).fetchall()

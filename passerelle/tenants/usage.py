@@ -109,7 +109,8 @@ def report(conn: sqlite3.Connection, *, since: float = 0.0, until: float | None 
         raise ValueError(f"cannot group by {', '.join(unknown) or 'nothing'}; expected some of "
                          f"{', '.join(DIMENSIONS)}")
     cols = [DIMENSIONS[d] for d in by]
-    where, args = ["ts >= ?"], [since]
+    where: list[str] = ["ts >= ?"]
+    args: list[Any] = [since]
     if until is not None:
         where.append("ts < ?")
         args.append(until)
