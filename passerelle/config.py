@@ -9,9 +9,9 @@ Example::
     cfg.server.port        # 9000
     cfg.backends[0].name   # "local"
 
-Environment overrides take ``PASSERELLE_<SECTION>_<KEY>`` for the scalar keys of ``[server]``,
-``[timeouts]``, ``[embedded]``, ``[admin]`` and ``[metrics]`` (e.g. ``PASSERELLE_TIMEOUTS_TOTAL_S=900``,
-``PASSERELLE_ADMIN_KEY=…``; lists as comma-separated values).
+Environment overrides take ``PASSERELLE_<SECTION>_<KEY>`` for the scalar keys of every section
+(``[server]``, ``[timeouts]``, ``[embedded]``, ``[admin]``, ``[metrics]``, ``[auth]``, ``[limits]``…),
+e.g. ``PASSERELLE_TIMEOUTS_TOTAL_S=900``, ``PASSERELLE_ADMIN_KEY=…``; lists as comma-separated values.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ class ServerConfig:
     body_timeout_s: float = 60.0  # end of the head -> end of the body; past it: 408
     keep_alive_s: float = 30.0  # a connection with no request in progress is closed after this
     max_connections: int = 1024  # open client connections; beyond: the longest idle is closed, else 503
+    # Keys, usage and the audit log of this instance. Default: $PASSERELLE_STATE, else next to the
+    # configuration file (<name>.state/ beside <name>.toml), else (no file) the user's state directory.
+    state_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,11 +127,27 @@ class AuthConfig:
     """API keys (``passerelle keys``) and what a request without one may do."""
 
     required: bool = False  # true: a key is needed even while none exists (else: once one exists)
-    db: str = ""  # SQLite file of keys and usage; default ~/.local/state/passerelle/passerelle.db
+    db: str = ""  # SQLite file of keys, usage and audit log; default: passerelle.db in the state directory
     anonymous_priority: str = "standard"  # class of a request without a key
     anonymous_max_priority: str = "standard"  # highest class X-Priority may ask for without a key
-    failed_attempts_per_minute: int = 20  # per client address; past it: 429 until the minute is over
+    # per (client address, presented key prefix); past it that pair gets 429 until the minute is over.
+    # A valid key always passes, whatever failed before it from the same address.
+    failed_attempts_per_minute: int = 20
     max_user_chars: int = 64  # a request without a key is accounted to its `user`, cut to this (+ a hash)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """How a request's prompt is estimated at admission (tokens/minute, quotas, fair share), before
+    the runtime's own count replaces the estimate at the end.
+
+    Text is counted at about 4 characters a token; an image or audio part costs a fixed number of
+    tokens whatever its size in bytes (a base64 image of 1 MB is still one image). These are the
+    gateway-wide values; a per-model value can come from the model catalogue when it has one.
+    """
+
+    image_tokens: int = 768  # per image part (image_url, input_image, a data:image/... URL)
+    audio_tokens: int = 1500  # per audio part (input_audio, a data:audio/... URL)
 
 
 @dataclass(frozen=True)
@@ -183,6 +202,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     source: str = "<defaults>"
@@ -191,11 +211,40 @@ class Config:
     def uses_embedded(self) -> bool:
         return not self.backends
 
+    def state_path(self, env: Mapping[str, str] | None = None) -> Path:
+        """This instance's state directory (keys, usage, audit log), in order:
+
+        1. ``[server] state_dir`` (relative to the configuration file's folder);
+        2. ``$PASSERELLE_STATE``;
+        3. next to the configuration file: ``/etc/llm/gw.toml`` → ``/etc/llm/gw.state``;
+        4. the user's state directory (``~/.local/state/passerelle``), for the default
+           configuration only (no file), so two gateways with two files never share keys.
+
+        Example::
+
+            >>> Config(source="/srv/team/gw.toml").state_path(env={})
+            PosixPath('/srv/team/gw.state')
+        """
+        env = os.environ if env is None else env
+        src = None if self.source.startswith("<") else Path(self.source).expanduser().absolute()
+        if self.server.state_dir:
+            configured = Path(self.server.state_dir).expanduser()
+            return configured if configured.is_absolute() or src is None else src.parent / configured
+        if env.get("PASSERELLE_STATE"):
+            return Path(env["PASSERELLE_STATE"])
+        if src is not None:
+            return src.parent / f"{src.stem}.state"
+        return Path.home() / ".local" / "state" / "passerelle"
+
+    def db_path(self, env: Mapping[str, str] | None = None) -> Path:
+        """The SQLite file of keys, usage and the audit log: ``[auth] db``, else in :meth:`state_path`."""
+        return Path(self.auth.db).expanduser() if self.auth.db else self.state_path(env) / "passerelle.db"
+
 
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
                               "scheduler": SchedulerConfig, "routing": RoutingConfig,
-                              "runtimes": RuntimesConfig}
+                              "runtimes": RuntimesConfig, "limits": LimitsConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -361,6 +410,11 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            key="routing.affinity_max_bytes", text=text, header="routing", field_name="affinity_max_bytes")
     _check(16 <= sections["auth"].max_user_chars <= 4096, "expected between 16 and 4096 characters", file=file,
            key="auth.max_user_chars", text=text, header="auth", field_name="max_user_chars")
+    for name in ("image_tokens", "audio_tokens"):
+        _check(getattr(sections["limits"], name) >= 0, "expected zero or a positive number of tokens", file=file,
+               key=f"limits.{name}", text=text, header="limits", field_name=name)
+    _check(sections["auth"].failed_attempts_per_minute > 0, "expected a positive integer", file=file,
+           key="auth.failed_attempts_per_minute", text=text, header="auth", field_name="failed_attempts_per_minute")
 
     raw_backends = data.get("backends", [])
     if not isinstance(raw_backends, list):
@@ -398,7 +452,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     backends.extend(upstreams)
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
-                  routing=sections["routing"], runtimes=sections["runtimes"],
+                  routing=sections["routing"], runtimes=sections["runtimes"], limits=sections["limits"],
                   backends=tuple(backends), source=file)
 
 

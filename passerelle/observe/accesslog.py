@@ -65,6 +65,7 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "model": clip(rec.model),
         "backend": rec.backend,
         "tenant": rec.tenant,
+        **({"key_id": rec.key_id} if rec.key_id else {}),
         "priority": rec.priority,
         "stream": rec.stream,
         "status": rec.status,

@@ -63,6 +63,7 @@ class RequestRecord:
     stream: bool = False
     priority: str = "standard"
     tenant: str = "anonymous"
+    key_id: str = ""  # the API key's id (never its secret); "" without a key
     backend: str = ""
     max_tokens: int | None = None
     status: int = 0

@@ -38,7 +38,6 @@ from passerelle.errors import (
     ClientDisconnect,
     GatewayError,
     InvalidRequest,
-    Unauthorized,
     UnknownModel,
     UpstreamError,
     UpstreamStatus,
@@ -53,8 +52,8 @@ from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey, KeyRing
-from passerelle.tenants.limits import FailedAuthThrottle, Grant, KeyLimiter
 from passerelle.tenants.names import user_tenant
+from passerelle.tenants.policy import KeyPolicy, Ticket
 
 log = logging.getLogger("passerelle.proxy.gateway")
 
@@ -156,8 +155,7 @@ class Gateway:
         self.access_log = access_log
         self.scheduler = scheduler
         self.keyring = keyring
-        self.limiter = KeyLimiter()
-        self.auth_throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
+        self.keys = KeyPolicy(cfg, keyring)  # keys: who, which models, quotas, limits (tenants/policy.py)
         self.classes = {c.name: c for c in cfg.classes}
         self._retry_budget = 10.0  # retries allowed now; refilled by 0.2 per request
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
@@ -170,20 +168,7 @@ class Gateway:
     # -- who is asking, and how urgent ---------------------------------------------------------
     def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:
         """The caller's key; None when keys are not in use. Raises Unauthorized / RateLimited."""
-        ring = self.keyring
-        if ring is None:
-            return None
-        ring.refresh()
-        if not (ring.any or self.cfg.auth.required):
-            return None
-        self.auth_throttle.check(rec.client)
-        value = header(scope, b"authorization") or ""
-        scheme, _, token = value.partition(" ")
-        key = ring.lookup(token.strip()) if scheme.lower() == "bearer" and token else None
-        if key is None:
-            self.auth_throttle.failed(rec.client)
-            raise Unauthorized("Missing or invalid API key. Send 'Authorization: Bearer <key>'.")
-        return key
+        return self.keys.authenticate(scope, rec)
 
     def priority_class(self, scope: Scope, key: ApiKey | None) -> ClassConfig:
         """The key's class (or the anonymous one), lowered by X-Priority, raised only up to the
@@ -227,7 +212,7 @@ class Gateway:
         ex = Exchange(scope, receive, send, endpoint)
         rec = ex.rec
         job: Job | None = None
-        grant: Grant | None = None
+        grant: Ticket | None = None
         self.open.add(ex)
         try:
             key = self.authenticate(scope, rec)  # before the body: a stranger's body is never read
@@ -248,10 +233,10 @@ class Gateway:
                 raise UnknownModel(rec.model, self.registry.models)
             if not pool:
                 raise InvalidRequest(f"The model '{rec.model}' is not served on /v1/{endpoint}.", param="model")
-            est_prompt = len(body) // 4  # about 4 bytes of JSON per token; corrected by usage
+            est_prompt = self.keys.estimate_prompt(data, rec.model)  # text, media at a constant; corrected by usage
             est_output = 0 if endpoint == "embeddings" else (rec.max_tokens or 256)
-            if key is not None:
-                grant = self.limiter.admit(key, est_prompt + est_output)
+            if key is not None:  # allow-list, quota, rpm/tpm, then a turn among the key's concurrent slots
+                grant = await self.keys.admit(key, rec, cls, est_prompt + est_output)
             job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=rec.model, weight=key.weight if key else 1.0,
                       est_prompt_tokens=est_prompt, est_output_tokens=est_output,
                       can_wait_for_start=any(b.supervised for b in pool),
@@ -278,18 +263,17 @@ class Gateway:
             self.open.discard(ex)
             if rec.cause is None:  # an unexpected exception: still one cause, one log line
                 rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
-            used = None if rec.completion_tokens is None else (rec.prompt_tokens or 0) + rec.completion_tokens
             if job is not None:
                 self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
             if grant is not None:
-                self.limiter.finish(grant, used)
+                self.keys.finish(grant, rec)
             self.account(rec)
 
     async def _dispatch(self, ex: Exchange, job: Job, data: dict[str, Any], body: bytes, cls: ClassConfig) -> None:
         """Queue for a replica and try it; before the client got a byte, a replica that could not
         take the request is replaced by another (within the retry budget)."""
         rec = ex.rec
-        rec.t_queued = time.perf_counter()
+        rec.t_queued = rec.t_queued or time.perf_counter()  # set already if it waited in its key's queue
         rec.to(State.QUEUED)
         self._retry_budget = min(10.0, self._retry_budget + 0.2)
         deadline = rec.t_arrival + self.cfg.timeouts.total_s

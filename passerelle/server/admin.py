@@ -27,15 +27,11 @@ from typing import Any
 import uvicorn
 
 from passerelle.config import AdminConfig
-from passerelle.errors import Cause, GatewayError, Unauthorized
+from passerelle.errors import Forbidden, GatewayError, Unauthorized
 from passerelle.server.connections import ConnectionLimits, guarded_protocol
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
-
-
-class Forbidden(GatewayError):
-    status, type, code, cause = 403, "permission_error", "forbidden", Cause.UNAUTHORIZED
 
 
 def _client_ip(scope: Scope) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -36,11 +36,14 @@ from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, Scheduler
 from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener
 from passerelle.server.connections import BodyBudget, BoundedReceive, ConnectionLimits
+from passerelle.server.keys_api import KeysApi
 from passerelle.server.responses import error_response, json_response, raw_response
 from passerelle.server.routes import Access, NotFound, is_admin_path, match
 from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_requests
+from passerelle.tenants.db import connect
 from passerelle.tenants.keys import KeyRing, KeyStore
-from passerelle.tenants.usage import UsageRecorder
+from passerelle.tenants.manage import KeyManager
+from passerelle.tenants.usage import UsageReader, UsageRecorder
 
 log = logging.getLogger("passerelle.server.app")
 
@@ -73,14 +76,22 @@ class App:
                                      on_ready=self.scheduler.dispatch)
         for proc in self.supervisor.processes.values():
             proc.on_ready = self.scheduler.dispatch
-        self.keystore = KeyStore(cfg.auth.db or None)
+        # Keys, usage and the audit log: one SQLite file per instance (Config.db_path), a
+        # connection each for the keys, the usage writer and the reports (tenants/db.py).
+        self.keystore = KeyStore(cfg.db_path())
+        self.key_manager = KeyManager(self.keystore, [c.name for c in cfg.classes])
         keyring = KeyRing(self.keystore)
         self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler, keyring)
         # A tenant label is a key's tenant or "other": a client's `user` never makes a series.
         self.metrics.is_known_tenant = keyring.has_tenant
         self.gateway.on_demand = self.supervisor.request_start
-        self.usage = UsageRecorder(self.keystore.conn)
+        self.usage = UsageRecorder(connect(self.keystore.path))
+        self.usage_reader = UsageReader(self.keystore.path)
+        self.gateway.keys.quotas.load = self._usage_since
         self.gateway.listeners.append(self.usage.record)
+        self.gateway.listeners.append(self.gateway.keys.activity.observe)
+        self.keys_api = KeysApi(cfg.admin.key, self.keystore, self.key_manager, self.gateway.keys, self.usage,
+                                self.usage_reader)
         self.started_at = time.time()
         self._cors = {o.encode() for o in cfg.server.cors_origins}
         # The dashboard's rolling window (/admin/stats, /ui), fed with every finished request.
@@ -146,6 +157,7 @@ class App:
                                   waiting=self.waiting_by_class())
         snap["metrics_enabled"] = self.cfg.metrics.enabled
         snap["slot_holds"] = dict(self.scheduler.hold_counts)  # freed slots kept for a returning tenant
+        snap.update(self.gateway.keys.snapshot())  # auth_throttle, tenants, keys (tenants/policy.py)
         await raw_response(send, 200, orjson.dumps(snap), b"application/json", [(b"cache-control", b"no-store")])
 
     async def ui(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -170,10 +182,34 @@ class App:
                                         "on_demand": on_demand})
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # once keys are in use, only to a key, and only the models it may use
+        key = self.gateway.keys.authenticate(scope)
         created = int(self.started_at)
         data = [{"id": m, "object": "model", "created": created, "owned_by": "passerelle",
-                 "backends": [b.name for b in self.registry.backends_of(m)]} for m in self.registry.models]
+                 "backends": [b.name for b in self.registry.backends_of(m)]}
+                for m in self.registry.models if key is None or key.allows(m)]
         await json_response(send, 200, {"object": "list", "data": data})
+
+    # -- keys: the key holder's /v1/me, the admin key API (keys_api.py) ---------------------
+    async def me(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.keys_api.me(scope, receive, send)
+
+    async def me_usage(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.keys_api.me_usage(scope, receive, send)
+
+    async def keys_collection(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.keys_api.collection(scope, receive, send)
+
+    async def key_item(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.keys_api.item(scope, receive, send)
+
+    async def audit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.keys_api.audit(scope, receive, send)
+
+    async def _usage_since(self, key_id: str, starts: list[float]) -> list[int]:
+        """A key's tokens since each of ``starts``, for its quotas (rows still buffered included)."""
+        await self.usage.flush()
+        return await self.usage_reader.tokens_since(key_id, starts)
 
     async def prom(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = generate_latest(self.metrics.registry)
@@ -256,8 +292,13 @@ class App:
             admin = f"http://{self.cfg.admin.host}:{self.admin_listener.port}"
         else:
             admin = f"http://{s.host}:{s.port}"
+        ring = self.gateway.keys.ring
+        n_keys = len(ring.active) if ring is not None else 0
+        auth = (f"{n_keys} active key{'s' if n_keys != 1 else ''}, a key is required" if self.gateway.keys.in_use
+                else "no key yet, requests need none")
         lines = [f"passerelle serving on http://{s.host}:{s.port}/v1  (OpenAI-compatible; health at /health)",
-                 f"  dashboard at {admin}/ui, metrics at {admin}/metrics"]
+                 f"  dashboard at {admin}/ui, metrics at {admin}/metrics",
+                 f"  key store {self.keystore.path} ({auth})"]
         for b in self.registry.backends:
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
                          f"[{', '.join(b.cfg.endpoints)}], {b.capacity} slots, {'up' if b.stats.up else 'DOWN'}")
@@ -358,6 +399,8 @@ class App:
         if self.admin_listener is not None:
             await self.admin_listener.stop()
         await self.usage.stop()
+        self.usage.conn.close()
+        self.usage_reader.close()
         await self.registry.stop()
         if self.supervisor is not None:
             await self.supervisor.stop_all()

@@ -52,6 +52,8 @@ class Route:
 
 GET = ("GET", "HEAD")
 POST = ("POST",)
+PATCH = ("PATCH",)
+DELETE = ("DELETE",)
 
 ROUTES: tuple[Route, ...] = (
     Route("/v1/chat/completions", POST, Access.INFERENCE, "chat"),
@@ -60,12 +62,17 @@ ROUTES: tuple[Route, ...] = (
     Route("/health", GET, Access.PUBLIC, "health"),
     Route("/ready", GET, Access.PUBLIC, "ready"),
     Route("/v1/models", GET, Access.PUBLIC, "models"),
+    Route("/v1/me", GET, Access.PUBLIC, "me"),  # the calling key (tenants/policy.py, server/keys_api.py)
+    Route("/v1/me/usage", GET, Access.PUBLIC, "me_usage"),
     Route("/metrics", GET, Access.ADMIN, "prom"),
     Route("/ui", GET, Access.ADMIN, "ui"),
     Route("/admin/stats", GET, Access.ADMIN, "admin_stats"),
     Route("/admin/reload", POST, Access.ADMIN, "reload_route"),
     Route("/admin/runtimes", GET, Access.ADMIN, "runtimes"),
     Route("/admin/runtimes/", (*GET, *POST), Access.ADMIN, "runtime_action"),
+    Route("/admin/keys", (*GET, *POST), Access.ADMIN, "keys_collection"),
+    Route("/admin/keys/", (*GET, *PATCH, *DELETE), Access.ADMIN, "key_item"),
+    Route("/admin/audit", GET, Access.ADMIN, "audit"),
 )
 
 _EXACT = {r.path: r for r in ROUTES if not r.path.endswith("/")}

@@ -147,6 +147,8 @@ class Counters:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     connections: int = 0  # accepted: tells a keep-alive client's reuse from one connection per request
+    in_flight: int = 0  # generation requests being answered now (waiting for a slot or generating)
+    peak_in_flight: int = 0  # the most at once since start: what a gateway's limits let through
 
 
 class BadRequest(Exception):
@@ -462,7 +464,14 @@ class FakeBackend:
         finish = "length" if ("max_tokens" in body or "max_completion_tokens" in body) else "stop"
 
         waited = bool(self.slots.waiters) or (self.slots.limit and not self.slots.free)
-        slot = await self.slots.acquire()
+        c = self.counters
+        c.in_flight += 1
+        c.peak_in_flight = max(c.peak_in_flight, c.in_flight)
+        try:
+            slot = await self.slots.acquire()
+        except BaseException:
+            c.in_flight -= 1
+            raise
         try:
             # The schedule starts when the request arrived, or when it got its slot after a wait.
             start = time.perf_counter() if waited else received
@@ -479,6 +488,7 @@ class FakeBackend:
             self.counters.disconnected += 1
             raise
         finally:
+            c.in_flight -= 1
             self.slots.release(slot)
 
     async def _stream(self, conn: Connection, chat: bool, rid: str, model: str, n_tokens: int,

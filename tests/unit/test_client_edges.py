@@ -25,6 +25,13 @@ from passerelle.tenants.keys import KeyStore
 from passerelle.tenants.names import user_tenant
 from tests.inprocess import fake_runtime, gateway
 
+
+@pytest.fixture(autouse=True)
+def own_state(tmp_path, monkeypatch):
+    """Keys and usage of these gateways in the test's folder, not the user's state directory."""
+    monkeypatch.setenv("PASSERELLE_STATE", str(tmp_path / "state"))
+
+
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 3}
 
 
@@ -175,7 +182,7 @@ async def test_a_huge_model_name_is_clipped_wherever_it_is_kept():
         resp = await gw.post("/v1/chat/completions", {**CHAT, "model": "m" * 1_000_000})
         assert resp.status == 404 and gw.records[0].cause is Cause.INVALID_REQUEST
         assert len(orjson.dumps(record_fields(gw.records[0]))) < 2048  # the access-log line
-        assert len(gw.app.usage._rows[-1][3]) == 256  # the usage row's model
+        assert len(gw.app.usage._rows[-1][4]) == 256  # the usage row's model
         [err] = gw.app.live.snapshot(backends=[], waiting={})["recent_errors"]
         assert len(err["model"]) == 256 and len(err["error"]) <= 512
 
@@ -228,8 +235,8 @@ def test_the_text_access_log_escapes_what_a_client_chose():
 def test_passerelle_usage_escapes_tenant_names(tmp_path, capsys):
     store = KeyStore(tmp_path / "u.db")
     with store.conn:
-        store.conn.execute("INSERT INTO usage VALUES (?,?,?,?,?,?,?)", (1e10, "\x1b]0;pwned\x07bob", "standard",
-                                                                       "m", "ok", 1, 2))
+        store.conn.execute("INSERT INTO usage (ts, tenant, class, model, cause, prompt_tokens, completion_tokens) "
+                           "VALUES (?,?,?,?,?,?,?)", (1e10, "\x1b]0;pwned\x07bob", "standard", "m", "ok", 1, 2))
     assert cli.main(["usage", "--db", str(tmp_path / "u.db")]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;pwned\\x07bob" in out
