@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from passerelle.bench.report import cell, run_table
+from passerelle.bench.tables import cell, run_table
 from passerelle.cli import main
 from passerelle.fake_backend import start_fake_backend
 
@@ -45,7 +45,7 @@ def assert_report_consistent(out: Path) -> dict:
     for target in dict.fromkeys(r["target"] for r in results["runs"]):
         runs = [r for r in results["runs"] if r["target"] == target]
         head, table = run_table(runs)
-        section = md.split(f"### {target}\n", 1)[1]
+        section = md.split("## Results\n", 1)[1].split(f"### {target}\n", 1)[1]
         lines = [ln for ln in section.splitlines() if ln.startswith("|")]
         assert lines[0] == "| " + " | ".join(head) + " |"
         md_rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:2 + len(runs)]]
@@ -56,11 +56,14 @@ def assert_report_consistent(out: Path) -> dict:
     assert results["verdict"]["reason"] in md
     # plots: real PNGs, referenced by the markdown, inlined in the HTML (self-contained)
     pngs = sorted(out.glob("*.png"))
-    assert {p.name for p in pngs} >= {"latency_cdf.png"} and len(pngs) == 3
+    assert {p.name for p in pngs} >= {"latency_cdf.png", "summary.png"} and len(pngs) == 5
     for png in pngs:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
         assert f"]({png.name})" in md
-    assert html.count("src='data:image/png;base64,") == 3
+    assert html.count("src='data:image/png;base64,") == 5
+    # the summary figure opens the report, before the verdict
+    assert md.index("](summary.png)") < md.index("## Verdict")
+    assert html.index("alt='summary'") < html.index("<h2>Verdict</h2>")
     assert not re.search(r"""(src|href)=['"]?https?:""", html)
     return results
 
