@@ -169,6 +169,20 @@ def cmd_usage(args: argparse.Namespace) -> int:
         print(f"passerelle: cannot read --since {args.since!r}; use 2026-11-30, 2026-11-30T12:00 or 24h",
               file=sys.stderr)
         return 2
+    if args.export_trace:
+        from passerelle.bench.trace import access_log_rows, export_trace, usage_rows
+
+        if args.access_log is None:
+            _, store = _store(args)
+            return export_trace(usage_rows(store.conn, since), args.export_trace,
+                                f"the usage store {store.path} (arrivals approximate: it keeps when requests ended)")
+        try:
+            with args.access_log.open(errors="replace") as fh:
+                rows = list(access_log_rows(fh, since))
+        except OSError as exc:
+            print(f"passerelle: cannot read {args.access_log}: {exc.strerror}", file=sys.stderr)
+            return 2
+        return export_trace(rows, args.export_trace, f"the access log {args.access_log}")
     _, store = _store(args)
     rows = summarize(store.conn, since)
     print(f"{'TENANT':20}{'CLASS':13}{'REQUESTS':>10}{'PROMPT TOK':>12}{'COMPL TOK':>12}{'NOT OK':>8}")
@@ -277,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--config", type=Path)
     usage.add_argument("--db", help="the SQLite store")
     usage.add_argument("--since", help="2026-11-30, 2026-11-30T12:00, or back from now: 90m, 24h, 7d")
+    usage.add_argument("--export-trace", type=Path, metavar="FILE",
+                       help="write the requests' arrival times and lengths as a JSONL trace for "
+                            "`passerelle bench --trace FILE` ('-': stdout)")
+    usage.add_argument("--access-log", type=Path, metavar="FILE",
+                       help="with --export-trace: read the access log's JSON lines (exact arrival times) "
+                            "instead of the usage store (which keeps when requests ended)")
     usage.set_defaults(func=cmd_usage)
 
     runtime = sub.add_parser("runtime", help="list, start, stop, restart the runtimes a running gateway launched, "

@@ -141,3 +141,16 @@ def access_log_rows(lines: Iterable[str], since: float = 0.0) -> Iterator[dict[s
         if arrival >= since:
             yield {"arrival": arrival, "prompt_tokens": prompt, "output_tokens": output,
                    "priority": obj.get("priority"), "tenant": obj.get("tenant"), "model": obj.get("model")}
+
+
+def export_trace(rows: Iterable[dict[str, Any]], out: Path, source: str) -> int:
+    """Write ``rows`` to ``out`` (``-``: stdout) as a trace, saying how many and from where."""
+    import sys
+
+    if str(out) == "-":
+        n = write_trace(rows, sys.stdout)
+    else:
+        with out.open("w") as fh:
+            n = write_trace(rows, fh)
+    print(f"{n} requests from {source} written to {out}", file=sys.stderr)
+    return 0
