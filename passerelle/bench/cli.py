@@ -168,6 +168,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     compare.add_argument("--target", action="append", default=[], metavar="NAME=URL[,key=ENV][,model=ID][,pid=PID]",
                          help="a target to compare (repeat); key=ENV reads its API key from that environment "
                               "variable, model= the model to ask it for, pid= its runtime's process")
+    compare.add_argument("--rounds", type=_positive_int, metavar="N",
+                         help="measure each level in N rounds, the targets taking turns (A B, B A, ...) so that "
+                              "other load on the machine weighs on each alike (default 2 with several targets, "
+                              "at most 8)")
     _add_common(compare)
     compare.set_defaults(func=compare_main)
     return bench
@@ -215,7 +219,7 @@ _WHEN_SET = {"model": None, "poisson": False, "warmup": 1, "scenario": None, "tr
              "find_max": False, "find_max_limit": 256, "processes": 1, "timeout": 300.0,
              "prompt_spread": 0, "max_tokens_spread": 0, "turns": 1, "endpoint": "chat", "ignore_eos": True,
              "usage": True, "calibrate": True, "extra_body": {}, "seed": None, "prefix_share": 0.0, "slo": None,
-             "tie_margin": 0.05, "memory": True, "runtime_pid": None}
+             "tie_margin": 0.05, "memory": True, "runtime_pid": None, "rounds": None}
 
 
 def _command(args: argparse.Namespace, kind: str) -> str:
@@ -315,7 +319,7 @@ def _run(args: argparse.Namespace, targets: list[Any], kind: str) -> int:
 
     from passerelle import __version__
     from passerelle.bench import report, runner, stats
-    from passerelle.bench.measure import Plan, collect, measure_target
+    from passerelle.bench.measure import Plan, collect, measure_interleaved, measure_target
     from passerelle.bench.memory import GpuReader
     from passerelle.bench.progress import Progress
     from passerelle.bench.trace import TraceError
@@ -353,10 +357,14 @@ def _run(args: argparse.Namespace, targets: list[Any], kind: str) -> int:
     request_rows: list[dict[str, Any]] = []
     notes: list[str] = []
     failed = 0
+    rounds = _rounds(args, targets, levels)
     try:
         with Progress(args.progress) as progress:
-            for t_no, spec in enumerate(targets):
-                outcome = measure_target(plan, t_no, spec, progress, nonce)
+            if rounds > 1:
+                outcomes = measure_interleaved(plan, targets, progress, nonce, rounds)
+            else:
+                outcomes = [measure_target(plan, t_no, spec, progress, nonce) for t_no, spec in enumerate(targets)]
+            for spec, outcome in zip(targets, outcomes, strict=True):
                 failed += outcome.failed
                 described.append(outcome.described)
                 notes.extend(outcome.notes)
@@ -384,7 +392,7 @@ def _run(args: argparse.Namespace, targets: list[Any], kind: str) -> int:
         "workload": {**{k: v for k, v in workload.describe().items()
                         if k not in ("tokens_per_word", "prompt_overhead", "nonce")},
                      "seed": args.seed, "nonce": nonce or None},
-        "load": load,
+        "load": {**load, "rounds": rounds},
         "notes": notes,
     }
     paths = report.write_all(results_doc, samples, request_rows, args.out)
@@ -394,6 +402,17 @@ def _run(args: argparse.Namespace, targets: list[Any], kind: str) -> int:
             print(f"warning: {run['target']} {_label(run)}: {run['cache_warning']}.", file=sys.stderr)
     print(f"wrote {', '.join(p.name for p in paths)} to {args.out}")
     return 0 if failed == 0 else 1
+
+
+def _rounds(args: argparse.Namespace, targets: list[Any], levels: list[Any]) -> int:
+    """Rounds per level: taking turns only makes sense with several targets and a fixed load."""
+    from passerelle.bench.measure import MAX_ROUNDS
+
+    if len(targets) < 2 or args.find_max or any(c.trace is not None for lvl in levels for c in lvl.classes):
+        return 1  # a search adapts per target; a trace keeps its shape in one piece
+    wanted = getattr(args, "rounds", None) or 2
+    sizes = [c.requests for lvl in levels for c in lvl.classes if c.requests is not None]
+    return max(1, min(wanted, MAX_ROUNDS, *(sizes or [wanted])))
 
 
 def _label(run: dict[str, Any]) -> str:

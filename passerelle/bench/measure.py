@@ -113,48 +113,58 @@ def _memory_section(monitor: Monitor | None, pid: int | None, how: str, report: 
     return out
 
 
-def measure_target(plan: Plan, t_no: int, spec: TargetSpec, progress: Any, nonce: str = "") -> Outcome:
-    """Prepare, watch and measure one target; errors end up in ``notes`` (``failed``)."""
+@dataclass
+class Prepared:
+    """A target discovered, calibrated and watched, ready for its levels."""
+
+    spec: TargetSpec
+    target: Target
+    tuned: Workload
+    nonce: str
+    options: RunOptions
+    monitor: Monitor | None
+    pid: int | None
+    how: str
+    report: dict[str, Any]
+    notes: list[str]
+
+    @property
+    def mark(self) -> Callable[[str, int], None]:
+        return self.monitor.mark if self.monitor is not None else (lambda event, index: None)
+
+
+def prepare_target(plan: Plan, t_no: int, spec: TargetSpec, progress: Any, nonce: str = "") -> Prepared | Outcome:
+    """Discover and calibrate, find the runtime's process and start watching it; an ``Outcome``
+    (failed) when the target cannot be prepared."""
+    target = Target(spec.name, spec.url, model=spec.model or plan.model)
     try:
-        key = spec.api_key(plan.api_key)
-    except ValueError as exc:
-        return Outcome({"name": spec.name, "url": spec.url}, notes=[f"{spec.name}: not measured — {exc}"],
-                       failed=True)
-    target = Target(spec.name, spec.url, model=spec.model or plan.model, api_key=key)
-    options = replace(plan.options, index_base=t_no * TARGET_STRIDE)
-    target_nonce = f"{nonce}-{t_no}" if nonce else ""
-    monitor: Monitor | None = None
-    outcome = Outcome({})
-    try:
+        target = replace(target, api_key=spec.api_key(plan.api_key))
         target, tuned, note = runner.prepare(target, plan.workload, calibrate_prompts=plan.calibrate)
-        outcome.notes.append(f"{spec.name}: {note}.")
-        pid, how = _locate(plan, spec) if plan.memory else (None, "not measured (--no-memory)")
-        report = runtime_report(target.base_url, target.headers())
-        if plan.memory:
-            monitor = Monitor(pid, target.base_url, target.headers(), gpu=plan.gpu)
-            monitor.start()
-        mark = monitor.mark if monitor is not None else (lambda event, index: None)
-        if plan.find_max:
-            outcome.results = _search(plan, target, tuned, target_nonce, options, progress, mark)
-        else:
-            levels = [_retune(level, tuned, target_nonce) for level in plan.levels]
-            outcome.results = runner.run_levels(target, levels, options, progress, mark)
-    except (runner.BenchError, RuntimeError, OSError) as exc:
-        outcome.failed = True
-        outcome.notes.append(f"{spec.name}: not measured — {exc}")
+    except (ValueError, runner.BenchError, RuntimeError, OSError) as exc:
         progress.note(f"passerelle bench: {spec.name}: {exc}")
-        outcome.described = target.describe()
-        return outcome
-    finally:
-        if monitor is not None:
-            monitor.stop()
-    outcome.described = {**target.describe(),
-                         "prompt_calibration": {"tokens_per_word": tuned.tokens_per_word,
-                                                "overhead_tokens": tuned.prompt_overhead},
-                         "memory": _memory_section(monitor, pid, how, report, plan.gpu)}
-    for i, res in enumerate(outcome.results):
-        window = monitor.window(i) if monitor is not None else {}
-        for record in stats.level_records(spec.name, res, list(plan.slos)):
+        return Outcome(target.describe(), notes=[f"{spec.name}: not measured — {exc}"], failed=True)
+    pid, how = _locate(plan, spec) if plan.memory else (None, "not measured (--no-memory)")
+    monitor = Monitor(pid, target.base_url, target.headers(), gpu=plan.gpu) if plan.memory else None
+    prep = Prepared(spec, target, tuned, f"{nonce}-{t_no}" if nonce else "",
+                    replace(plan.options, index_base=t_no * TARGET_STRIDE), monitor, pid, how,
+                    runtime_report(target.base_url, target.headers()), [f"{spec.name}: {note}."])
+    if monitor is not None:
+        monitor.start()  # its first sample: the runtime at rest
+    return prep
+
+
+def finish_target(plan: Plan, prep: Prepared, results: list[LevelResult],
+                  windows: list[dict[str, Any]]) -> Outcome:
+    """The target's records (with the monitor's view of each level) and its description."""
+    if prep.monitor is not None:
+        prep.monitor.stop()
+    described = {**prep.target.describe(),
+                 "prompt_calibration": {"tokens_per_word": prep.tuned.tokens_per_word,
+                                        "overhead_tokens": prep.tuned.prompt_overhead},
+                 "memory": _memory_section(prep.monitor, prep.pid, prep.how, prep.report, plan.gpu)}
+    outcome = Outcome(described, results=results, notes=prep.notes)
+    for res, window in zip(results, windows, strict=True):
+        for record in stats.level_records(prep.spec.name, res, list(plan.slos)):
             _attach(record, window, res.level)
             outcome.runs.append(record)
     if plan.find_max:
@@ -162,6 +172,112 @@ def measure_target(plan: Plan, t_no: int, spec: TargetSpec, progress: Any, nonce
 
         outcome.runs.sort(key=lambda r: (r["class"] not in (None, "all"), load_key(r)))
     return outcome
+
+
+def _failed(prep: Prepared, exc: BaseException, progress: Any) -> Outcome:
+    if prep.monitor is not None:
+        prep.monitor.stop()
+    progress.note(f"passerelle bench: {prep.spec.name}: {exc}")
+    return Outcome(prep.target.describe(), notes=[*prep.notes, f"{prep.spec.name}: not measured — {exc}"],
+                   failed=True)
+
+
+def measure_target(plan: Plan, t_no: int, spec: TargetSpec, progress: Any, nonce: str = "") -> Outcome:
+    """Prepare, watch and measure one target, all its levels in a row (or its ``--find-max`` search)."""
+    prep = prepare_target(plan, t_no, spec, progress, nonce)
+    if isinstance(prep, Outcome):
+        return prep
+    try:
+        if plan.find_max:
+            results = _search(plan, prep, progress)
+        else:
+            levels = [_retune(level, prep.tuned, prep.nonce) for level in plan.levels]
+            results = runner.run_levels(prep.target, levels, prep.options, progress, prep.mark)
+    except (runner.BenchError, RuntimeError, OSError) as exc:
+        return _failed(prep, exc, progress)
+    if prep.monitor is not None:
+        prep.monitor.stop()  # its last samples in, before reading its windows
+    windows = [prep.monitor.window(i) if prep.monitor is not None else {} for i in range(len(results))]
+    return finish_target(plan, prep, results, windows)
+
+
+# Rounds of an interleaved compare: prompt indexes of round r start r × ROUND_STRIDE into a level's
+# block (below the warm-up's offset, so they never meet); monitor marks are level × MAX_ROUNDS + r.
+ROUND_STRIDE = 100_000
+MAX_ROUNDS = 8
+
+
+def split_level(level: Level, rounds: int) -> list[Level]:
+    """A level cut into ``rounds`` parts: requests (or the duration) shared out, load unchanged."""
+    if rounds <= 1:
+        return [level]
+    parts = []
+    for r in range(rounds):
+        classes = tuple(replace(c, requests=c.requests // rounds + (1 if r < c.requests % rounds else 0))
+                        if c.requests is not None else c for c in level.classes)
+        parts.append(replace(level, classes=classes,
+                             duration=level.duration / rounds if level.duration is not None else None))
+    return parts
+
+
+def measure_interleaved(plan: Plan, specs: list[TargetSpec], progress: Any, nonce: str,
+                        rounds: int) -> list[Outcome]:
+    """Every level in ``rounds`` rounds, the targets taking turns (A B, then B A, ...), so a machine
+    whose other load comes and goes weighs on each target alike; each target's rounds are pooled."""
+    prepared: list[Prepared | Outcome] = [prepare_target(plan, t, spec, progress, nonce)
+                                          for t, spec in enumerate(specs)]
+    parts: dict[int, list[list[LevelResult]]] = {t: [[] for _ in plan.levels] for t, p in enumerate(prepared)
+                                                 if isinstance(p, Prepared)}
+    failed: dict[int, Outcome] = {}
+    for i, level in enumerate(plan.levels):
+        for r, part in enumerate(split_level(level, rounds)):
+            order = [t for t in parts if t not in failed]
+            for t in order if r % 2 == 0 else order[::-1]:
+                prep = prepared[t]
+                assert isinstance(prep, Prepared)
+                opts = replace(prep.options, index_base=prep.options.index_base + i * LEVEL_STRIDE + r * ROUND_STRIDE)
+                index = i * MAX_ROUNDS + r
+                try:
+                    (res,) = runner.run_levels(prep.target, [_retune(part, prep.tuned, prep.nonce)], opts, progress,
+                                               lambda event, _i, prep=prep, index=index: prep.mark(event, index))
+                except (runner.BenchError, RuntimeError, OSError) as exc:
+                    failed[t] = _failed(prep, exc, progress)
+                    continue
+                parts[t][i].append(res)
+    out: list[Outcome] = []
+    for t, prep in enumerate(prepared):
+        if not isinstance(prep, Prepared):
+            out.append(prep)
+        elif t in failed:
+            out.append(failed[t])
+        else:
+            results = [LevelResult.pooled(level, parts[t][i]) for i, level in enumerate(plan.levels)]
+            if prep.monitor is not None:
+                prep.monitor.stop()
+            windows = [_merge_windows([prep.monitor.window(i * MAX_ROUNDS + r) for r in range(rounds)])
+                       if prep.monitor is not None else {} for i in range(len(plan.levels))]
+            outcome = finish_target(plan, prep, results, windows)
+            outcome.notes.append(f"{prep.spec.name}: each level measured in {rounds} rounds, taking turns with the "
+                                 "other targets; figures pool the rounds.")
+            out.append(outcome)
+    return out
+
+
+def _merge_windows(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The monitor's view of a level measured in rounds: the highest peaks, the cache counters summed."""
+    out: dict[str, Any] = {}
+    for w in windows:
+        for key, value in w.items():
+            if key == "runtime_prefix_cache":
+                acc = out.setdefault(key, {"source": value["source"], "cached_tokens": 0, "prompt_tokens": 0})
+                acc["cached_tokens"] += value["cached_tokens"]
+                acc["prompt_tokens"] += value["prompt_tokens"]
+                acc["hit_fraction"] = round(acc["cached_tokens"] / max(acc["prompt_tokens"], 1), 4)
+            elif key == "samples":
+                out[key] = out.get(key, 0) + value
+            elif value is not None:
+                out[key] = max(out.get(key, value), value)
+    return out
 
 
 def _attach(record: dict[str, Any], window: dict[str, Any], level: Level) -> None:
@@ -174,9 +290,9 @@ def _attach(record: dict[str, Any], window: dict[str, Any], level: Level) -> Non
     record["cache_warning"] = cache.warning(record["cache"])
 
 
-def _search(plan: Plan, target: Target, tuned: Workload, nonce: str, options: RunOptions, progress: Any,
-            mark: Callable[[str, int], None]) -> list[LevelResult]:
+def _search(plan: Plan, prep: Prepared, progress: Any) -> list[LevelResult]:
     """``--find-max``: levels measured one at a time, the next load chosen from the last verdict."""
+    target, tuned, nonce, options, mark = prep.target, prep.tuned, prep.nonce, prep.options, prep.mark
     first = plan.levels[0]
     by_rate = first.rate is not None
     cap = first.concurrency if by_rate else None

@@ -64,10 +64,14 @@ class Level:
 
 @dataclass
 class LevelResult:
+    """A level's measurements; one made of ``segments`` (the rounds of an interleaved compare)
+    pools their requests, and its wall time is the sum of theirs."""
+
     level: Level
     results: list[RequestResult]
     loop_lag: list[float] = field(default_factory=list)  # oversleep of a 10 ms ticker: generator load
     send_lag: list[float] = field(default_factory=list)  # open loop: lateness of each arrival
+    segments: list[LevelResult] = field(default_factory=list)
 
     @property
     def started(self) -> float:
@@ -79,7 +83,16 @@ class LevelResult:
 
     @property
     def wall_s(self) -> float:
+        if self.segments:
+            return sum(s.wall_s for s in self.segments)
         return max(self.ended - self.started, 1e-9)
+
+    @classmethod
+    def pooled(cls, level: Level, parts: list[LevelResult]) -> LevelResult:
+        if len(parts) == 1:
+            return replace(parts[0], level=level)
+        return cls(level, [r for p in parts for r in p.results], [x for p in parts for x in p.loop_lag],
+                   [x for p in parts for x in p.send_lag], segments=list(parts))
 
 
 @dataclass(frozen=True)

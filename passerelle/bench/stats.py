@@ -1,4 +1,4 @@
-"""From request measurements to the numbers of ``results.json``: percentiles, SLOs, goodput, verdict.
+"""From request measurements to the numbers of ``results.json``: percentiles, SLOs, throughput, goodput.
 
 Definitions (DESIGN): TTFT = request sent → first content chunk; TPOT = (e2e − TTFT) / (output
 tokens − 1), per request; ITL = gaps between content chunks, pooled over all requests of a run;
@@ -7,9 +7,10 @@ e2e = request sent → end of stream. Percentiles interpolate linearly between o
 Throughput is measured over the run's **steady state**: from the end of the first answer (by
 then every concurrent request has been through a whole cycle: the ramp-up, when all of them
 started together, is over) to the last request's send (after which fewer requests are in flight
-and the queue drains). Tokens are counted by the arrival time of their chunks, requests by the
-time they ended. A run too short to have one (its steady part under a quarter of its wall time)
-is measured over its whole wall time (first send → last answer), and the record says which.
+and the queue drains). Tokens are counted by the arrival time of their chunks; requests/s is that
+token rate over the mean answer length, goodput its share of requests meeting every SLO. A run
+too short to have one (its steady part under a quarter of its wall time) is measured over its
+whole wall time (first send → last answer), and the record says which.
 
 Goodput counts the successful requests that meet every latency SLO on their own (TTFT, TPOT and
 e2e of the request; for ITL, the request's own percentile of its gaps), per second.
@@ -166,27 +167,52 @@ def _tokens_between(r: RequestResult, start: float, end: float) -> float:
 
 
 def throughput(level: LevelResult, results: Sequence[RequestResult], slos: Sequence[Slo]) -> dict[str, Any]:
-    """Output tokens/s, requests/s and goodput over the steady state (else the whole run)."""
+    """Output tokens/s, requests/s and goodput over the steady state (else the whole run).
+
+    A level made of rounds (``segments``) adds up each round's steady window, tokens and requests.
+    """
     ok = [r for r in results if r.ok]
-    window = steady_window(level)
     whole = {"output_tokens_per_s": sum(r.output_tokens for r in ok) / level.wall_s,
              "requests_per_s": len(ok) / level.wall_s,
              "goodput_rps": sum(1 for r in ok if _request_meets(r, slos)) / level.wall_s}
-    if window is None:
-        return {**{k: round(v, 4) for k, v in whole.items()}, "throughput_over": "whole run",
-                "whole_run": {k: round(v, 4) for k, v in whole.items()}, "steady_state": None}
-    start, end = window
-    span = end - start
-    finished = [r for r in ok if start < r.t_done <= end]
-    tokens = sum(_tokens_between(r, start, end) for r in ok)
-    t0 = level.started
-    return {"output_tokens_per_s": round(tokens / span, 4), "requests_per_s": round(len(finished) / span, 4),
-            "goodput_rps": round(sum(1 for r in finished if _request_meets(r, slos)) / span, 4),
-            "throughput_over": "steady state",
-            "whole_run": {k: round(v, 4) for k, v in whole.items()},
-            "steady_state": {"start_s": round(start - t0, 3), "end_s": round(end - t0, 3),
-                             "duration_s": round(span, 3), "requests_ended": len(finished),
-                             "output_tokens": round(tokens, 1)}}
+    whole = {k: round(v, 4) for k, v in whole.items()}
+    span = tokens = 0.0
+    finished: list[RequestResult] = []
+    windows = []
+    for seg in level.segments or [level]:
+        window = steady_window(seg)
+        if window is None:
+            return {**whole, "throughput_over": "whole run", "whole_run": whole, "steady_state": None}
+        start, end = window
+        ids = {id(x) for x in seg.results}
+        mine = ok if seg is level else [r for r in ok if id(r) in ids]
+        span += end - start
+        tokens += sum(_tokens_between(r, start, end) for r in mine)
+        finished += [r for r in mine if start < r.t_done <= end]
+        windows.append((round(start - seg.started, 3), round(end - seg.started, 3)))
+    steady = {"start_s": windows[0][0], "end_s": windows[0][1], "duration_s": round(span, 3),
+              "requests_ended": len(finished), "output_tokens": round(tokens, 1)}
+    if len(windows) > 1:
+        steady["rounds"] = [{"start_s": a, "end_s": b} for a, b in windows]
+    # Requests/s from tokens/s and the mean answer length, not by counting the requests that ended
+    # inside the window: closed-loop requests end in batches, and a window edge on a batch's end
+    # would count or miss a whole batch.
+    rps = tokens / span / (sum(r.output_tokens for r in ok) / len(ok)) if ok else 0.0
+    good = sum(1 for r in ok if _request_meets(r, slos)) / len(ok) if ok else 0.0
+    return {"output_tokens_per_s": round(tokens / span, 4), "requests_per_s": round(rps, 4),
+            "goodput_rps": round(rps * good, 4), "throughput_over": "steady state", "whole_run": whole,
+            "steady_state": steady}
+
+
+def spread(results: Sequence[RequestResult]) -> float | None:
+    """The relative standard error of the mean request time (e2e): how much a rerun of this many
+    requests would move a throughput that follows from it (``verdict``'s noise estimate)."""
+    times = [r.e2e for r in results if r.ok and r.e2e]
+    if len(times) < 2:
+        return None
+    mean = sum(times) / len(times)
+    var = sum((t - mean) ** 2 for t in times) / (len(times) - 1)
+    return round(math.sqrt(var / len(times)) / mean, 4)
 
 
 # --- one run (a level, or one class of a scenario) ------------------------------------------
@@ -236,6 +262,7 @@ def run_record(target: str, level: LevelResult, results: Sequence[RequestResult]
         "tokens_per_chunk": round(out_tokens / chunks, 3) if chunks else None,
         "retried_on_closed_connection": sum(r.retries for r in results),
         "throughput_over": rates["throughput_over"],
+        "throughput_rse": spread(results),
         "steady_state": rates["steady_state"],
         "whole_run": rates["whole_run"],
         "cache": cache.summarize(results, prefix_share),

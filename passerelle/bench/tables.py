@@ -202,6 +202,9 @@ def workload_lines(results: dict[str, Any]) -> list[str]:
     if load.get("find_max"):
         lines.append(f"`--find-max`: the load doubled from the first value until an SLO broke, then bisected "
                      f"(up to {load['find_max']['limit']:g})")
+    if (load.get("rounds") or 1) > 1:
+        lines.append(f"each level measured in {load['rounds']} rounds, the targets taking turns (A B, then B A, ...) "
+                     "so that other load on the machine weighs on each alike; each target's rounds pooled")
     size = (f"{load['duration']:g} s per level" if load.get("duration") else
             f"{load['requests']} requests per level" if load.get("requests") else "")
     warm, procs = load.get("warmup", 0), load.get("processes", 1)

@@ -10,8 +10,9 @@ count (a plain level, or a scenario's ``all``)::
 
 The winner holds the highest load; at equal load a target whose limit was not found ranks above
 one that failed just beyond, and then the higher output tokens/s wins — unless the throughputs
-are within ``tie_margin`` (5 % by default, about what a rerun moves them on a shared machine), in
-which case there is no winner and the verdict says it is a tie. Next to the winner's throughput
+differ by less than the noise: ``tie_margin`` (5 % by default) or twice the combined relative
+standard error of the two runs' mean request times, whichever is larger. Then there is no winner
+and the verdict says it is a tie. Next to the winner's throughput
 stands its memory at that load: peak PSS of the runtime's process tree (RSS where PSS cannot be
 read) and GPU memory where there is a GPU.
 """
@@ -103,6 +104,7 @@ def target_verdict(mine: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "fails_on": list(fails.get("slo_failures", [])) if fails else [],
         "passes_again_at": [label(r) for r in again],
         "memory": held.get("memory") if held else None,
+        "throughput_rse": held.get("throughput_rse") if held else None,
     }
     out["summary"] = _summary(held, fails, again)
     return out
@@ -138,11 +140,17 @@ def verdict(runs: Sequence[dict[str, Any]], slos: Sequence[Slo], models: dict[st
     ranked = sorted(((n, t) for n, t in targets.items() if t["max_concurrency"] or t["max_rate"]),
                     key=rank, reverse=True)
     slo_text = ", ".join(s.describe() for s in slos) or "no SLO given"
-    winner, tie = (ranked[0][0] if ranked else None), []
+    winner, tie, noise = (ranked[0][0] if ranked else None), [], tie_margin
     if len(ranked) > 1 and rank(ranked[0])[:2] == rank(ranked[1])[:2]:
-        best = ranked[0][1]["output_tokens_per_s"] or 0.0
-        tie = [n for n, t in ranked if rank((n, t))[:2] == rank(ranked[0])[:2]
-               and (t["output_tokens_per_s"] or 0.0) >= best * (1 - tie_margin)]
+        first = ranked[0][1]
+        best = first["output_tokens_per_s"] or 0.0
+        for n, t in ranked:
+            if rank((n, t))[:2] != rank(ranked[0])[:2]:
+                continue
+            margin = max(tie_margin, 2 * ((first["throughput_rse"] or 0) ** 2 + (t["throughput_rse"] or 0) ** 2) ** 0.5)
+            if (t["output_tokens_per_s"] or 0.0) >= best * (1 - margin):
+                tie.append(n)
+                noise = max(noise, margin)
         if len(tie) > 1:
             winner = None
         else:
@@ -150,7 +158,8 @@ def verdict(runs: Sequence[dict[str, Any]], slos: Sequence[Slo], models: dict[st
     if tie:
         rates = " vs ".join(f"{targets[n]['output_tokens_per_s']:.1f}" for n in tie)
         reason = (f"no clear winner: {' and '.join(tie)} each {targets[tie[0]]['summary']} within the SLOs "
-                  f"({slo_text}), at output tokens/s within {tie_margin:.0%} of each other ({rates})")
+                  f"({slo_text}), at output tokens/s within the noise of each other ({rates}; differences under "
+                  f"{noise:.0%} are noise here)")
     elif winner is None:
         reason = f"no target meets the SLOs ({slo_text}) at any tested load"
     else:
@@ -171,6 +180,7 @@ def verdict(runs: Sequence[dict[str, Any]], slos: Sequence[Slo], models: dict[st
         "winner": winner,
         "tie": tie,
         "tie_margin": tie_margin,
+        "tie_within": round(noise, 4) if tie else None,
         "reason": reason,
         "models": dict(models),
         "model_ids_differ": len(distinct) > 1,

@@ -114,13 +114,19 @@ def test_compare_names_the_winner_and_flags_different_models(tmp_path):
     assert all(r["slo_failures"] == ["ttft_p95"] for r in results["runs"] if r["target"] == "slow")
 
 
-def test_compare_through_two_routes_to_one_backend_never_repeats_a_prompt(tmp_path):
+def test_compare_through_two_routes_to_one_backend_never_repeats_a_prompt(tmp_path, capsys):
     """E.g. a runtime directly and through the gateway: the second target must not hit the cache."""
     with start_fake_backend(ttft_ms=2, itl_ms=1) as fake:
         assert main(["bench", "compare", "--target", f"direct={fake.url}", "--target", f"again={fake.url}/v1",
                      "--concurrency", "2", "--requests", "4", "--max-tokens", "2", "--out", str(tmp_path)]) == 0
         seen = fake.stats()
-    assert seen["requests"] == 2 * (4 + 1 + 4)
+    # the targets took turns: A B, then B A
+    ends = [line.split()[0] for line in capsys.readouterr().err.splitlines() if " concurrency 2: " in line]
+    assert ends == ["direct", "again", "again", "direct"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["load"]["rounds"] == 2 and [r["requests_ok"] for r in results["runs"]] == [4, 4]
+    # per target: 4 calibration probes, then the level in 2 rounds (taking turns), 1 warm-up + 2 requests each
+    assert seen["requests"] == 2 * (4 + 2 * (1 + 2))
     # only the calibration probes repeat (the same passages, to measure the same tokenizer)
     assert seen["distinct_prompts"] == seen["requests"] - 4
 

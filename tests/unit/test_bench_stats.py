@@ -161,8 +161,14 @@ def test_verdict_within_the_tie_margin_names_no_winner():
     v = verdict(runs, [], {"gateway": "m", "direct": "m"})
     assert v["winner"] is None and v["tie"] == ["direct", "gateway"]
     assert v["reason"].startswith("no clear winner: direct and gateway each holds ≥ 1 concurrent request")
-    assert "within 5% of each other (61.0 vs 60.1)" in v["reason"]
+    assert "within the noise of each other (61.0 vs 60.1; differences under 5% are noise here)" in v["reason"]
     assert verdict(runs, [], {"gateway": "m", "direct": "m"}, tie_margin=0.01)["winner"] == "direct"
+    # noisy runs widen the margin: 2 × √(0.08² + 0.06²) = 20 %
+    noisy = [{**runs[0], "output_tokens_per_s": 50.0, "throughput_rse": 0.08}, {**runs[1], "throughput_rse": 0.06}]
+    v = verdict(noisy, [], {"gateway": "m", "direct": "m"})
+    assert v["winner"] is None and v["tie_within"] == pytest.approx(0.2) and "under 20% are noise" in v["reason"]
+    noisy[0]["output_tokens_per_s"] = 45.0  # 26 % below: a difference
+    assert verdict(noisy, [], {"gateway": "m", "direct": "m"})["winner"] == "direct"
 
 
 def test_verdict_names_the_winners_memory():
