@@ -256,10 +256,7 @@ def measure_interleaved(plan: Plan, specs: list[TargetSpec], progress: Any, nonc
                 prep.monitor.stop()
             windows = [_merge_windows([prep.monitor.window(i * MAX_ROUNDS + r) for r in range(rounds)])
                        if prep.monitor is not None else {} for i in range(len(plan.levels))]
-            outcome = finish_target(plan, prep, results, windows)
-            outcome.notes.append(f"{prep.spec.name}: each level measured in {rounds} rounds, taking turns with the "
-                                 "other targets; figures pool the rounds.")
-            out.append(outcome)
+            out.append(finish_target(plan, prep, results, windows))
     return out
 
 

@@ -218,6 +218,12 @@ def workload_lines(results: dict[str, Any]) -> list[str]:
 # --- notes -------------------------------------------------------------------------------------
 def notes(results: dict[str, Any]) -> list[str]:
     out = list(results.get("notes", []))
+    m = results.get("machine") or {}
+    busy = max(m.get("load_average_start") or 0, m.get("load_average_end") or 0)
+    if m.get("cores") and busy > 0.75 * m["cores"]:
+        out.append(f"**The machine was busy** (load average {m.get('load_average_start')} at the start, "
+                   f"{m.get('load_average_end')} at the end, on {m['cores']} cores): other processes took CPU time "
+                   "from the runtime and the generator, and latencies include that.")
     out += _retry_notes(results)
     v = results.get("verdict") or {}
     if v.get("model_ids_differ"):
