@@ -79,6 +79,10 @@ def vllm_cache_config(text: str) -> dict[str, Any]:
                     out[key] = labels[key]
             with contextlib.suppress(KeyError, ValueError):
                 out["kv_capacity_tokens"] = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+            with contextlib.suppress(KeyError, ValueError):  # vLLM 0.11 and later say it outright
+                out["kv_capacity_tokens"] = int(float(labels["kv_cache_size_tokens"]))
+            with contextlib.suppress(KeyError, ValueError):
+                out["kv_cache_bytes"] = int(float(labels["kv_cache_memory_bytes"]))
             return out
     return {}
 

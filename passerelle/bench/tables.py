@@ -153,8 +153,9 @@ def memory_lines(target: dict[str, Any]) -> list[str]:
         lines.append(f"runtime reports {runtime['slots']} slots" + (f" of {ctx} tokens of context each" if ctx else ""))
     vc = runtime.get("vllm_cache") or {}
     if vc.get("kv_capacity_tokens"):
+        size = f"{gib(vc['kv_cache_bytes'])}, " if vc.get("kv_cache_bytes") else ""
         lines.append(f"runtime reports a KV cache of {vc['kv_capacity_tokens']:,} tokens "
-                     f"({vc.get('num_gpu_blocks')} blocks of {vc.get('block_size')})")
+                     f"({size}{vc.get('num_gpu_blocks')} blocks of {vc.get('block_size')})")
     return lines
 
 

@@ -166,6 +166,10 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 640.0
 vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",num_gpu_blocks="2048"} 1.0
 vllm:num_requests_running{model_name="m"} 3.0
 """
+VLLM_032 = """vllm:cache_config_info{block_size="128",kv_cache_memory_bytes="1073741824",\
+kv_cache_size_tokens="1048576",num_gpu_blocks="8192",engine="0"} 1.0
+vllm:num_requests_running{model_name="m"} 3.0
+"""
 
 
 def test_runtime_metrics():
@@ -174,6 +178,8 @@ def test_runtime_metrics():
                  "vllm:prefix_cache_hits_total": 640.0}
     assert vllm_cache_config(VLLM_METRICS) == {"num_gpu_blocks": "2048", "block_size": "16", "cache_dtype": "auto",
                                                "enable_prefix_caching": "True", "kv_capacity_tokens": 32768}
+    assert vllm_cache_config(VLLM_032) == {"num_gpu_blocks": "8192", "block_size": "128",
+                                           "kv_capacity_tokens": 1048576, "kv_cache_bytes": 2**30}
     before = {"vllm:prefix_cache_queries_total": 1000.0, "vllm:prefix_cache_hits_total": 640.0}
     after = {"vllm:prefix_cache_queries_total": 3000.0, "vllm:prefix_cache_hits_total": 740.0}
     assert _counter_delta(before, after)["hit_fraction"] == 0.05
