@@ -29,8 +29,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     bench.set_defaults(func=bench_main)
     sub = bench.add_subparsers(dest="bench_command", metavar="{compare}")
     compare = sub.add_parser("compare", help="run the same workload against several targets",
-                             description="Run the same workload against each target, the targets taking turns level by level, "
-                                         "and add a verdict.")
+                             description="Run the same workload against each target, the targets taking "
+                                         "turns level by level, and add a verdict.")
     compare.add_argument("--target", action="append", default=[], metavar="NAME=URL[,key=ENV][,model=ID][,pid=PID]",
                          help="a target to compare (repeat); key=ENV reads its API key from that environment "
                               "variable, model= the model to ask it for, pid= its runtime's process")
