@@ -4,8 +4,9 @@ A background thread samples, every half second, the resident memory of the runti
 (``bench.memory``); every second (and at each mark) also GPU memory and the runtime's own
 ``/metrics``: vLLM's KV cache use and prefix-cache counters, llama-server's prompt-cache counters,
 or a passerelle gateway's ``passerelle_backend_kv_cache_usage_ratio``. The runner marks the start
-and end of each level's measured load (after its warm-up), and each mark takes a sample at once,
-so a level's window is bracketed exactly::
+and end of each level's measured load (after its warm-up), and each mark takes a full sample
+there and then, in the caller's thread (a busy machine may leave the sampling thread waiting for
+a CPU longer than a fast level lasts), so a level's window is bracketed exactly::
 
     mon = Monitor(pid, "http://127.0.0.1:8080", {})
     mon.start()                 # the first sample is the runtime at rest
@@ -134,7 +135,8 @@ class Monitor:
         self.gpu = gpu
         self.samples: list[dict[str, Any]] = []
         self.marks: dict[tuple[str, int], float] = {}
-        self._marks: queue.Queue[tuple[str, int] | None] = queue.Queue()
+        self._stop: queue.Queue[None] = queue.Queue()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._metrics_ok = base_url is not None
         self._last_slow = 0.0
@@ -159,34 +161,34 @@ class Monitor:
                     s["metrics"] = parse_metrics(text)
         return s
 
+    def _add(self, s: dict[str, Any]) -> None:
+        with self._lock:
+            self.samples.append(s)
+
     def _run(self) -> None:
         while True:
             try:
-                mark = self._marks.get(timeout=self.period)
-            except queue.Empty:
-                mark = ()  # a periodic sample
-            if mark is None:
-                self.samples.append({**self._sample(True), "mark": ("stop", -1)})
+                self._stop.get(timeout=self.period)
                 return
-            s = self._sample(bool(mark))
-            if mark:
-                s["mark"] = mark
-            self.samples.append(s)
+            except queue.Empty:
+                self._add(self._sample(False))
 
     def start(self) -> None:
-        self.samples.append({**self._sample(True), "mark": ("rest", -1)})
+        self._add({**self._sample(True), "mark": ("rest", -1)})
         self._thread = threading.Thread(target=self._run, name="passerelle-bench-monitor", daemon=True)
         self._thread.start()
 
     def mark(self, event: str, index: int) -> None:
+        """A full sample now, labelled (``"start"``/``"end"``, level index)."""
         self.marks[(event, index)] = time.perf_counter()
-        self._marks.put((event, index))
+        self._add({**self._sample(True), "mark": (event, index)})
 
     def stop(self) -> None:
         if self._thread is not None:
-            self._marks.put(None)
+            self._stop.put(None)
             self._thread.join(timeout=30)
             self._thread = None
+            self._add({**self._sample(True), "mark": ("stop", -1)})
 
     # --- summaries -----------------------------------------------------------------------------
     def at_rest(self) -> dict[str, Any]:
@@ -195,11 +197,13 @@ class Monitor:
 
     def window(self, index: int) -> dict[str, Any]:
         """Peaks over a level's measured load, and the runtime's prefix-cache counters' change."""
-        first = next((k for k, s in enumerate(self.samples) if s.get("mark") == ("start", index)), None)
-        last = next((k for k, s in enumerate(self.samples) if s.get("mark") == ("end", index)), None)
+        with self._lock:
+            samples = sorted(self.samples, key=lambda s: s["t"])
+        first = next((s for s in samples if s.get("mark") == ("start", index)), None)
+        last = next((s for s in samples if s.get("mark") == ("end", index)), None)
         if first is None or last is None:
             return {}
-        inside = self.samples[first:last + 1]
+        inside = [s for s in samples if first["t"] <= s["t"] <= last["t"]]
         out: dict[str, Any] = {"samples": len(inside)}
         for key in ("rss", "pss"):
             values = [s[key] for s in inside if s.get(key) is not None]
@@ -214,7 +218,7 @@ class Monitor:
         if kv:
             peak = max(kv)
             out["kv_cache_usage_peak"] = round(peak / 100 if peak > 1.0 else peak, 4)
-        cache = _counter_delta(self.samples[first].get("metrics"), self.samples[last].get("metrics"))
+        cache = _counter_delta(first.get("metrics"), last.get("metrics"))
         if cache:
             out["runtime_prefix_cache"] = cache
         return {k: v for k, v in out.items() if v is not None}

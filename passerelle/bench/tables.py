@@ -170,9 +170,13 @@ def memory_rows(runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[st
     rows = []
     for r in runs:
         m = r.get("memory") or {}
-        rows.append([r["target"], where(r), *(f"{m[k]:.0%}" if k == "kv_cache_usage_peak" and m.get(k) is not None
+        rows.append([r["target"], where(r), *(_share(m[k]) if k == "kv_cache_usage_peak" and m.get(k) is not None
                                                else cell(m, k) for k, _ in shown)])
     return head, rows
+
+
+def _share(x: float) -> str:
+    return f"{x:.0%}" if x >= 0.1 or x == 0 else f"{x:.2%}"
 
 
 # --- workload ----------------------------------------------------------------------------------
