@@ -187,8 +187,10 @@ def _summary(results: dict[str, Any], path: Path) -> Path:
             ax_mem.barh(y, gpu / 2**30, left=left, color=color, alpha=0.4, hatch="..", edgecolor="white")
         parts = [f"{resident / 2**30:.2f} GiB {'PSS' if mem.get('pss_peak_bytes') else 'RSS'}"] if resident else []
         parts += [f"{gpu / 2**30:.2f} GiB GPU"] if gpu else []
-        ax_mem.text(left + (gpu or 0) / 2**30, y, "  " + (" + ".join(parts) or "not measured"), va="center",
-                    fontsize="small")
+        text = " + ".join(parts) or "not measured"
+        if parts and not held:
+            text += f" (at {t.get('memory_at')}, not held)"
+        ax_mem.text(left + (gpu or 0) / 2**30, y, "  " + text, va="center", fontsize="small")
     ax_load.set_yticks(ys, [n + (" ★" if n == v.get("winner") else "") for n in names])
     ax_load.set_xlabel("request rate held (requests/s)" if by_rate else "concurrent requests held")
     ax_load.set_title("Load held within the SLOs (hatched: no limit found)", fontsize="medium")

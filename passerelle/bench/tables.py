@@ -79,8 +79,11 @@ def verdict_rows(v: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for name, t in v["targets"].items():
         tag = " (winner)" if name == v["winner"] else " (tie)" if name in v.get("tie", []) else ""
+        mem = memory_phrase(t.get("memory")) if t.get("max_concurrency") or t.get("max_rate") else None
+        if mem is None and t.get("memory"):
+            mem = f"{memory_phrase(t['memory'])} at {t.get('memory_at')} (not held)"
         rows.append([name + tag, t.get("summary", "–"), cell(t, "output_tokens_per_s"), cell(t, "requests_per_s"),
-                     memory_phrase(t.get("memory")) or "–"])
+                     mem or "–"])
     return head, rows
 
 

@@ -103,7 +103,9 @@ def target_verdict(mine: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "fails_at": label(fails) if fails else None,
         "fails_on": list(fails.get("slo_failures", [])) if fails else [],
         "passes_again_at": [label(r) for r in again],
-        "memory": held.get("memory") if held else None,
+        # the memory at the load held; where none was, at the lowest load tried (still the runtime's cost)
+        "memory": (held or ordered[0]).get("memory") if ordered else None,
+        "memory_at": label(held or ordered[0]) if ordered else None,
         "throughput_rse": held.get("throughput_rse") if held else None,
     }
     out["summary"] = _summary(held, fails, again)
