@@ -9,6 +9,11 @@ milliseconds later — the generator's delay, not the server's. A fresh connecti
 outside the clock for the same reason. Token counts come from the server's ``usage`` when it sends
 one, otherwise from the number of content chunks.
 
+What the runtime says it took from its prompt cache is kept per request for the cache check
+(``bench.cache``): ``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field; llama-server and
+vLLM with ``--enable-prompt-tokens-details`` send it), else llama-server's ``timings.cache_n``
+(tokens reused) and ``timings.prompt_n`` (tokens evaluated) from the stream's last chunk.
+
 The stream is scanned as bytes: a content chunk is recognised by a ``"content":"x`` (or
 ``"text":``) field with a non-empty string, without decoding its JSON. JSON inside a string
 escapes its quotes, so generated text cannot fake the pattern. Only the rare chunks without
@@ -50,6 +55,10 @@ class RequestResult:
     prompt_tokens: int | None = None
     usage: bool = False  # output_tokens came from the server's usage
     max_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens the runtime says came from its cache
+    cache_source: str | None = None  # "usage" (prompt_tokens_details) or "timings" (llama-server)
+    prompt_evaluated: int | None = None  # llama-server's timings.prompt_n: prompt tokens computed
+    turn: int = 0  # 0: the first request of a conversation (later turns share its history on purpose)
 
     @property
     def tpot(self) -> float | None:
@@ -61,8 +70,8 @@ class RequestResult:
 class StreamScanner:
     """Feeds on raw bytes as they arrive; splits SSE events and classifies them."""
 
-    __slots__ = ("buf", "chunks", "done", "error", "finished", "first", "itl", "last", "prompt_tokens",
-                 "sep", "usage_tokens")
+    __slots__ = ("buf", "cache_n", "cached_tokens", "chunks", "done", "error", "finished", "first", "itl", "last",
+                 "prompt_n", "prompt_tokens", "sep", "usage_tokens")
 
     def __init__(self) -> None:
         self.buf = b""
@@ -73,6 +82,9 @@ class StreamScanner:
         self.chunks = 0
         self.usage_tokens: int | None = None
         self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.cache_n: int | None = None
+        self.prompt_n: int | None = None
         self.done = False
         self.finished = False
         self.error: str | None = None
@@ -101,7 +113,8 @@ class StreamScanner:
                 else:
                     self.itl.append(now - self.last)
                 self.last = now
-                if buf.find(b'"usage"', start, end) >= 0:  # a few servers put usage on a content chunk
+                # a few servers put usage (or llama-server's timings) on a content chunk
+                if buf.find(b'"usage"', start, end) >= 0 or buf.find(b'"timings"', start, end) >= 0:
                     self._other(buf[start:end], usage_only=True)
             else:
                 self._other(buf[start:end])
@@ -121,7 +134,7 @@ class StreamScanner:
             payload = event[i + 6:].lstrip()
         if payload.startswith(b"[DONE]"):
             self.done = True
-        elif not usage_only or _USAGE.search(payload):
+        elif not usage_only or _USAGE.search(payload) or b'"timings"' in payload:
             self._decode(payload)
 
     def _decode(self, payload: bytes) -> None:
@@ -140,6 +153,15 @@ class StreamScanner:
                 self.usage_tokens = usage["completion_tokens"]
             if isinstance(usage.get("prompt_tokens"), int):
                 self.prompt_tokens = usage["prompt_tokens"]
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.cached_tokens = details["cached_tokens"]
+        timings = obj.get("timings")
+        if isinstance(timings, dict):
+            if isinstance(timings.get("cache_n"), int):
+                self.cache_n = timings["cache_n"]
+            if isinstance(timings.get("prompt_n"), int):
+                self.prompt_n = timings["prompt_n"]
         for choice in obj.get("choices") or ():
             if isinstance(choice, dict) and choice.get("finish_reason"):
                 self.finished = True
@@ -169,6 +191,8 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
     never saw it, so the retry is not a second request; ``retries`` counts them.
     """
     data = orjson.dumps(body)  # encoded before the clock starts: encoding is not the server's time
+    # vLLM refuses a body without this header (415); aiohttp labels bytes as octet-stream
+    headers = {"Content-Type": "application/json", **headers}
     result = RequestResult(cls=cls, max_tokens=body.get("max_tokens", 0))
     for attempt in range(STALE_RETRIES + 1):
         result.t_written = 0.0
@@ -189,6 +213,11 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
     result.chunks = scan.chunks
     result.itl = scan.itl
     result.prompt_tokens = scan.prompt_tokens
+    result.prompt_evaluated = scan.prompt_n
+    if scan.cached_tokens is not None:
+        result.cached_tokens, result.cache_source = scan.cached_tokens, "usage"
+    elif scan.cache_n is not None:
+        result.cached_tokens, result.cache_source = scan.cache_n, "timings"
     if scan.first is not None:
         result.ttft = scan.first - t0
     if result.error is None:

@@ -142,11 +142,26 @@ def cmd_usage(args: argparse.Namespace) -> int:
         print(f"passerelle: --by takes some of {', '.join(DIMENSIONS)} (comma-separated), not {args.by!r}",
               file=sys.stderr)
         return 2
+    if args.export_trace is not None and args.access_log is not None:
+        from passerelle.tenants.trace import access_log_rows, export_trace
+
+        try:
+            with args.access_log.open(errors="replace") as fh:
+                lines = list(access_log_rows(fh, since))
+        except OSError as exc:
+            print(f"passerelle: cannot read {args.access_log}: {exc.strerror}", file=sys.stderr)
+            return 2
+        return export_trace(lines, args.export_trace, f"the access log {args.access_log}")
     try:
         _, store = _open(args)
     except ConfigError as exc:
         print(f"passerelle: configuration error: {exc}", file=sys.stderr)
         return 2
+    if args.export_trace is not None:
+        from passerelle.tenants.trace import export_trace, usage_rows
+
+        return export_trace(usage_rows(store.conn, since), args.export_trace,
+                            f"the usage store {store.path} (arrivals approximate: it keeps when requests ended)")
     rows = report(store.conn, since=since, until=until, by=by)
     keys = {k.id: k for k in store.list()} if "key" in by else {}
     figures = ["requests", "prompt_tokens", "completion_tokens", "total_tokens", "not_ok", "limited", "last_seen"]
@@ -251,4 +266,10 @@ def add_parsers(subparsers: Any) -> None:
                                        "(default: everything)")
     usage.add_argument("--until", help="the end, same forms (default: now)")
     usage.add_argument("--csv", action="store_true", help="CSV on standard output, for a spreadsheet")
+    usage.add_argument("--export-trace", type=Path, metavar="FILE",
+                       help="write the requests' arrival times and lengths as a JSONL trace for "
+                            "`passerelle bench --trace FILE` ('-': stdout)")
+    usage.add_argument("--access-log", type=Path, metavar="FILE",
+                       help="with --export-trace: read the access log's JSON lines (exact arrival times) "
+                            "instead of the usage store (which keeps when requests ended)")
     usage.set_defaults(func=cmd_usage)

@@ -91,6 +91,9 @@ class FakeConfig:
     # like llama-server: drop the connection this long after each streamed answer, ignoring any
     # request already sent on it (None: keep it alive)
     close_after_stream_ms: float | None = None
+    # a prompt cache like a runtime's: remember the last N prompts and report, in
+    # usage.prompt_tokens_details.cached_tokens, the longest prefix (in words) shared with one (0: off)
+    prefix_cache: int = 0
 
 
 class Slots:
@@ -157,6 +160,36 @@ class BadRequest(Exception):
 
 def _error_body(message: str, type_: str, code: int) -> bytes:
     return _dumps({"error": {"message": message, "type": type_, "code": code}})
+
+
+def _words(value: Any) -> list[str]:
+    """The words of every text part, in order (what ``_count_words`` counts)."""
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, list):
+        return [w for v in value for w in _words(v)]
+    if isinstance(value, dict):
+        return _words(value.get("content", "")) + _words(value.get("text", ""))
+    return []
+
+
+class PromptCache:
+    """The last ``size`` prompts; ``lookup`` says how many leading words a new one shares with one."""
+
+    def __init__(self, size: int) -> None:
+        self.prompts: deque[list[str]] = deque(maxlen=size)
+
+    def lookup(self, words: list[str]) -> int:
+        best = 0
+        for old in self.prompts:
+            n = 0
+            for a, b in zip(old, words, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        self.prompts.append(words)
+        return min(best, max(len(words) - 1, 0))  # like llama-server, the last token is always computed
 
 
 def _count_words(value: Any) -> int:
@@ -338,6 +371,7 @@ class FakeBackend:
         self.slots = Slots(self.config.slots)
         self.rng = random.Random(self.config.seed)
         self.prompts_seen: set[int] = set()  # hashes, for tests: does a client ever repeat a prompt?
+        self.cache = PromptCache(self.config.prefix_cache) if self.config.prefix_cache else None
         self.routes = {
             (b"POST", b"/v1/chat/completions"): self.chat,
             (b"POST", b"/v1/completions"): self.completions,
@@ -456,6 +490,7 @@ class FakeBackend:
             return
         prompt_tokens = _count_words(prompt)
         self.prompts_seen.add(hash(_dumps(prompt)))
+        cached = self.cache.lookup(_words(prompt)) if self.cache is not None else None
         stream = bool(body.get("stream"))
         include_usage = cfg.usage and bool((body.get("stream_options") or {}).get("include_usage"))
         model = body.get("model") or cfg.model
@@ -480,10 +515,11 @@ class FakeBackend:
                 await _sleep_until(start + (cfg.ttft_ms + max(n_tokens - 1, 0) * cfg.itl_ms) / 1000)
                 self.counters.completed += 1
                 self.counters.completion_tokens += n_tokens
-                conn.respond(200, self._full_body(chat, rid, model, n_tokens, prompt_tokens, finish), keep_alive)
+                conn.respond(200, self._full_body(chat, rid, model, n_tokens, prompt_tokens, finish, cached),
+                             keep_alive)
                 return
             await self._stream(conn, chat, rid, model, n_tokens, prompt_tokens, finish, include_usage, abort,
-                               start, keep_alive)
+                               start, keep_alive, cached)
         except (asyncio.CancelledError, ConnectionResetError):
             self.counters.disconnected += 1
             raise
@@ -493,7 +529,7 @@ class FakeBackend:
 
     async def _stream(self, conn: Connection, chat: bool, rid: str, model: str, n_tokens: int,
                       prompt_tokens: int, finish: str, include_usage: bool, abort: bool, start: float,
-                      keep_alive: bool) -> None:
+                      keep_alive: bool, cached: int | None = None) -> None:
         cfg = self.config
         conn.start_stream()
         head = (b'data: {"id":"' + rid.encode() + b'","object":"'
@@ -525,10 +561,10 @@ class FakeBackend:
                 conn.close()  # no chunked terminator, no [DONE]: the client sees a cut stream
                 return
             if sent == n_tokens:
-                out += self._tail(chat, prefix, head, finish, n_tokens, prompt_tokens, include_usage)
+                out += self._tail(chat, prefix, head, finish, n_tokens, prompt_tokens, include_usage, cached)
             await conn.write_chunk(out)
         if n_tokens == 0:
-            await conn.write_chunk(self._tail(chat, prefix, head, finish, 0, prompt_tokens, include_usage))
+            await conn.write_chunk(self._tail(chat, prefix, head, finish, 0, prompt_tokens, include_usage, cached))
         self.counters.completed += 1
         self.counters.completion_tokens += n_tokens
         conn.end_stream(keep_alive)
@@ -538,16 +574,17 @@ class FakeBackend:
 
     @staticmethod
     def _tail(chat: bool, prefix: bytes, head: bytes, finish: str, n_tokens: int, prompt_tokens: int,
-              include_usage: bool) -> bytes:
+              include_usage: bool, cached: int | None = None) -> bytes:
         reason = b'"finish_reason":"' + finish.encode() + b'"}]}\n\n'
         out = prefix + (b'},"logprobs":null,' if chat else b'"text":"","logprobs":null,') + reason
         if include_usage:
+            details = b"" if cached is None else b',"prompt_tokens_details":{"cached_tokens":%d}' % cached
             out += (head + b',"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,'
-                    b'"total_tokens":%d}}\n\n' % (prompt_tokens, n_tokens, prompt_tokens + n_tokens))
+                    b'"total_tokens":%d%s}}\n\n' % (prompt_tokens, n_tokens, prompt_tokens + n_tokens, details))
         return out + _DONE
 
     def _full_body(self, chat: bool, rid: str, model: str, n_tokens: int, prompt_tokens: int,
-                   finish: str) -> bytes:
+                   finish: str, cached: int | None = None) -> bytes:
         text = "".join(VOCAB[i % len(VOCAB)] for i in range(n_tokens))
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         if chat:
@@ -558,7 +595,8 @@ class FakeBackend:
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
-                      "total_tokens": prompt_tokens + n_tokens},
+                      "total_tokens": prompt_tokens + n_tokens,
+                      **({} if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}})},
         })
 
     # --- helpers ---------------------------------------------------------------------------
@@ -644,6 +682,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--close-after-stream-ms", type=_non_negative, default=None, metavar="MS",
                         help="close the connection MS ms after each streamed answer, dropping requests "
                              "sent on it meanwhile (llama-server does so without notice)")
+    parser.add_argument("--prefix-cache", type=int, default=0, metavar="N",
+                        help="act as if the last N prompts were cached: report the words a prompt shares "
+                             "with one as usage.prompt_tokens_details.cached_tokens (default 0: off)")
 
 
 def config_from_args(args: argparse.Namespace) -> FakeConfig:
@@ -651,7 +692,7 @@ def config_from_args(args: argparse.Namespace) -> FakeConfig:
                       slots=max(args.slots, 0), tokens=args.tokens, model=args.model,
                       fail_rate=args.fail_rate, abort_rate=args.abort_rate, seed=args.seed,
                       usage=args.usage, embedding_dim=args.embedding_dim,
-                      close_after_stream_ms=args.close_after_stream_ms)
+                      close_after_stream_ms=args.close_after_stream_ms, prefix_cache=max(args.prefix_cache, 0))
 
 
 def _main(args: argparse.Namespace) -> int:
