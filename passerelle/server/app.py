@@ -27,6 +27,7 @@ from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
+from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
 from passerelle.runtimes.factory import build_runtime, expand
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
@@ -35,7 +36,7 @@ from passerelle.scheduling.scheduler import Scheduler
 from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener
 from passerelle.server.responses import error_response, json_response, raw_response
-from passerelle.server.routes import Access, NotFound, is_admin_path, match
+from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
 from passerelle.tenants.keys import KeyRing, KeyStore
 from passerelle.tenants.usage import UsageRecorder
 
@@ -79,6 +80,13 @@ class App:
         self.admin_listener = (AdminListener(self.admin_app, cfg.admin.host, cfg.admin.port)
                                if cfg.admin.port else None)
         self._ui_page: bytes | None = None
+        self.extra_routes: dict[str, Route] = {}
+        self._extra_routes_changed()
+
+    def _extra_routes_changed(self) -> None:
+        """The operator's added routes (``extra_routes``) of the current backends, by path."""
+        self.extra_routes = {e: extra_route(e) for b in self.registry.backends for e in b.endpoints
+                             if e.startswith("/")}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -112,12 +120,17 @@ class App:
                 raise NotFound(f"No route for {method} {path} on this port.")
             if admin and (err := self.admin_guard.check(scope)) is not None:
                 raise err
-            route = match(method, path)
+            route = match(method, path, self.extra_routes)
             if route.access is Access.INFERENCE:
                 await self.gateway.handle(scope, receive, send, route.target)
                 return
             await getattr(self, route.target)(scope, receive, send)
         except GatewayError as err:
+            route = find(path)
+            if route is not None and route.access is Access.INFERENCE and api_for(route.target).errors == ANTHROPIC:
+                body, ctype = error_body(err, ANTHROPIC)  # e.g. GET /v1/messages: Anthropic's shape there
+                await raw_response(send, err.status, body, ctype, err.headers())
+                return
             await error_response(send, err)
 
     async def admin_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -182,7 +195,9 @@ class App:
             if allowed and message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []),
                                       (b"access-control-allow-origin", origin.encode()),  # type: ignore[union-attr]
-                                      (b"access-control-allow-headers", b"authorization, content-type, x-priority"),
+                                      (b"access-control-allow-headers",
+                                       b"authorization, content-type, x-priority, x-api-key, anthropic-version, "
+                                       b"anthropic-beta"),
                                       (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                                       (b"access-control-expose-headers", b"x-request-id, retry-after")]
             await send(message)
@@ -237,7 +252,7 @@ class App:
                  f"  dashboard at {admin}/ui, metrics at {admin}/metrics"]
         for b in self.registry.backends:
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
-                         f"[{', '.join(b.cfg.endpoints)}], {b.capacity} slots, {'up' if b.stats.up else 'DOWN'}")
+                         f"[{', '.join(b.endpoints)}], {b.capacity} slots, {'up' if b.stats.up else 'DOWN'}")
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _spawn(self, coro: Any, name: str) -> None:
@@ -284,6 +299,7 @@ class App:
                 if not backend.cfg.on_demand:
                     self._spawn(self.supervisor.start(name), f"start-{name}")
         self.registry.set_backends(backends + [current[n] for n in removed])
+        self._extra_routes_changed()
         log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
         return {"added": added, "removed": removed, "unchanged": kept}
 
@@ -295,6 +311,7 @@ class App:
             await proc.stop()
             del self.supervisor.processes[backend.name]
         self.registry.set_backends([b for b in self.registry.backends if b is not backend])
+        self._extra_routes_changed()
         await backend.close()
 
     async def shutdown(self) -> None:
