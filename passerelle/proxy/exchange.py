@@ -95,8 +95,11 @@ class Exchange:
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
-        await self.send({"type": "http.response.start", "status": status,
-                         "headers": [*headers, (b"x-request-id", self.rec.id.encode())]})
+        rid = self.rec.id.encode()
+        headers = [*headers, (b"x-request-id", rid)]
+        if self.errors != OPENAI:
+            headers.append((b"request-id", rid))  # where Anthropic's SDKs and Claude Code read it
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def send_body(self, body: bytes, *, more: bool) -> None:
         await self.send({"type": "http.response.body", "body": body, "more_body": more})
