@@ -221,3 +221,14 @@ def test_metrics_count_the_new_routes(gw):
     ttft = [x for x in text.splitlines()
             if x.startswith("passerelle_time_to_first_token_seconds_count") and f'model="{MODEL_ID}"' in x]
     assert ttft and sum(float(x.rsplit(" ", 1)[1]) for x in ttft) == 2
+
+
+def test_an_operator_added_route_is_forwarded_with_the_same_life(gateway, llama_server):
+    gw = gateway(upstream_config(llama_server.url) + '\n[server]\nextra_routes = ["/v1/chat/completions/input_tokens"]\n')
+    r = httpx.post(gw.url + "/v1/chat/completions/input_tokens", json={"model": MODEL_ID, "messages": ASK})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 5
+    line = gw.log_for(r.headers["x-request-id"])
+    assert line["endpoint"] == "/v1/chat/completions/input_tokens" and line["cause"] == "ok"
+    r = httpx.post(gw.url + "/v1/chat/completions/input_tokens", json={"model": "other", "messages": ASK})
+    assert r.status_code == 404
+    assert httpx.post(gw.url + "/responses/input_tokens", json={"model": MODEL_ID}).status_code == 404
