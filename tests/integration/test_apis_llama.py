@@ -224,7 +224,8 @@ def test_metrics_count_the_new_routes(gw):
 
 
 def test_an_operator_added_route_is_forwarded_with_the_same_life(gateway, llama_server):
-    gw = gateway(upstream_config(llama_server.url) + '\n[server]\nextra_routes = ["/v1/chat/completions/input_tokens"]\n')
+    gw = gateway(upstream_config(llama_server.url)
+                 + '\n[server]\nextra_routes = ["/v1/chat/completions/input_tokens"]\n')
     r = httpx.post(gw.url + "/v1/chat/completions/input_tokens", json={"model": MODEL_ID, "messages": ASK})
     assert r.status_code == 200 and r.json()["input_tokens"] > 5
     line = gw.log_for(r.headers["x-request-id"])

@@ -157,7 +157,7 @@ async def test_a_stream_cut_before_its_end_event_is_an_error():
 
 
 async def test_an_error_event_from_the_runtime_is_relayed_then_reported():
-    events = responses_stream()[:3] + [sse(None, {"error": {"message": "boom", "type": "server_error"}})]
+    events = [*responses_stream()[:3], sse(None, {"error": {"message": "boom", "type": "server_error"}})]
     rec = RequestRecord(id="r", endpoint="responses", stream=True, backend="b")
     rec.to(State.DISPATCHED)
     client = Client()
@@ -169,7 +169,7 @@ async def test_an_error_event_from_the_runtime_is_relayed_then_reported():
 
 
 async def test_generic_grammar_ends_at_the_close():
-    rec, client = await run([b'data: {"x": 1}\n\ndata: {"x": 2}\n\n'], "generic")
+    rec, _ = await run([b'data: {"x": 1}\n\ndata: {"x": 2}\n\n'], "generic")
     assert rec.content_chunks == 2
 
 

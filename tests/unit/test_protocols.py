@@ -113,7 +113,7 @@ def test_extra_routes_are_checked(tmp_path):
             load_config(cfg, env={})
         assert why in str(info.value) and "server.extra_routes" in str(info.value) and ":2" in str(info.value)
     cfg.write_text('[[backends]]\nname = "a"\nurl = "http://x"\nmodels = ["m"]\nendpoints = ["chat", "speech"]\n')
-    with pytest.raises(ConfigError, match="backends\\[0\\].endpoints"):
+    with pytest.raises(ConfigError, match=r"backends\[0\]\.endpoints"):
         load_config(cfg, env={})
 
 
