@@ -102,6 +102,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                           help="POST /v1/chat/completions (default)")
     endpoint.add_argument("--completions", dest="endpoint", action="store_const", const="completions",
                           help="POST /v1/completions")
+    endpoint.add_argument("--api", dest="endpoint", choices=list(ENDPOINTS),
+                          help="the API to load: chat (default), completions, responses (OpenAI Responses, "
+                               "POST /v1/responses) or messages (Anthropic Messages, POST /v1/messages)")
     work.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                       help="send ignore_eos so every answer has exactly max_tokens tokens (default on)")
     work.add_argument("--usage", action=argparse.BooleanOptionalAction, default=True,
@@ -191,7 +194,7 @@ def _command(args: argparse.Namespace, kind: str) -> str:
             continue
         flag = "--" + key.replace("_", "-")
         if key == "endpoint":
-            parts.append(f"--{value}")
+            parts += [f"--{value}"] if value in ("chat", "completions") else ["--api", value]
         elif isinstance(value, bool):
             parts.append(flag if value else f"--no-{key.replace('_', '-')}")
         elif isinstance(value, list):
