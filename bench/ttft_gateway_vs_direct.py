@@ -7,7 +7,11 @@ completions, OpenAI Responses and Anthropic Messages (``--apis``), interleaved i
 see the same machine. TTFT ends at the first event with generated text in that API's grammar
 (``content`` delta, ``response.output_text.delta``, ``text_delta``).
 
+With ``--runtime fake`` the runtime is ``passerelle fake-backend`` (first token at 50 ms, every
+API's events on the same schedule): no model's variance, only the gateway's cost is left.
+
     .venv/bin/python bench/ttft_gateway_vs_direct.py [--requests 60] [--max-tokens 8] [--apis chat,responses]
+                                                     [--runtime llama|fake]
 """
 
 from __future__ import annotations
@@ -102,24 +106,32 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--apis", default="chat", help="comma-separated: chat, responses, messages (default chat)")
+    ap.add_argument("--runtime", choices=("llama", "fake"), default="llama",
+                    help="the embedded llama-server (default) or passerelle fake-backend (TTFT 50 ms)")
     args = ap.parse_args()
     apis = [a for a in args.apis.split(",") if a]
     if not apis or set(apis) - set(APIS):
         ap.error(f"--apis: choose among {', '.join(APIS)}")
-    binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
     lport, gport = free_port(), free_port()
     work = Path(tempfile.mkdtemp(prefix="passerelle-bench-"))
-    llama = subprocess.Popen([str(binary), "-m", str(model), "--alias", "gemma-3-270m", "--port", str(lport),
-                              "-np", "4", "-c", "8192", "--metrics", "--slots", "--no-webui"],
-                             stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    if args.runtime == "fake":
+        cmd = [sys.executable, "-m", "passerelle", "fake-backend", "--port", str(lport), "--ttft-ms", "50",
+               "--itl-ms", "10", "--model", "gemma-3-270m"]
+        kind, routes = "openai", 'endpoints = ["chat", "completions", "responses", "messages"]\n'
+    else:
+        binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
+        cmd = [str(binary), "-m", str(model), "--alias", "gemma-3-270m", "--port", str(lport),
+               "-np", "4", "-c", "8192", "--metrics", "--slots", "--no-webui"]
+        kind, routes = "llama-server", ""
+    llama = subprocess.Popen(cmd, stdout=open(work / "runtime.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     cfg = work / "gw.toml"
-    cfg.write_text(f'[[backends]]\nname = "b"\nkind = "llama-server"\nurl = "http://127.0.0.1:{lport}"\n'
-                   f'models = ["gemma-3-270m"]\nmax_concurrency = 4\n')
+    cfg.write_text(f'[[backends]]\nname = "b"\nkind = "{kind}"\nurl = "http://127.0.0.1:{lport}"\n'
+                   f'models = ["gemma-3-270m"]\nmax_concurrency = 4\n{routes}')
     gw = subprocess.Popen([sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(gport)],
                           stdout=open(work / "gateway.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        wait_http(f"http://127.0.0.1:{lport}/health")
+        wait_http(f"http://127.0.0.1:{lport}/health")  # (the fake answers it too)
         wait_http(f"http://127.0.0.1:{gport}/ready")
         res = asyncio.run(run(f"http://127.0.0.1:{lport}", f"http://127.0.0.1:{gport}", args.requests,
                               args.max_tokens, apis))
@@ -128,7 +140,9 @@ def main() -> int:
         gw.wait(30)
         llama.terminate()
         llama.wait(30)
-    print(f"TTFT over {args.requests} streaming requests each, alternating, Gemma 3 270M on llama-server (4 slots)")
+    runtime = ("passerelle fake-backend (TTFT 50 ms)" if args.runtime == "fake"
+               else "Gemma 3 270M on llama-server (4 slots)")
+    print(f"TTFT over {args.requests} streaming requests each, alternating, {runtime}")
     for api in apis:
         d, g = res[(api, "direct")], res[(api, "gateway")]
         print(f"\n{api} ({APIS[api][0]})")
