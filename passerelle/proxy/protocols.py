@@ -102,10 +102,9 @@ def _check_fields(endpoint: str, data: dict[str, Any]) -> None:
         if value is not None and (not isinstance(value, list) or not value
                                   or not all(isinstance(m, dict) for m in value)):
             raise InvalidRequest("'messages' must be a non-empty array of message objects.", param="messages")
-    for name in ("prompt", "input"):
-        if endpoint in ("completions", "embeddings", "responses") and name in data \
-                and not isinstance(data[name], str | list):
-            raise InvalidRequest(f"'{name}' must be a string or an array.", param=name)
+    text = {"completions": "prompt", "embeddings": "input", "responses": "input"}.get(endpoint)
+    if text is not None and text in data and not isinstance(data[text], str | list):
+        raise InvalidRequest(f"'{text}' must be a string or an array.", param=text)
     if endpoint == "rerank":
         docs = data.get("documents", data.get("texts"))
         if not isinstance(docs, list) or not docs:
@@ -175,8 +174,8 @@ API: dict[str, Api] = {a.name: a for a in (
     Api("chat", "/v1/chat/completions", "chat", required=("messages",), collect=True),
     Api("completions", "/v1/completions", "chat", required=("prompt",), collect=True),
     Api("embeddings", "/v1/embeddings", required=("input",), can_stream=False, generates=False),
-    Api("responses", "/v1/responses", "responses", required=("input",), collect=True,
-        budget=("max_output_tokens",)),
+    # (Responses' `input` may be left out, e.g. with a stored prompt: the runtime decides)
+    Api("responses", "/v1/responses", "responses", collect=True, budget=("max_output_tokens",)),
     Api("responses_input_tokens", "/v1/responses/input_tokens", scheduled=False, can_stream=False,
         generates=False),
     Api("messages", "/v1/messages", "messages", required=("messages",), errors=ANTHROPIC, collect=True),

@@ -233,3 +233,21 @@ def test_an_operator_added_route_is_forwarded_with_the_same_life(gateway, llama_
     r = httpx.post(gw.url + "/v1/chat/completions/input_tokens", json={"model": "other", "messages": ASK})
     assert r.status_code == 404
     assert httpx.post(gw.url + "/responses/input_tokens", json={"model": MODEL_ID}).status_code == 404
+
+
+def test_transcriptions_route_the_form_and_cap_the_upload(gateway, llama_server):
+    gw = gateway(upstream_config(llama_server.url) + "\n[server]\nmax_upload_bytes = 65536\n")
+    wav = b"RIFF" + b"\x00" * 2000
+    files = {"file": ("a.wav", wav, "audio/wav")}
+    r = httpx.post(gw.url + "/v1/audio/transcriptions", data={"model": MODEL_ID}, files=files, timeout=30)
+    # routed by the form's model to llama-server, whose Gemma has no audio: its own answer, passed on
+    assert r.status_code == 501 and "audio" in r.json()["error"]["message"]
+    line = gw.log_for(r.headers["x-request-id"])
+    assert line["endpoint"] == "transcriptions" and line["backend"] == "b1" and line["model"] == MODEL_ID
+    r = httpx.post(gw.url + "/v1/audio/transcriptions", data={"model": "whisper-9"}, files=files, timeout=30)
+    assert r.status_code == 404 and "whisper-9" in r.json()["error"]["message"]
+    r = httpx.post(gw.url + "/v1/audio/transcriptions", files=files, timeout=30)
+    assert r.status_code == 400 and "'model'" in r.json()["error"]["message"]
+    big = {"file": ("a.wav", b"RIFF" + b"\x00" * 70000, "audio/wav")}
+    r = httpx.post(gw.url + "/v1/audio/transcriptions", data={"model": MODEL_ID}, files=big, timeout=30)
+    assert r.status_code == 413

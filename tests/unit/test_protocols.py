@@ -38,6 +38,7 @@ def test_parse_reads_the_fields_each_api_names():
     ("messages", {"model": "m"}, "'messages'"),
     ("messages", {"model": "m", "messages": "hi"}, "'messages' must be"),
     ("responses", {"input": "x"}, "'model'"),
+    ("completions", {"model": "m", "prompt": {"a": 1}}, "'prompt' must be"),
     ("responses", {"model": "m", "input": 5}, "'input' must be"),
     ("responses", {"model": "m", "input": "x", "max_output_tokens": "5"}, "'max_output_tokens'"),
     ("rerank", {"model": "m", "query": "q", "documents": []}, "'documents'"),
@@ -123,3 +124,10 @@ def test_extra_routes_reach_the_route_table():
     extra = {"/v1/score": extra_route("/v1/score")}
     assert match("POST", "/v1/score", extra).target == "/v1/score"
     assert dataclasses.astuple(match("POST", "/v1/responses", extra))[3] == "responses"
+
+
+def test_responses_fields_the_runtime_decides_on_pass():
+    # a stored prompt instead of input, a prompt template object: not the gateway's business
+    req = API["responses"].parse(orjson.dumps({"model": "m", "prompt": {"id": "pmpt_1"},
+                                               "previous_response_id": "resp_1"}), None)
+    assert req.model == "m" and req.data["prompt"] == {"id": "pmpt_1"}
