@@ -227,8 +227,9 @@ class Gateway:
             if not pool:
                 raise InvalidRequest(f"The model '{model}' is not served on {scope['path']}: no backend of it "
                                      f"serves that route. It is served on: {self._routes_of(model)}.", param="model")
-            # prompt: about 4 bytes of JSON per token (corrected by usage); an upload is not text
-            est_prompt = 0 if api.form else len(body) // 4
+            # prompt: about 4 bytes of JSON per token (corrected by usage); an upload is not text,
+            # and tokenizing or counting tokens is not the model's work
+            est_prompt = len(body) // 4 if api.scheduled and not api.form else 0
             est_output = (rec.max_tokens or 256) if api.generates else 0
             if key is not None:
                 grant = self.limiter.admit(key, est_prompt + est_output)
