@@ -32,7 +32,33 @@ from typing import Any
 from passerelle.errors import ConfigError
 
 BACKEND_KINDS = ("llama-server", "vllm", "ollama", "sglang", "openai")
-ENDPOINT_KINDS = ("chat", "completions", "embeddings")
+# The inference APIs the gateway forwards, by name (proxy/protocols.py says how each is read; the
+# route table server/routes.py maps paths to them). A backend serves its kind's defaults
+# (runtimes/*.py `serves`) unless its `endpoints` lists others.
+ENDPOINT_KINDS = ("chat", "completions", "embeddings", "responses", "responses_input_tokens", "messages",
+                  "count_tokens", "rerank", "tokenize", "detokenize", "apply_template", "infill", "transcriptions")
+
+# Runtimes' management routes (llama-server, vLLM, SGLang, Ollama): never forwarded, not even when
+# an operator lists them in `extra_routes`. A path equal to one, or under one, or naming one of
+# the words below, is refused.
+MANAGEMENT_ROUTES = ("/slots", "/props", "/models", "/v1/models", "/lora-adapters", "/metrics", "/health",
+                     "/cors-proxy", "/tools", "/v1/stream", "/v1/streams", "/v1/chat/completions/control",
+                     "/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs",
+                     "/server_info", "/get_server_info", "/admin", "/ui", "/ready")
+MANAGEMENT_WORDS = ("sleep", "wake", "cache", "lora", "weight", "profile", "rpc", "elastic", "pause", "resume",
+                    "abort", "shutdown", "memory", "load", "internal_state", "logging")
+
+
+def is_management_route(path: str) -> bool:
+    """Would forwarding ``path`` expose a runtime's management (or the gateway's own) routes?
+
+    >>> is_management_route("/slots/0"), is_management_route("/reset_prefix_cache"), is_management_route("/v1/x")
+    (True, True, False)
+    """
+    p = path.lower().rstrip("/")
+    if any(p == m or p.startswith(m + "/") for m in MANAGEMENT_ROUTES):
+        return True
+    return any(w in p for w in MANAGEMENT_WORDS)
 
 
 @dataclass(frozen=True)
@@ -55,6 +81,10 @@ class ServerConfig:
     # Keys, usage and the audit log of this instance. Default: $PASSERELLE_STATE, else next to the
     # configuration file (<name>.state/ beside <name>.toml), else (no file) the user's state directory.
     state_dir: str = ""
+    max_upload_bytes: int = 25 * 1024 * 1024  # multipart uploads (/v1/audio/transcriptions)
+    # POST paths forwarded as they are to every backend, beyond the built-in inference routes
+    # (a runtime's newer inference route); management routes are refused
+    extra_routes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,7 +109,8 @@ class BackendConfig:
     url: str = ""
     launch: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
-    endpoints: tuple[str, ...] = ENDPOINT_KINDS  # which OpenAI endpoints it serves
+    endpoints: tuple[str, ...] = ()  # the inference APIs it serves (ENDPOINT_KINDS); empty: its kind's
+    extra_routes: tuple[str, ...] = ()  # more POST paths forwarded to it as they are (see ServerConfig)
     max_concurrency: int = 4
     health_path: str = ""  # default by kind
     ready_timeout_s: float = 600.0
@@ -101,7 +132,10 @@ class EmbeddedConfig:
     slots: int = 4
     ctx_per_slot: int = 4096
     threads: int = 0  # 0: llama-server's default
-    embeddings: bool = True  # serve /v1/embeddings from the same process
+    embeddings: bool = True  # serve /v1/embeddings from a second, one-slot process of the same GGUF
+    rerank: bool = True  # serve /v1/rerank from a third process (--reranking) with a reranking GGUF
+    rerank_model_path: str = ""  # a reranking GGUF (bge-reranker, jina-reranker...); default: a tiny one made locally
+    rerank_model_id: str = "tiny-reranker"
     extra_args: tuple[str, ...] = ()
 
 
@@ -387,6 +421,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     _check_client_limits(server, file=file, text=text)
     _check(server.max_body_bytes_total >= server.max_body_bytes, "expected at least server.max_body_bytes",
            file=file, key="server.max_body_bytes_total", text=text, header="server", field_name="max_body_bytes_total")
+    _check(server.max_upload_bytes > 0, "expected a positive size", file=file, key="server.max_upload_bytes",
+           text=text, header="server", field_name="max_upload_bytes")
+    _check_routes(server.extra_routes, file=file, text=text, header="server", key="server.extra_routes")
     timeouts: TimeoutConfig = sections["timeouts"]
     for f in dataclasses.fields(TimeoutConfig):
         _check(getattr(timeouts, f.name) > 0, "expected a positive number of seconds", file=file,
@@ -439,9 +476,10 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                key=f"{key}.launch", field_name="launch", **ck)
         _check(bool(b.models), "list at least one model id this backend serves", key=f"{key}.models",
                field_name="models" if "models" in table else "name", **ck)
-        _check(bool(b.endpoints) and set(b.endpoints) <= set(ENDPOINT_KINDS),
-               f"expected a non-empty list drawn from {', '.join(ENDPOINT_KINDS)}", key=f"{key}.endpoints",
+        _check(set(b.endpoints) <= set(ENDPOINT_KINDS),
+               f"expected a list drawn from {', '.join(ENDPOINT_KINDS)}", key=f"{key}.endpoints",
                field_name="endpoints", **ck)
+        _check_routes(b.extra_routes, key=f"{key}.extra_routes", **ck)
         _check(b.max_concurrency > 0, "expected a positive integer", key=f"{key}.max_concurrency",
                field_name="max_concurrency", **ck)
         _check(not b.on_demand or bool(b.launch), "on_demand needs a 'launch' command", key=f"{key}.on_demand",
@@ -468,6 +506,16 @@ def _check_client_limits(server: ServerConfig, *, file: str, text: str) -> None:
            key="server.shutdown_grace_s", field_name="shutdown_grace_s", **ck)
     _check(server.max_connections >= 16, "expected at least 16", key="server.max_connections",
            field_name="max_connections", **ck)
+
+
+def _check_routes(routes: tuple[str, ...], *, file: str, text: str, header: str, key: str, nth: int = 0) -> None:
+    for route in routes:
+        _check(route.startswith("/") and "?" not in route and "#" not in route and " " not in route,
+               f"expected a path such as /v1/score, got {route!r}", file=file, key=key, text=text, header=header,
+               field_name="extra_routes", nth=nth)
+        _check(not is_management_route(route),
+               f"{route} is (or looks like) a runtime's management route; passerelle never forwards those",
+               file=file, key=key, text=text, header=header, field_name="extra_routes", nth=nth)
 
 
 def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: str) -> None:

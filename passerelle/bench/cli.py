@@ -104,7 +104,7 @@ def _command(args: argparse.Namespace, kind: str) -> str:
             continue
         flag = "--" + key.replace("_", "-")
         if key == "endpoint":
-            parts.append(f"--{value}")
+            parts += [f"--{value}"] if value in ("chat", "completions") else ["--api", value]
         elif isinstance(value, bool):
             parts.append(flag if value else f"--no-{key.replace('_', '-')}")
         elif key in ("prefix_share", "tie_margin"):

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from passerelle.bench.workload import DEFAULT_MIN_REQUESTS, parse_duration
+from passerelle.bench.workload import DEFAULT_MIN_REQUESTS, ENDPOINTS, parse_duration
 
 
 def int_list(text: str) -> list[int]:
@@ -119,6 +119,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                           help="POST /v1/chat/completions (default)")
     endpoint.add_argument("--completions", dest="endpoint", action="store_const", const="completions",
                           help="POST /v1/completions")
+    endpoint.add_argument("--api", dest="endpoint", choices=list(ENDPOINTS),
+                          help="the API to load: chat (default), completions, responses (OpenAI Responses, "
+                               "POST /v1/responses) or messages (Anthropic Messages, POST /v1/messages)")
     work.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                       help="send ignore_eos so every answer has exactly max_tokens tokens (default on)")
     work.add_argument("--usage", action=argparse.BooleanOptionalAction, default=True,

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from passerelle.bench.client import HttpClient, RequestResult, send
 from passerelle.bench.progress import Progress, Tally
 from passerelle.bench.target import Target, discover
-from passerelle.bench.workload import Conversation, TrafficClass, Workload
+from passerelle.bench.workload import ENDPOINTS, Conversation, TrafficClass, Workload
 
 T = TypeVar("T")
 # Prompt indexes: every (target, level, class, process, conversation) gets its own, so no prompt
@@ -155,7 +155,7 @@ async def run_load(session: Any, target: Target, level: Level, *, timeout: float
         record(result)
         return result
 
-    url = {e: target.base_url + Workload(endpoint=e).path for e in ("chat", "completions")}
+    url = {e: target.base_url + path for e, path in ENDPOINTS.items()}
     assert target.model is not None
     model = target.model
     jobs = []

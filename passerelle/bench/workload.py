@@ -79,7 +79,8 @@ WORDS: tuple[str, ...] = tuple(CORPUS.split())
 INSTRUCTION = "Continue this story in the same style."
 # A typical ratio for English prose under current tokenizers; replaced by a measured one per target.
 DEFAULT_TOKENS_PER_WORD = 1.3
-ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
+             "messages": "/v1/messages"}
 # Conversation indexes of different targets of a compare differ by this much (see cli); lengths
 # are drawn from the index within a target, so every target gets the same sequence of lengths.
 TARGET_STRIDE = 1_000_000_000
@@ -90,7 +91,7 @@ DEFAULT_MIN_REQUESTS = 16  # per level, unless --requests or --duration says oth
 class Workload:
     """One kind of request: lengths, endpoint and sampling options."""
 
-    endpoint: str = "chat"  # "chat" or "completions"
+    endpoint: str = "chat"  # the API: "chat", "completions", "responses" (OpenAI) or "messages" (Anthropic)
     prompt_tokens: int = 128
     prompt_spread: int = 0  # prompt lengths are uniform in [prompt_tokens ± prompt_spread]
     max_tokens: int = 64
@@ -159,17 +160,19 @@ class Conversation:
         tag = f"{zlib.crc32(f'{w.nonce}:{w.seed}:{self.index}:{self.turn}'.encode()):08x}"
         body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "stream": True}
         text = self._user_text(n_words, offset, tag)
-        if w.endpoint == "chat":
+        if w.endpoint == "responses":
+            body = {"model": self.model, "max_output_tokens": max_tokens, "stream": True}
+        if w.endpoint != "completions":
             if self.messages:
                 # The reply is not decoded (the client only scans bytes); a stand-in of the same
                 # length keeps the history realistic, and everything before it is a shared prefix.
                 self.messages.append({"role": "assistant", "content": prompt_text(
                     round(self.last_max_tokens / w.tokens_per_word), offset + 7, tag)})
             self.messages.append({"role": "user", "content": text})
-            body["messages"] = list(self.messages)
+            body["input" if w.endpoint == "responses" else "messages"] = list(self.messages)
         else:
             body["prompt"] = text
-        if w.include_usage:
+        if w.include_usage and w.endpoint in ("chat", "completions"):  # (the others always send usage)
             body["stream_options"] = {"include_usage": True}
         if w.ignore_eos:
             body["ignore_eos"] = True

@@ -3,9 +3,11 @@
     read body (capped) → parse the few fields the gateway needs → pick a backend
     → send upstream → relay (stream or body) → account: metrics, usage, one access-log line
 
-The body passes through untouched, except that a streaming request that did not ask for
+Every inference API goes through this life (protocols.py says what differs: the fields read, the
+runtime's path, the stream's grammar, whether it queues for a slot, the error shape). The body
+passes through untouched, except that a streaming chat/completions request that did not ask for
 ``stream_options.include_usage`` gets it added (so token counts come from the runtime), and the
-usage chunk is removed again before it reaches that client.
+usage chunk is removed again before it reaches that client; vLLM gets the class as ``priority``.
 
 Races worth knowing:
 
@@ -45,8 +47,11 @@ from passerelle.errors import (
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
 from passerelle.observe.record import RequestRecord, State
+from passerelle.proxy import grammars
 from passerelle.proxy.assemble import assemble
+from passerelle.proxy.assemble_events import assemble_events
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
+from passerelle.proxy.protocols import Api, Parsed, api_for
 from passerelle.proxy.relay import StreamRelay, read_body
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
@@ -57,7 +62,6 @@ from passerelle.tenants.policy import KeyPolicy, Ticket
 
 log = logging.getLogger("passerelle.proxy.gateway")
 
-_REQUIRED = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
 
@@ -84,45 +88,6 @@ async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes
         chunks.append(chunk)
         if not msg.get("more_body"):
             return b"".join(chunks)
-
-
-def parse_request(body: bytes, endpoint: str) -> dict[str, Any]:
-    """Validate the fields the gateway relies on; everything else is the runtime's business."""
-    if not body.strip():
-        raise InvalidRequest("The request body is empty; expected a JSON object.")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}.") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    model = data.get("model")
-    if model is None:
-        raise InvalidRequest("Missing required parameter: 'model'.", param="model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' must be a non-empty string.", param="model")
-    required = _REQUIRED[endpoint]
-    value = data.get(required)
-    if value is None:
-        raise InvalidRequest(f"Missing required parameter: '{required}'.", param=required)
-    if endpoint == "chat":
-        if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
-            raise InvalidRequest("'messages' must be a non-empty array of message objects.", param="messages")
-    elif not isinstance(value, str | list):
-        raise InvalidRequest(f"'{required}' must be a string or an array.", param=required)
-    if "stream" in data and not isinstance(data["stream"], bool | None):
-        raise InvalidRequest("'stream' must be a boolean.", param="stream")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        v = data.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "n" else 0)):
-            raise InvalidRequest(f"'{key}' must be a non-negative integer.", param=key)
-    so = data.get("stream_options")
-    if so is not None and not isinstance(so, dict):
-        raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
-    user = data.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidRequest("'user' must be a string.", param="user")
-    return data
 
 
 def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
@@ -188,19 +153,22 @@ class Gateway:
             return ceiling if ceiling.rank < base.rank else base
         return wanted
 
-    def affinity_key(self, scope: Scope, data: dict[str, Any], endpoint: str) -> str:
-        """What keeps related requests on one replica: a session header, else the chat's opening
-        (system prompt and first user message, shared by every turn, so llama-server's prompt
-        cache is reused), else the OpenAI ``user``."""
+    def affinity_key(self, scope: Scope, data: dict[str, Any] | None, endpoint: str) -> str:
+        """What keeps related requests on one replica: a session header, else the conversation's
+        opening (system prompt and first user message, shared by every turn, so llama-server's
+        prompt cache is reused: chat, Anthropic messages, Responses input), else the ``user``."""
         r = self.cfg.routing
         session = header(scope, r.session_header.lower().encode()) if r.session_header else None
         if session:  # hashed, like the others: a client's string never sets an entry's size
             return "s:" + hashlib.blake2b(session.encode("latin-1"), digest_size=12).hexdigest()
-        if r.prefix_affinity and endpoint == "chat":
-            opening = []
-            for m in data["messages"]:
+        if data is None:
+            return ""
+        if r.prefix_affinity and endpoint in ("chat", "messages", "responses"):
+            turns = data.get("input" if endpoint == "responses" else "messages")
+            opening: list[Any] = [data.get("system" if endpoint == "messages" else "instructions")]
+            for m in turns if isinstance(turns, list) else [turns]:
                 opening.append(m)
-                if m.get("role") == "user":
+                if not isinstance(m, dict) or m.get("role") == "user":
                     break
             return "p:" + hashlib.blake2b(orjson.dumps(opening), digest_size=12).hexdigest()
         user = data.get("user")
@@ -208,42 +176,60 @@ class Gateway:
             if isinstance(user, str) else ""
 
     # -- the request's life ----------------------------------------------------------------
+    def _read(self, api: Api, body: bytes, scope: Scope) -> Parsed:
+        """The request's fields (protocols.py), its model filled in where a route may leave it out."""
+        req = api.parse(body, header(scope, b"content-type"))
+        if req.model is None:
+            served = self.registry.models_on(api.name)
+            if len(served) != 1:
+                raise InvalidRequest("Missing required parameter: 'model' (this gateway serves "
+                                     f"{', '.join(served) or 'no model'} on {scope['path']}).", param="model")
+            req.model = served[0]
+        return req
+
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
+        api = api_for(endpoint)
         ex = Exchange(scope, receive, send, endpoint)
+        ex.errors, ex.grammar = api.errors, api.grammar
         rec = ex.rec
         job: Job | None = None
         grant: Ticket | None = None
         self.open.add(ex)
         try:
             key = self.authenticate(scope, rec)  # before the body: a stranger's body is never read
-            body = await read_request_body(scope, receive, self.cfg.server.max_body_bytes)
+            limit = self.cfg.server.max_upload_bytes if api.form else self.cfg.server.max_body_bytes
+            body = await read_request_body(scope, receive, limit)
             ex.watch()
-            data = parse_request(body, endpoint)
-            rec.model = data["model"]
-            rec.stream = bool(data.get("stream")) and endpoint != "embeddings"
-            rec.max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
+            req = self._read(api, body, scope)
+            rec.model = model = req.model or ""
+            rec.stream = req.stream
+            rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
             cls = self.priority_class(scope, key)
             rec.priority = cls.name
             if key is not None:
                 rec.tenant = key.tenant
-            elif data.get("user"):
-                rec.tenant = user_tenant(data["user"], self.cfg.auth.max_user_chars)
-            pool = self.registry.pool(rec.model, endpoint)
+            elif req.user:
+                rec.tenant = user_tenant(req.user, self.cfg.auth.max_user_chars)
+            pool = self.registry.pool(model, endpoint)
             if pool is None:
-                raise UnknownModel(rec.model, self.registry.models)
+                raise UnknownModel(model, self.registry.models)
             if not pool:
-                raise InvalidRequest(f"The model '{rec.model}' is not served on /v1/{endpoint}.", param="model")
-            est_prompt = self.keys.estimate_prompt(data, rec.model)  # text, media at a constant; corrected by usage
-            est_output = 0 if endpoint == "embeddings" else (rec.max_tokens or 256)
+                raise InvalidRequest(f"The model '{model}' is not served on {scope['path']}: no backend of it "
+                                     f"serves that route. It is served on: {self._routes_of(model)}.", param="model")
+            # prompt: its text, media at a constant (corrected by usage); an upload is not text, and
+            # tokenizing or counting tokens is not the model's work
+            est_prompt = (self.keys.estimate_prompt(req.data, model)
+                          if api.scheduled and not api.form and req.data is not None else 0)
+            est_output = (rec.max_tokens or 256) if api.generates else 0
             if key is not None:  # allow-list, quota, rpm/tpm, then a turn among the key's concurrent slots
                 grant = await self.keys.admit(key, rec, cls, est_prompt + est_output)
-            job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=rec.model, weight=key.weight if key else 1.0,
+            job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
                       est_prompt_tokens=est_prompt, est_output_tokens=est_output,
                       can_wait_for_start=any(b.supervised for b in pool),
-                      affinity=self.affinity_key(scope, data, endpoint) if len(pool) > 1 else "")
+                      affinity=self.affinity_key(scope, req.data, endpoint) if len(pool) > 1 else "")
             if self.on_demand is not None and not any(b.stats.up for b in pool):
                 self.on_demand(pool)
-            await self._dispatch(ex, job, data, body, cls)
+            await self._dispatch(ex, api, job, req.data, body, cls)
             rec.finish(Cause.OK, 200)
         except asyncio.CancelledError:
             if not ex.disconnected:
@@ -269,7 +255,19 @@ class Gateway:
                 self.keys.finish(grant, rec)
             self.account(rec)
 
-    async def _dispatch(self, ex: Exchange, job: Job, data: dict[str, Any], body: bytes, cls: ClassConfig) -> None:
+    def _routes_of(self, model: str) -> str:
+        names = sorted({e for b in self.registry.backends_of(model) for e in b.endpoints})
+        return ", ".join(api_for(e).upstream for e in names) or "no route"
+
+    def _direct(self, job: Job) -> Backend | None:
+        """For a route that takes no runtime slot (tokenize, token counts): the least busy replica
+        up now, without queueing; None when none is (then the scheduler waits for one)."""
+        now = time.monotonic()
+        usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
+        return min(usable, key=lambda b: b.in_flight / b.capacity) if usable else None
+
+    async def _dispatch(self, ex: Exchange, api: Api, job: Job, data: dict[str, Any] | None, body: bytes,
+                        cls: ClassConfig) -> None:
         """Queue for a replica and try it; before the client got a byte, a replica that could not
         take the request is replaced by another (within the retry budget)."""
         rec = ex.rec
@@ -278,14 +276,16 @@ class Gateway:
         self._retry_budget = min(10.0, self._retry_budget + 0.2)
         deadline = rec.t_arrival + self.cfg.timeouts.total_s
         while True:
-            backend = await self.scheduler.acquire(job)
+            backend = None if api.scheduled else self._direct(job)
+            if backend is None:
+                backend = await self.scheduler.acquire(job)
             rec.backend = backend.name
             rec.t_dispatch = time.perf_counter()
             rec.to(State.DISPATCHED)
             running = self.metrics.running.labels(backend.name, rec.model)
             running.inc()
             try:
-                await self._attempt(ex, backend, data, body, cls, deadline)
+                await self._attempt(ex, api, backend, data, body, cls, deadline)
                 break
             except UpstreamError as err:
                 if ex.started or not self._may_retry(err, job, rec, deadline):
@@ -313,27 +313,35 @@ class Gateway:
         self._retry_budget -= 1.0
         return True
 
-    async def _attempt(self, ex: Exchange, backend: Backend, data: dict[str, Any], body: bytes,
+    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, data: dict[str, Any] | None, body: bytes,
                        cls: ClassConfig, deadline: float) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing."""
-        rec, endpoint = ex.rec, ex.rec.endpoint
+        rec = ex.rec
         strip_usage = False
-        collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
+        chat_like = api.grammar == "chat"
+        collect = not rec.stream and backend.stream_always and api.collect and data is not None
         if collect:
-            body = orjson.dumps({**data, "stream": True, "stream_options": {"include_usage": True}})
-        elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
+            assert data is not None
+            extra = {"stream_options": {"include_usage": True}} if chat_like else {}
+            body = orjson.dumps({**data, "stream": True, **extra})
+        elif rec.stream and chat_like and data is not None and not (data.get("stream_options") or {}).get(
+                "include_usage"):
             body, strip_usage = with_usage_requested(body, data), True
-        body = backend.prepare(body, cls.rank)
-        resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body,
-                                  request_id=rec.id)
+        ctype = b"application/json"
+        if api.form:
+            ctype = (header(ex.scope, b"content-type") or "").encode("latin-1")
+        elif api.scheduled:  # (vLLM's priority: for requests that queue in the runtime)
+            body = backend.prepare(body, cls.rank)
+        resp = await backend.post(api.upstream, body, request_id=rec.id, content_type=ctype)
         try:
             if resp.status != 200:
                 raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
                 raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
             if rec.stream:
                 relay = StreamRelay(rec, ex.send, self.cfg.timeouts, strip_usage=strip_usage,
-                                    before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing)
+                                    before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing,
+                                    grammar=grammars.make(api.grammar))
                 await relay.run(resp, deadline)
                 ex.mark_finishing()
                 with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
@@ -341,12 +349,19 @@ class Gateway:
                 return
             if collect:
                 sink = _Collector()
-                await StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False).run(resp, deadline)
-                raw = assemble(b"".join(sink.parts), endpoint)
+                await StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False,
+                                  grammar=grammars.make(api.grammar)).run(resp, deadline)
+                sse = b"".join(sink.parts)
+                raw = assemble(sse, api.name) if chat_like else assemble_events(sse, api.grammar)
                 ctype = b"application/json"
             else:
                 raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
                 ctype = resp.headers.get("Content-Type", "application/json").encode()
+                if not rec.usage_from_server and b"_tokens" in raw:  # Responses', Anthropic's, llama-server's names
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        p, c = grammars.usage_of(orjson.loads(raw))
+                        if p is not None or c is not None:
+                            rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
             await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
             ex.mark_finishing()
             await ex.send_body(raw, more=False)

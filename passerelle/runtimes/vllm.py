@@ -12,6 +12,8 @@ class VllmBackend(Backend):
     kind = "vllm"
     health_path = "/health"
     prefix = "vllm:"
+    serves: tuple[str, ...] = ("chat", "completions", "embeddings", "responses", "messages", "count_tokens",
+                               "rerank", "tokenize", "detokenize", "transcriptions")
 
     async def _scrape_load(self, stats: BackendStats) -> None:
         status, body = await self._get("/metrics")
@@ -52,3 +54,4 @@ class VllmBackend(Backend):
 class SglangBackend(VllmBackend):
     kind = "sglang"
     prefix = "sglang:"
+    serves = ("chat", "completions", "embeddings", "responses", "rerank")

@@ -28,6 +28,7 @@ from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
+from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
 from passerelle.runtimes.factory import build_runtime, expand
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
@@ -38,7 +39,7 @@ from passerelle.server.admin import AdminGuard, AdminListener
 from passerelle.server.connections import BodyBudget, BoundedReceive, ConnectionLimits
 from passerelle.server.keys_api import KeysApi
 from passerelle.server.responses import error_response, json_response, raw_response
-from passerelle.server.routes import Access, NotFound, is_admin_path, match
+from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
 from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_requests
 from passerelle.tenants.db import connect
 from passerelle.tenants.keys import KeyRing, KeyStore
@@ -105,6 +106,13 @@ class App:
                                              ConnectionLimits.of(cfg.server, max_connections=64))
                                if cfg.admin.port else None)
         self._ui_page: bytes | None = None
+        self.extra_routes: dict[str, Route] = {}
+        self._extra_routes_changed()
+
+    def _extra_routes_changed(self) -> None:
+        """The operator's added routes (``extra_routes``) of the current backends, by path."""
+        self.extra_routes = {e: extra_route(e) for b in self.registry.backends for e in b.endpoints
+                             if e.startswith("/")}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -138,18 +146,23 @@ class App:
                 raise NotFound(f"No route for {method} {path} on this port.")
             if admin and (err := self.admin_guard.check(scope)) is not None:
                 raise err
-            route = match(method, path)
+            route = match(method, path, self.extra_routes)
             if route.access is Access.INFERENCE:
                 # the body has a deadline (408) and a share of a budget (503), and the shutdown path
                 # may end the answer (shutdown.py)
-                body = BoundedReceive(receive, self.cfg.server.body_timeout_s, self.body_budget)
+                bounded = BoundedReceive(receive, self.cfg.server.body_timeout_s, self.body_budget)
                 try:
-                    await self.gateway.handle(scope, body, StreamGate(send), route.target)
+                    await self.gateway.handle(scope, bounded, StreamGate(send), route.target)
                 finally:
-                    body.release()
+                    bounded.release()
                 return
             await getattr(self, route.target)(scope, receive, send)
         except GatewayError as err:
+            found = find(path)
+            if found is not None and found.access is Access.INFERENCE and api_for(found.target).errors == ANTHROPIC:
+                body, ctype = error_body(err, ANTHROPIC)  # e.g. GET /v1/messages: Anthropic's shape there
+                await raw_response(send, err.status, body, ctype, err.headers())
+                return
             await error_response(send, err)
 
     async def admin_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -241,7 +254,9 @@ class App:
             if allowed and message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []),
                                       (b"access-control-allow-origin", origin.encode()),  # type: ignore[union-attr]
-                                      (b"access-control-allow-headers", b"authorization, content-type, x-priority"),
+                                      (b"access-control-allow-headers",
+                                       b"authorization, content-type, x-priority, x-api-key, anthropic-version, "
+                                       b"anthropic-beta"),
                                       (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                                       (b"access-control-expose-headers", b"x-request-id, retry-after")]
             await send(message)
@@ -301,7 +316,7 @@ class App:
                  f"  key store {self.keystore.path} ({auth})"]
         for b in self.registry.backends:
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
-                         f"[{', '.join(b.cfg.endpoints)}], {b.capacity} slots, {'up' if b.stats.up else 'DOWN'}")
+                         f"[{', '.join(b.endpoints)}], {b.capacity} slots, {'up' if b.stats.up else 'DOWN'}")
         e = self.cfg.embedded
         if not e.model_path and any(b.cfg.name == "local" for b in self.registry.backends):
             lines.append(f"  note: {e.model_id} is a small base model: it continues text rather than chats "
@@ -367,6 +382,7 @@ class App:
                     self._spawn(self.supervisor.start(name), f"start-{name}")
         self.registry.set_backends(backends + [current[n] for n in removed])
         self.backends_configured = not raw.uses_embedded
+        self._extra_routes_changed()
         log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
         return {"added": added, "removed": removed, "unchanged": kept}
 
@@ -378,6 +394,7 @@ class App:
             await proc.stop()
             del self.supervisor.processes[backend.name]
         self.registry.set_backends([b for b in self.registry.backends if b is not backend])
+        self._extra_routes_changed()
         await backend.close()
 
     def begin_shutdown(self) -> None:

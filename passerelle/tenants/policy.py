@@ -103,7 +103,7 @@ class KeyPolicy:
             client, prefix = (rec.client if rec else client_address(scope)), presented_prefix(presented)
             self.throttle.check(client, prefix)
             self.throttle.failed(client, prefix)
-            raise Unauthorized("Missing or invalid API key. Send 'Authorization: Bearer <key>'.")
+            raise Unauthorized("Missing or invalid API key. Send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.")
         if rec is not None:
             rec.key_id, rec.tenant = key.id, key.tenant
         if key.expired():

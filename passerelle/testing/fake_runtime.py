@@ -6,7 +6,9 @@ every Y ms, scheduled against the monotonic clock from that start so delays neve
 With ``--slots N`` at most N requests generate at once and the rest wait in FIFO order, like
 llama-server's slots. It also speaks enough of llama-server's side API (``/health``, ``/slots``,
 ``/metrics``, ``/props``) to stand in for it, and can inject failures (HTTP 500) and mid-stream
-connection cuts. ``GET /fake/stats`` tells tests what it injected.
+connection cuts. ``GET /fake/stats`` tells tests what it injected. ``/v1/responses`` and
+``/v1/messages`` stream the same tokens on the same schedule in those APIs' events
+(fake_events.py), so the gateway's cost can be measured on every grammar alike.
 
 It has to outrun the benchmark client at hundreds of streams and zero delays, so chunks are
 assembled from pre-encoded byte templates and whatever is due is written in one call.
@@ -34,6 +36,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
+
+from passerelle.testing.fake_events import Events
 
 # Tokens the fake "generates": ordinary words, so the text looks like text to whatever reads it.
 VOCAB = (
@@ -72,6 +76,7 @@ _CHAT_MID = tuple(b'"content":' + w + b'},"logprobs":null,"finish_reason":null}]
 _COMPL_MID = tuple(b'"text":' + w + b',"logprobs":null,"finish_reason":null}]}\n\n' for w in _WORDS_JSON)
 _ROLE_MID = b'"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
 _DONE = b"data: [DONE]\n\n"
+_EVENTS = Events(VOCAB)
 
 
 @dataclass(frozen=True)
@@ -376,6 +381,8 @@ class FakeBackend:
             (b"POST", b"/v1/chat/completions"): self.chat,
             (b"POST", b"/v1/completions"): self.completions,
             (b"POST", b"/v1/embeddings"): self.embeddings,
+            (b"POST", b"/v1/responses"): self.responses,
+            (b"POST", b"/v1/messages"): self.messages,
             (b"GET", b"/v1/models"): self.models,
             (b"GET", b"/health"): self.health,
             (b"GET", b"/slots"): self.slots_view,
@@ -467,14 +474,21 @@ class FakeBackend:
     async def completions(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
         await self._generate(conn, body, keep_alive, chat=False)
 
-    async def _generate(self, conn: Connection, raw: bytes, keep_alive: bool, *, chat: bool) -> None:
+    async def responses(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
+        await self._generate(conn, body, keep_alive, chat=False, api="responses")
+
+    async def messages(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
+        await self._generate(conn, body, keep_alive, chat=True, api="messages")
+
+    async def _generate(self, conn: Connection, raw: bytes, keep_alive: bool, *, chat: bool, api: str = "") -> None:
         received = conn.received
         try:
             body = self._body(raw)
             n_tokens = self._max_tokens(body)
-            prompt = body.get("messages") if chat else body.get("prompt")
+            field_name = "input" if api == "responses" else "messages" if chat else "prompt"
+            prompt = body.get(field_name)
             if prompt is None:
-                raise BadRequest("'messages' is required" if chat else "'prompt' is required")
+                raise BadRequest(f"'{field_name}' is required")
         except BadRequest as exc:
             conn.respond(400, _error_body(str(exc), "invalid_request_error", 400), keep_alive)
             return
@@ -495,7 +509,7 @@ class FakeBackend:
         include_usage = cfg.usage and bool((body.get("stream_options") or {}).get("include_usage"))
         model = body.get("model") or cfg.model
         self._ids += 1
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-fake{self._ids:x}"
+        rid = f"{api or ('chatcmpl' if chat else 'cmpl')}-fake{self._ids:x}"
         finish = "length" if ("max_tokens" in body or "max_completion_tokens" in body) else "stop"
 
         waited = bool(self.slots.waiters) or (self.slots.limit and not self.slots.free)
@@ -515,8 +529,12 @@ class FakeBackend:
                 await _sleep_until(start + (cfg.ttft_ms + max(n_tokens - 1, 0) * cfg.itl_ms) / 1000)
                 self.counters.completed += 1
                 self.counters.completion_tokens += n_tokens
-                conn.respond(200, self._full_body(chat, rid, model, n_tokens, prompt_tokens, finish, cached),
-                             keep_alive)
+                full = (_EVENTS.full_body(api, rid, model, n_tokens, prompt_tokens) if api
+                        else self._full_body(chat, rid, model, n_tokens, prompt_tokens, finish, cached))
+                conn.respond(200, full, keep_alive)
+                return
+            if api:
+                await self._stream_events(conn, api, rid, model, n_tokens, prompt_tokens, start, keep_alive)
                 return
             await self._stream(conn, chat, rid, model, n_tokens, prompt_tokens, finish, include_usage, abort,
                                start, keep_alive, cached)
@@ -572,6 +590,30 @@ class FakeBackend:
             conn.draining = True
             asyncio.get_running_loop().call_later(cfg.close_after_stream_ms / 1000, conn.close)
 
+    async def _stream_events(self, conn: Connection, api: str, rid: str, model: str, n_tokens: int,
+                             prompt_tokens: int, start: float, keep_alive: bool) -> None:
+        """A Responses or Messages stream on the chat stream's schedule (no injected cuts)."""
+        cfg = self.config
+        conn.start_stream()
+        await conn.write_chunk(_EVENTS.head(api, rid, model, prompt_tokens))
+        ttft, itl = cfg.ttft_ms / 1000, cfg.itl_ms / 1000
+        sent = 0
+        while sent < n_tokens:
+            due = start + ttft + sent * itl
+            if due > time.perf_counter():
+                await _sleep_until(due)
+            upto = n_tokens if itl <= 0 else min(n_tokens, int((time.perf_counter() - start - ttft) / itl) + 1)
+            out = b"".join([_EVENTS.token(api, i) for i in range(sent, upto)])
+            sent = upto
+            if sent == n_tokens:
+                out += _EVENTS.tail(api, rid, model, n_tokens, prompt_tokens)
+            await conn.write_chunk(out)
+        if n_tokens == 0:
+            await conn.write_chunk(_EVENTS.tail(api, rid, model, 0, prompt_tokens))
+        self.counters.completed += 1
+        self.counters.completion_tokens += n_tokens
+        conn.end_stream(keep_alive)
+
     @staticmethod
     def _tail(chat: bool, prefix: bytes, head: bytes, finish: str, n_tokens: int, prompt_tokens: int,
               include_usage: bool, cached: int | None = None) -> bytes:
@@ -601,7 +643,7 @@ class FakeBackend:
 
     # --- helpers ---------------------------------------------------------------------------
     def _max_tokens(self, body: dict[str, Any]) -> int:
-        value = body.get("max_tokens", body.get("max_completion_tokens"))
+        value = body.get("max_tokens", body.get("max_completion_tokens", body.get("max_output_tokens")))
         if value is None:
             return self.config.tokens
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
