@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,15 +33,12 @@ from pathlib import Path
 
 import aiohttp
 
+from passerelle.runtimes.supervisor import free_port
 from passerelle.testing.fake_runtime import start_fake_backend
 
 MODEL = "fake-model"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:

@@ -8,7 +8,6 @@ import logging
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 from passerelle import __version__
@@ -57,16 +56,17 @@ def build_app(cfg, loader=None):
     from passerelle.runtimes.factory import build_runtime, expand
     from passerelle.server.app import App
 
+    configured = not cfg.uses_embedded
     cfg = expand(cfg)
     built = [build_runtime(bc, cfg.timeouts) for bc in cfg.backends]
-    return App(cfg, [b for b, _ in built], [p for _, p in built if p is not None], loader=loader)
+    return App(cfg, [b for b, _ in built], [p for _, p in built if p is not None], loader=loader,
+               backends_configured=configured)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from passerelle.config import load_config, with_server
     from passerelle.errors import ConfigError
+    from passerelle.server.serving import gateway_server
 
     _setup_logging()
     try:
@@ -88,10 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"passerelle: cannot listen on {cfg.server.host}:{cfg.server.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=cfg.server.host, port=cfg.server.port, loop="uvloop", http="httptools", lifespan="on",
-        access_log=False, log_level="warning", timeout_graceful_shutdown=int(cfg.server.shutdown_grace_s),
-        timeout_keep_alive=30))
+    server = gateway_server(app, app.cfg)  # client limits, descriptor budget, clean shutdown: server/serving.py
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, through the handlers that were
     # in place before it started; no-op handlers make a graceful stop exit with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -119,83 +116,6 @@ def cmd_setup(args: argparse.Namespace) -> int:
     binary = embedded.find_or_build_llama_server()
     model = embedded.ensure_default_model()
     print(f"llama-server: {binary}\nmodel: {model}\n{_version_text()}")
-    return 0
-
-
-def _store(args: argparse.Namespace):
-    from passerelle.config import load_config
-    from passerelle.tenants.keys import KeyStore
-
-    cfg = load_config(args.config)
-    return cfg, KeyStore(args.db or cfg.auth.db or None)
-
-
-def cmd_keys(args: argparse.Namespace) -> int:
-    from passerelle.errors import ConfigError
-
-    try:
-        cfg, store = _store(args)
-    except ConfigError as exc:
-        print(f"passerelle: configuration error: {exc}", file=sys.stderr)
-        return 2
-    classes = [c.name for c in cfg.classes]
-    if args.keys_command == "create":
-        for value in (args.priority, args.max_priority):
-            if value is not None and value not in classes:
-                print(f"passerelle: unknown class '{value}'; expected one of {', '.join(classes)}", file=sys.stderr)
-                return 2
-        key, secret = store.create(args.tenant, priority=args.priority, max_priority=args.max_priority,
-                                   rpm=args.rpm, tpm=args.tpm, max_concurrency=args.max_concurrency,
-                                   weight=args.weight)
-        print(secret)
-        print(f"key {key.id} for tenant '{key.tenant}' created; the key above is shown only once "
-              f"(store: {store.path})", file=sys.stderr)
-        return 0
-    if args.keys_command == "list":
-        rows = store.list()
-        print(f"{'ID':14}{'TENANT':18}{'CLASS':13}{'MAX CLASS':13}{'RPM':>6}{'TPM':>9}{'CONC':>6}{'WEIGHT':>8}"
-              f"  {'CREATED':20}STATUS")
-        for k in rows:
-            print(f"{k.id:14}{k.tenant:18}{k.priority or '-':13}{k.max_priority or '-':13}{k.rpm or '-':>6}"
-                  f"{k.tpm or '-':>9}{k.max_concurrency or '-':>6}{k.weight:>8g}  "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(k.created)):20}"
-                  f"{'revoked' if k.revoked else 'active'}")
-        return 0
-    if args.keys_command == "revoke":
-        if store.revoke(args.id):
-            print(f"key {args.id} revoked")
-            return 0
-        print(f"passerelle: no active key with id {args.id}", file=sys.stderr)
-        return 1
-    return 2
-
-
-def _parse_since(text: str | None) -> float:
-    """``2026-11-30``, ``2026-11-30T12:00``, or a duration back from now: ``90m``, ``24h``, ``7d``."""
-    if not text:
-        return 0.0
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    if text[-1] in units and text[:-1].replace(".", "", 1).isdigit():
-        return time.time() - float(text[:-1]) * units[text[-1]]
-    from datetime import datetime
-
-    return datetime.fromisoformat(text).timestamp()
-
-
-def cmd_usage(args: argparse.Namespace) -> int:
-    from passerelle.tenants.usage import summarize
-
-    try:
-        since = _parse_since(args.since)
-    except ValueError:
-        print(f"passerelle: cannot read --since {args.since!r}; use 2026-11-30, 2026-11-30T12:00 or 24h",
-              file=sys.stderr)
-        return 2
-    _, store = _store(args)
-    rows = summarize(store.conn, since)
-    print(f"{'TENANT':20}{'CLASS':13}{'REQUESTS':>10}{'PROMPT TOK':>12}{'COMPL TOK':>12}{'NOT OK':>8}")
-    for tenant, cls, n, p, c, bad in rows:
-        print(f"{tenant:20}{cls:13}{n:>10}{p or 0:>12}{c or 0:>12}{bad or 0:>8}")
     return 0
 
 
@@ -249,7 +169,7 @@ def cmd_runtime(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    status, body = _admin_call(args, "POST", "/admin/reload")
+    status, body = _admin_call(args, "POST", "/admin/reload?force=1" if args.force else "/admin/reload")
     return _admin_result(status, body)
 
 
@@ -277,29 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", choices=("json", "text"), help="access log format (default json)")
     serve.set_defaults(func=cmd_serve)
 
-    keys = sub.add_parser("keys", help="create, list and revoke API keys (stored hashed in SQLite)")
-    keys.add_argument("--config", type=Path, help="configuration file (for [auth] db and the classes)")
-    keys.add_argument("--db", help="the SQLite store (default: [auth] db, else "
-                      "~/.local/state/passerelle/passerelle.db)")
-    ksub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
-    create = ksub.add_parser("create", help="create a key and print it once")
-    create.add_argument("--tenant", required=True, help="who the key belongs to (fair share and usage)")
-    create.add_argument("--priority", help="class of its requests (default: the anonymous class)")
-    create.add_argument("--max-priority", help="most urgent class X-Priority may raise it to (default: --priority)")
-    create.add_argument("--rpm", type=int, default=0, help="requests per minute (0: unlimited)")
-    create.add_argument("--tpm", type=int, default=0, help="tokens per minute, prompt + max_tokens (0: unlimited)")
-    create.add_argument("--max-concurrency", type=int, default=0, help="requests at once (0: unlimited)")
-    create.add_argument("--weight", type=float, default=1.0, help="fair-share weight of the tenant (default 1)")
-    ksub.add_parser("list", help="list keys (never their secrets)")
-    revoke = ksub.add_parser("revoke", help="revoke a key by its id")
-    revoke.add_argument("id")
-    keys.set_defaults(func=cmd_keys)
+    from passerelle.tenants.cli import add_parsers as add_key_parsers
 
-    usage = sub.add_parser("usage", help="requests and tokens per tenant and class")
-    usage.add_argument("--config", type=Path)
-    usage.add_argument("--db", help="the SQLite store")
-    usage.add_argument("--since", help="2026-11-30, 2026-11-30T12:00, or back from now: 90m, 24h, 7d")
-    usage.set_defaults(func=cmd_usage)
+    add_key_parsers(sub)
 
     runtime = sub.add_parser("runtime", help="list, start, stop, restart the runtimes a running gateway launched, "
                                              "or show their logs")
@@ -310,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     runtime.set_defaults(func=cmd_runtime)
 
     reload_ = sub.add_parser("reload", help="make a running gateway re-read its configuration (like SIGHUP)")
+    reload_.add_argument("--force", action="store_true",
+                         help="reload even a file that lists no backend while backends are configured "
+                              "(refused otherwise: it would drain them all for the embedded default)")
     _add_admin_client_flags(reload_)
     reload_.set_defaults(func=cmd_reload)
 

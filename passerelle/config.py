@@ -9,9 +9,9 @@ Example::
     cfg.server.port        # 9000
     cfg.backends[0].name   # "local"
 
-Environment overrides take ``PASSERELLE_<SECTION>_<KEY>`` for the scalar keys of ``[server]``,
-``[timeouts]``, ``[embedded]``, ``[admin]`` and ``[metrics]`` (e.g. ``PASSERELLE_TIMEOUTS_TOTAL_S=900``,
-``PASSERELLE_ADMIN_KEY=…``; lists as comma-separated values).
+Environment overrides take ``PASSERELLE_<SECTION>_<KEY>`` for the scalar keys of every section
+(``[server]``, ``[timeouts]``, ``[embedded]``, ``[admin]``, ``[metrics]``, ``[auth]``, ``[limits]``…),
+e.g. ``PASSERELLE_TIMEOUTS_TOTAL_S=900``, ``PASSERELLE_ADMIN_KEY=…``; lists as comma-separated values.
 """
 
 from __future__ import annotations
@@ -32,7 +32,33 @@ from typing import Any
 from passerelle.errors import ConfigError
 
 BACKEND_KINDS = ("llama-server", "vllm", "ollama", "sglang", "openai")
-ENDPOINT_KINDS = ("chat", "completions", "embeddings")
+# The inference APIs the gateway forwards, by name (proxy/protocols.py says how each is read; the
+# route table server/routes.py maps paths to them). A backend serves its kind's defaults
+# (runtimes/*.py `serves`) unless its `endpoints` lists others.
+ENDPOINT_KINDS = ("chat", "completions", "embeddings", "responses", "responses_input_tokens", "messages",
+                  "count_tokens", "rerank", "tokenize", "detokenize", "apply_template", "infill", "transcriptions")
+
+# Runtimes' management routes (llama-server, vLLM, SGLang, Ollama): never forwarded, not even when
+# an operator lists them in `extra_routes`. A path equal to one, or under one, or naming one of
+# the words below, is refused.
+MANAGEMENT_ROUTES = ("/slots", "/props", "/models", "/v1/models", "/lora-adapters", "/metrics", "/health",
+                     "/cors-proxy", "/tools", "/v1/stream", "/v1/streams", "/v1/chat/completions/control",
+                     "/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs",
+                     "/server_info", "/get_server_info", "/admin", "/ui", "/ready")
+MANAGEMENT_WORDS = ("sleep", "wake", "cache", "lora", "weight", "profile", "rpc", "elastic", "pause", "resume",
+                    "abort", "shutdown", "memory", "load", "internal_state", "logging")
+
+
+def is_management_route(path: str) -> bool:
+    """Would forwarding ``path`` expose a runtime's management (or the gateway's own) routes?
+
+    >>> is_management_route("/slots/0"), is_management_route("/reset_prefix_cache"), is_management_route("/v1/x")
+    (True, True, False)
+    """
+    p = path.lower().rstrip("/")
+    if any(p == m or p.startswith(m + "/") for m in MANAGEMENT_ROUTES):
+        return True
+    return any(w in p for w in MANAGEMENT_WORDS)
 
 
 @dataclass(frozen=True)
@@ -40,10 +66,25 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes_total: int = 256 * 1024 * 1024  # request bodies held at once, all requests; past it: 503
     log_format: str = "json"  # "json" or "text"
     access_log: bool = True
     shutdown_grace_s: float = 30.0
     cors_origins: tuple[str, ...] = ()
+    # What a client may hold (docs/limits.md gives each limit and the error past it):
+    max_head_bytes: int = 65536  # request line + headers; past it: 431
+    max_headers: int = 100  # header lines; past it: 431
+    head_timeout_s: float = 10.0  # first byte of a request head -> its end; past it: 408
+    body_timeout_s: float = 60.0  # end of the head -> end of the body; past it: 408
+    keep_alive_s: float = 30.0  # a connection with no request in progress is closed after this
+    max_connections: int = 1024  # open client connections; beyond: the longest idle is closed, else 503
+    # Keys, usage and the audit log of this instance. Default: $PASSERELLE_STATE, else next to the
+    # configuration file (<name>.state/ beside <name>.toml), else (no file) the user's state directory.
+    state_dir: str = ""
+    max_upload_bytes: int = 25 * 1024 * 1024  # multipart uploads (/v1/audio/transcriptions)
+    # POST paths forwarded as they are to every backend, beyond the built-in inference routes
+    # (a runtime's newer inference route); management routes are refused
+    extra_routes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,7 +109,8 @@ class BackendConfig:
     url: str = ""
     launch: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
-    endpoints: tuple[str, ...] = ENDPOINT_KINDS  # which OpenAI endpoints it serves
+    endpoints: tuple[str, ...] = ()  # the inference APIs it serves (ENDPOINT_KINDS); empty: its kind's
+    extra_routes: tuple[str, ...] = ()  # more POST paths forwarded to it as they are (see ServerConfig)
     max_concurrency: int = 0  # requests at once; 0: what the runtime reports, else learned (capacity.py)
     health_path: str = ""  # default by kind
     ready_timeout_s: float = 600.0
@@ -90,7 +132,10 @@ class EmbeddedConfig:
     slots: int = 4
     ctx_per_slot: int = 4096
     threads: int = 0  # 0: llama-server's default
-    embeddings: bool = True  # serve /v1/embeddings from the same process
+    embeddings: bool = True  # serve /v1/embeddings from a second, one-slot process of the same GGUF
+    rerank: bool = True  # serve /v1/rerank from a third process (--reranking) with a reranking GGUF
+    rerank_model_path: str = ""  # a reranking GGUF (bge-reranker, jina-reranker...); default: a tiny one made locally
+    rerank_model_id: str = "tiny-reranker"
     extra_args: tuple[str, ...] = ()
 
 
@@ -116,16 +161,34 @@ class AuthConfig:
     """API keys (``passerelle keys``) and what a request without one may do."""
 
     required: bool = False  # true: a key is needed even while none exists (else: once one exists)
-    db: str = ""  # SQLite file of keys and usage; default ~/.local/state/passerelle/passerelle.db
+    db: str = ""  # SQLite file of keys, usage and audit log; default: passerelle.db in the state directory
     anonymous_priority: str = "standard"  # class of a request without a key
     anonymous_max_priority: str = "standard"  # highest class X-Priority may ask for without a key
-    failed_attempts_per_minute: int = 20  # per client address; past it: 429 until the minute is over
+    # per (client address, presented key prefix); past it that pair gets 429 until the minute is over.
+    # A valid key always passes, whatever failed before it from the same address.
+    failed_attempts_per_minute: int = 20
+    max_user_chars: int = 64  # a request without a key is accounted to its `user`, cut to this (+ a hash)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """How a request's prompt is estimated at admission (tokens/minute, quotas, fair share), before
+    the runtime's own count replaces the estimate at the end.
+
+    Text is counted at about 4 characters a token; an image or audio part costs a fixed number of
+    tokens whatever its size in bytes (a base64 image of 1 MB is still one image). These are the
+    gateway-wide values; a per-model value can come from the model catalogue when it has one.
+    """
+
+    image_tokens: int = 768  # per image part (image_url, input_image, a data:image/... URL)
+    audio_tokens: int = 1500  # per audio part (input_audio, a data:audio/... URL)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     aging_s: float = 30.0  # a waiting request moves up one class per aging_s waited (0: never)
     hold_s: float = 0.05  # a freed slot waits this long for the next request of an under-served tenant (0: off)
+    max_tenants: int = 10000  # tenants remembered for fair share; the least recently seen idle one goes first
     # Preemption (scheduling/preemption.py): a request of a better class that waited preempt_after_ms
     # while every slot it may use is busy suspends a stream of a preemptible class, which resumes
     # later as a continuation, the client seeing one unbroken stream.
@@ -147,6 +210,7 @@ class RoutingConfig:
     prefix_affinity: bool = True  # a chat stays on the replica that served its opening (prompt cache)
     affinity_slack: float = 1.0  # ...while that replica is at most this much busier (fraction of slots)
     session_header: str = "x-session-id"  # requests with the same value (or the same `user`) stick together
+    affinity_max_bytes: int = 8 * 1024 * 1024  # memory of which replica served a conversation; oldest forgotten
 
 
 @dataclass(frozen=True)
@@ -182,6 +246,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     source: str = "<defaults>"
@@ -190,11 +255,40 @@ class Config:
     def uses_embedded(self) -> bool:
         return not self.backends
 
+    def state_path(self, env: Mapping[str, str] | None = None) -> Path:
+        """This instance's state directory (keys, usage, audit log), in order:
+
+        1. ``[server] state_dir`` (relative to the configuration file's folder);
+        2. ``$PASSERELLE_STATE``;
+        3. next to the configuration file: ``/etc/llm/gw.toml`` → ``/etc/llm/gw.state``;
+        4. the user's state directory (``~/.local/state/passerelle``), for the default
+           configuration only (no file), so two gateways with two files never share keys.
+
+        Example::
+
+            >>> Config(source="/srv/team/gw.toml").state_path(env={})
+            PosixPath('/srv/team/gw.state')
+        """
+        env = os.environ if env is None else env
+        src = None if self.source.startswith("<") else Path(self.source).expanduser().absolute()
+        if self.server.state_dir:
+            configured = Path(self.server.state_dir).expanduser()
+            return configured if configured.is_absolute() or src is None else src.parent / configured
+        if env.get("PASSERELLE_STATE"):
+            return Path(env["PASSERELLE_STATE"])
+        if src is not None:
+            return src.parent / f"{src.stem}.state"
+        return Path.home() / ".local" / "state" / "passerelle"
+
+    def db_path(self, env: Mapping[str, str] | None = None) -> Path:
+        """The SQLite file of keys, usage and the audit log: ``[auth] db``, else in :meth:`state_path`."""
+        return Path(self.auth.db).expanduser() if self.auth.db else self.state_path(env) / "passerelle.db"
+
 
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
                               "scheduler": SchedulerConfig, "routing": RoutingConfig,
-                              "runtimes": RuntimesConfig}
+                              "runtimes": RuntimesConfig, "limits": LimitsConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -334,6 +428,12 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            text=text, header="server", field_name="port")
     _check(server.max_body_bytes > 0, "expected a positive size", file=file, key="server.max_body_bytes",
            text=text, header="server", field_name="max_body_bytes")
+    _check_client_limits(server, file=file, text=text)
+    _check(server.max_body_bytes_total >= server.max_body_bytes, "expected at least server.max_body_bytes",
+           file=file, key="server.max_body_bytes_total", text=text, header="server", field_name="max_body_bytes_total")
+    _check(server.max_upload_bytes > 0, "expected a positive size", file=file, key="server.max_upload_bytes",
+           text=text, header="server", field_name="max_upload_bytes")
+    _check_routes(server.extra_routes, file=file, text=text, header="server", key="server.extra_routes")
     timeouts: TimeoutConfig = sections["timeouts"]
     for f in dataclasses.fields(TimeoutConfig):
         _check(getattr(timeouts, f.name) > 0, "expected a positive number of seconds", file=file,
@@ -356,6 +456,17 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            file=file, key="scheduler.preempt_after_ms", text=text, header="scheduler", field_name="preempt_after_ms")
     _check(sections["scheduler"].min_run_s >= 0, "expected zero or a positive number of seconds", file=file,
            key="scheduler.min_run_s", text=text, header="scheduler", field_name="min_run_s")
+    _check(sections["scheduler"].max_tenants >= 100, "expected at least 100", file=file,
+           key="scheduler.max_tenants", text=text, header="scheduler", field_name="max_tenants")
+    _check(sections["routing"].affinity_max_bytes >= 65536, "expected at least 65536 bytes", file=file,
+           key="routing.affinity_max_bytes", text=text, header="routing", field_name="affinity_max_bytes")
+    _check(16 <= sections["auth"].max_user_chars <= 4096, "expected between 16 and 4096 characters", file=file,
+           key="auth.max_user_chars", text=text, header="auth", field_name="max_user_chars")
+    for name in ("image_tokens", "audio_tokens"):
+        _check(getattr(sections["limits"], name) >= 0, "expected zero or a positive number of tokens", file=file,
+               key=f"limits.{name}", text=text, header="limits", field_name=name)
+    _check(sections["auth"].failed_attempts_per_minute > 0, "expected a positive integer", file=file,
+           key="auth.failed_attempts_per_minute", text=text, header="auth", field_name="failed_attempts_per_minute")
 
     raw_backends = data.get("backends", [])
     if not isinstance(raw_backends, list):
@@ -380,9 +491,10 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                key=f"{key}.launch", field_name="launch", **ck)
         _check(bool(b.models), "list at least one model id this backend serves", key=f"{key}.models",
                field_name="models" if "models" in table else "name", **ck)
-        _check(bool(b.endpoints) and set(b.endpoints) <= set(ENDPOINT_KINDS),
-               f"expected a non-empty list drawn from {', '.join(ENDPOINT_KINDS)}", key=f"{key}.endpoints",
+        _check(set(b.endpoints) <= set(ENDPOINT_KINDS),
+               f"expected a list drawn from {', '.join(ENDPOINT_KINDS)}", key=f"{key}.endpoints",
                field_name="endpoints", **ck)
+        _check_routes(b.extra_routes, key=f"{key}.extra_routes", **ck)
         _check(b.max_concurrency >= 0, "expected 0 (from the runtime) or a positive integer",
                key=f"{key}.max_concurrency",
                field_name="max_concurrency", **ck)
@@ -394,8 +506,32 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     backends.extend(upstreams)
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
-                  routing=sections["routing"], runtimes=sections["runtimes"],
+                  routing=sections["routing"], runtimes=sections["runtimes"], limits=sections["limits"],
                   backends=tuple(backends), source=file)
+
+
+def _check_client_limits(server: ServerConfig, *, file: str, text: str) -> None:
+    ck: dict[str, Any] = dict(file=file, text=text, header="server")
+    _check(server.max_head_bytes >= 4096, "expected at least 4096 bytes", key="server.max_head_bytes",
+           field_name="max_head_bytes", **ck)
+    _check(server.max_headers >= 16, "expected at least 16", key="server.max_headers", field_name="max_headers", **ck)
+    for name in ("head_timeout_s", "body_timeout_s", "keep_alive_s"):
+        _check(getattr(server, name) > 0, "expected a positive number of seconds", key=f"server.{name}",
+               field_name=name, **ck)
+    _check(server.shutdown_grace_s >= 0, "expected zero or a positive number of seconds",
+           key="server.shutdown_grace_s", field_name="shutdown_grace_s", **ck)
+    _check(server.max_connections >= 16, "expected at least 16", key="server.max_connections",
+           field_name="max_connections", **ck)
+
+
+def _check_routes(routes: tuple[str, ...], *, file: str, text: str, header: str, key: str, nth: int = 0) -> None:
+    for route in routes:
+        _check(route.startswith("/") and "?" not in route and "#" not in route and " " not in route,
+               f"expected a path such as /v1/score, got {route!r}", file=file, key=key, text=text, header=header,
+               field_name="extra_routes", nth=nth)
+        _check(not is_management_route(route),
+               f"{route} is (or looks like) a runtime's management route; passerelle never forwards those",
+               file=file, key=key, text=text, header=header, field_name="extra_routes", nth=nth)
 
 
 def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: str) -> None:

@@ -9,9 +9,14 @@ rendered in OpenAI's shape ``{"error": {"message", "type", "code"}}``.
     └── GatewayError                 ends a request; carries HTTP status, OpenAI type and cause
         ├── InvalidRequest           400 invalid_request_error        cause invalid_request
         │   ├── UnknownModel         404 model_not_found              cause invalid_request
+        │   ├── KeyNotFound          404 key_not_found                cause invalid_request
         │   └── BodyTooLarge         413 request_too_large            cause invalid_request
         ├── Unauthorized             401 invalid_api_key              cause unauthorized
+        │   └── KeyExpired           401 expired_api_key              cause unauthorized
+        ├── Forbidden                403 forbidden                    cause forbidden
+        │   └── ModelNotAllowed      403 model_not_allowed            cause forbidden
         ├── RateLimited              429 rate_limit_exceeded          cause rate_limited
+        ├── QuotaExceeded            429 quota_exceeded               cause quota_exceeded
         ├── QueueFull                429 queue_full                   cause queue_full
         ├── QueueTimeout             429 queue_timeout                cause queue_timeout
         ├── NoBackend                503 no_backend                   cause no_backend
@@ -47,6 +52,9 @@ class Cause(enum.StrEnum):
     UNAUTHORIZED = "unauthorized"
     INVALID_REQUEST = "invalid_request"
     NO_BACKEND = "no_backend"
+    FORBIDDEN = "forbidden"  # a valid key, not allowed this (e.g. a model outside its allow-list)
+    QUOTA_EXCEEDED = "quota_exceeded"  # a key's token quota for the day / week / month is used up
+    SHUTDOWN = "shutdown"  # cut short: the gateway stopped past server.shutdown_grace_s
 
 
 class PasserelleError(Exception):
@@ -108,6 +116,14 @@ class UnknownModel(InvalidRequest):
         super().__init__(f"The model '{model}' does not exist here. Models served: {listed}.", param="model")
 
 
+class KeyNotFound(InvalidRequest):
+    status, code = 404, "key_not_found"
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(f"No active API key with id '{key_id}'; GET /admin/keys or 'passerelle keys list' "
+                         "lists them.", param="id")
+
+
 class BodyTooLarge(InvalidRequest):
     status, code = 413, "request_too_large"
 
@@ -119,8 +135,32 @@ class Unauthorized(GatewayError):
     status, type, code, cause = 401, "invalid_request_error", "invalid_api_key", Cause.UNAUTHORIZED
 
 
+class KeyExpired(Unauthorized):
+    code = "expired_api_key"
+
+
+class Forbidden(GatewayError):
+    status, type, code, cause = 403, "permission_error", "forbidden", Cause.FORBIDDEN
+
+
+class ModelNotAllowed(Forbidden):
+    code = "model_not_allowed"
+
+    def __init__(self, model: str, allowed: tuple[str, ...] | list[str]) -> None:
+        super().__init__(f"This API key may not use the model '{model}'. "
+                         f"Models it may use: {', '.join(allowed)}.")
+
+
 class RateLimited(GatewayError):
     status, type, code, cause = 429, "rate_limit_error", "rate_limit_exceeded", Cause.RATE_LIMITED
+
+
+class QuotaExceeded(GatewayError):
+    """A key's token quota over a long window is used up; ``Retry-After`` is the window's end.
+
+    The type is OpenAI's ``insufficient_quota`` (clients that know it do not retry at once)."""
+
+    status, type, code, cause = 429, "insufficient_quota", "quota_exceeded", Cause.QUOTA_EXCEEDED
 
 
 class QueueFull(GatewayError):

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,13 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from passerelle.runtimes.supervisor import free_port
+
 MODEL_ID = "gemma-3-270m"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(cond: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition"):
@@ -79,6 +76,14 @@ class Gateway(Server):
         self.extra.setdefault("clients", []).append(client)
         return client
 
+    def anthropic(self, api_key: str = "unused"):
+        """An Anthropic SDK client for this gateway (it sends the key as x-api-key)."""
+        import anthropic
+
+        client = anthropic.Anthropic(base_url=self.url, api_key=api_key, max_retries=0)
+        self.extra.setdefault("clients", []).append(client)
+        return client
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         for client in self.extra.pop("clients", []):
             client.close()
@@ -113,16 +118,16 @@ def llama_paths() -> tuple[Path, Path]:
 
 
 def start_llama(binary: Path, model: Path, log_path: Path, *, slots: int = 4, ctx_per_slot: int = 2048,
-                extra: tuple[str, ...] = ()) -> Server:
+                extra: tuple[str, ...] = (), alias: str = MODEL_ID) -> Server:
     port = free_port()
     logf = open(log_path, "wb")  # noqa: SIM115 - owned by the child
-    proc = subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL_ID, "--host", "127.0.0.1",
+    proc = subprocess.Popen([str(binary), "-m", str(model), "--alias", alias, "--host", "127.0.0.1",
                              "--port", str(port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
                              # one thread: the other core stays for the gateway and the test itself
                              "--metrics", "--slots", "--no-webui", "-t", "1", *extra],
                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     logf.close()
-    server = Server(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
+    server = Server(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path, model=alias)
     try:
         wait_until(lambda: (proc.poll() is not None and (_ for _ in ()).throw(
             AssertionError(f"llama-server exited:\n{server.log_text()[-2000:]}"))) or http_ok(server.url + "/health"),
@@ -135,9 +140,29 @@ def start_llama(binary: Path, model: Path, log_path: Path, *, slots: int = 4, ct
 
 @pytest.fixture(scope="session")
 def llama_server(llama_paths, tmp_path_factory) -> Iterator[Server]:
-    """A real llama-server (Gemma 3 270M, 4 slots) shared by the session."""
+    """A real llama-server (Gemma 3 270M, 4 slots) shared by the session; with the embedded
+    default's fill-in-the-middle tokens, so /infill runs."""
+    from passerelle.runtimes.embedded import GEMMA_FIM_OVERRIDES
+
     binary, model = llama_paths
-    server = start_llama(binary, model, tmp_path_factory.mktemp("llama") / "llama-server.log")
+    server = start_llama(binary, model, tmp_path_factory.mktemp("llama") / "llama-server.log",
+                         extra=GEMMA_FIM_OVERRIDES)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def reranker_server(llama_paths, tmp_path_factory) -> Iterator[Server]:
+    """A real llama-server started with --reranking on the tiny reranking GGUF the embedded default
+    makes (runtimes/tiny_reranker.py), shared by the session."""
+    from passerelle.runtimes.tiny_reranker import MODEL_ID as RERANK_ID
+    from passerelle.runtimes.tiny_reranker import write_tiny_reranker
+
+    binary, _ = llama_paths
+    folder = tmp_path_factory.mktemp("reranker")
+    model = write_tiny_reranker(folder / "tiny-reranker.gguf")
+    server = start_llama(binary, model, folder / "llama-server.log", slots=1,
+                         extra=("--reranking", "-b", "2048", "-ub", "2048"), alias=RERANK_ID)
     yield server
     server.stop()
 
@@ -223,3 +248,14 @@ def upstream_config(url: str, *, model: str = MODEL_ID, kind: str = "llama-serve
     max_concurrency = {slots}
     {extra}
     """
+
+
+@pytest.fixture
+def llama_server_on_path(tmp_path, monkeypatch):
+    """A `llama-server` on PATH, as an installed llama.cpp provides it (the example configuration
+    launches one, and the configuration checks that the program exists)."""
+    stub = tmp_path / "bin" / "llama-server"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stub.parent}:{os.environ['PATH']}")

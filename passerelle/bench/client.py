@@ -9,10 +9,21 @@ milliseconds later — the generator's delay, not the server's. A fresh connecti
 outside the clock for the same reason. Token counts come from the server's ``usage`` when it sends
 one, otherwise from the number of content chunks.
 
+What the runtime says it took from its prompt cache is kept per request for the cache check
+(``bench.cache``): ``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field; llama-server and
+vLLM with ``--enable-prompt-tokens-details`` send it), else llama-server's ``timings.cache_n``
+(tokens reused) and ``timings.prompt_n`` (tokens evaluated) from the stream's last chunk.
+
 The stream is scanned as bytes: a content chunk is recognised by a ``"content":"x`` (or
 ``"text":``) field with a non-empty string, without decoding its JSON. JSON inside a string
 escapes its quotes, so generated text cannot fake the pattern. Only the rare chunks without
 content (role, finish, usage, error) are decoded.
+
+The Responses and Anthropic Messages APIs (``--api responses|messages``) say it in their own
+events (the table below): a content event is ``response.*.delta`` or a ``text``/``thinking``/
+``input_json`` delta; ``response.completed`` and ``message_stop`` end the stream; usage is
+``input_tokens``/``output_tokens`` (in ``response.completed``, or ``message_start`` plus
+``message_delta``).
 """
 
 from __future__ import annotations
@@ -28,6 +39,20 @@ import orjson
 # A non-empty string value of a field that carries generated text.
 _CONTENT = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"[^"]')
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
+# Per API: what marks a content event (matched in place, never decoded), by the path's last part.
+CONTENT_BY_API = {
+    "chat": _CONTENT, "completions": _CONTENT,
+    "responses": re.compile(rb'"type"\s*:\s*"response\.[a-z_.]+\.delta"'),
+    "messages": re.compile(rb'"type"\s*:\s*"(?:text_delta|thinking_delta|input_json_delta)"'),
+}
+_END_TYPES = ("response.completed", "response.incomplete", "message_stop")
+_ERROR_TYPES = ("error", "response.failed")
+
+
+def api_of(url: str) -> str:
+    """The API a request URL speaks: ``responses``, ``messages``, else OpenAI chunks."""
+    tail = url.rstrip("/").rsplit("/", 1)[-1]
+    return tail if tail in ("responses", "messages") else "chat"
 
 
 @dataclass(slots=True)
@@ -50,6 +75,10 @@ class RequestResult:
     prompt_tokens: int | None = None
     usage: bool = False  # output_tokens came from the server's usage
     max_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens the runtime says came from its cache
+    cache_source: str | None = None  # "usage" (prompt_tokens_details) or "timings" (llama-server)
+    prompt_evaluated: int | None = None  # llama-server's timings.prompt_n: prompt tokens computed
+    turn: int = 0  # 0: the first request of a conversation (later turns share its history on purpose)
 
     @property
     def tpot(self) -> float | None:
@@ -61,10 +90,11 @@ class RequestResult:
 class StreamScanner:
     """Feeds on raw bytes as they arrive; splits SSE events and classifies them."""
 
-    __slots__ = ("buf", "chunks", "done", "error", "finished", "first", "itl", "last", "prompt_tokens",
-                 "sep", "usage_tokens")
+    __slots__ = ("buf", "cache_n", "cached_tokens", "chunks", "content", "done", "error", "finished", "first", "itl",
+                 "last", "prompt_n", "prompt_tokens", "sep", "usage_tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, api: str = "chat") -> None:
+        self.content = CONTENT_BY_API[api]
         self.buf = b""
         self.sep: bytes | None = None
         self.first: float | None = None
@@ -73,6 +103,9 @@ class StreamScanner:
         self.chunks = 0
         self.usage_tokens: int | None = None
         self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.cache_n: int | None = None
+        self.prompt_n: int | None = None
         self.done = False
         self.finished = False
         self.error: str | None = None
@@ -90,7 +123,7 @@ class StreamScanner:
                 return
         sep = self.sep
         step = len(sep)
-        search = _CONTENT.search
+        search = self.content.search
         start = 0
         # The hot loop: a content event is found in place (no slice, no call) and counted.
         while (end := buf.find(sep, start)) >= 0:
@@ -101,7 +134,8 @@ class StreamScanner:
                 else:
                     self.itl.append(now - self.last)
                 self.last = now
-                if buf.find(b'"usage"', start, end) >= 0:  # a few servers put usage on a content chunk
+                # a few servers put usage (or llama-server's timings) on a content chunk
+                if buf.find(b'"usage"', start, end) >= 0 or buf.find(b'"timings"', start, end) >= 0:
                     self._other(buf[start:end], usage_only=True)
             else:
                 self._other(buf[start:end])
@@ -121,7 +155,7 @@ class StreamScanner:
             payload = event[i + 6:].lstrip()
         if payload.startswith(b"[DONE]"):
             self.done = True
-        elif not usage_only or _USAGE.search(payload):
+        elif not usage_only or _USAGE.search(payload) or b'"timings"' in payload:
             self._decode(payload)
 
     def _decode(self, payload: bytes) -> None:
@@ -132,14 +166,35 @@ class StreamScanner:
             return
         if not isinstance(obj, dict):
             return
-        if obj.get("error"):
+        kind = obj.get("type")
+        if obj.get("error") or kind in _ERROR_TYPES:
             self.error = "stream_error"
+        if kind in _END_TYPES:
+            self.done = True
         usage = obj.get("usage")
+        if not isinstance(usage, dict):  # Responses' last event, Anthropic's message_start
+            inner = obj.get("response") or obj.get("message")
+            usage = inner.get("usage") if isinstance(inner, dict) else None
         if isinstance(usage, dict):
-            if isinstance(usage.get("completion_tokens"), int):
-                self.usage_tokens = usage["completion_tokens"]
-            if isinstance(usage.get("prompt_tokens"), int):
-                self.prompt_tokens = usage["prompt_tokens"]
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            if isinstance(completion, int):
+                self.usage_tokens = completion
+            if isinstance(prompt, int):
+                # Anthropic counts cached input apart
+                self.prompt_tokens = prompt + sum(v for k in ("cache_read_input_tokens", "cache_creation_input_tokens")
+                                                  if isinstance(v := usage.get(k), int))
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.cached_tokens = details["cached_tokens"]
+            elif isinstance(usage.get("cache_read_input_tokens"), int):
+                self.cached_tokens = usage["cache_read_input_tokens"]
+        timings = obj.get("timings")
+        if isinstance(timings, dict):
+            if isinstance(timings.get("cache_n"), int):
+                self.cache_n = timings["cache_n"]
+            if isinstance(timings.get("prompt_n"), int):
+                self.prompt_n = timings["prompt_n"]
         for choice in obj.get("choices") or ():
             if isinstance(choice, dict) and choice.get("finish_reason"):
                 self.finished = True
@@ -169,10 +224,13 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
     never saw it, so the retry is not a second request; ``retries`` counts them.
     """
     data = orjson.dumps(body)  # encoded before the clock starts: encoding is not the server's time
-    result = RequestResult(cls=cls, max_tokens=body.get("max_tokens", 0))
+    # vLLM refuses a body without this header (415); aiohttp labels bytes as octet-stream
+    headers = {"Content-Type": "application/json", **headers}
+    result = RequestResult(cls=cls, max_tokens=body.get("max_tokens", body.get("max_output_tokens", 0)))
+    api = api_of(url)
     for attempt in range(STALE_RETRIES + 1):
         result.t_written = 0.0
-        scan = StreamScanner()
+        scan = StreamScanner(api)
         asked = time.perf_counter()
         # the retry goes out on a new connection: the others in the pool may be closing too
         via = session if attempt == 0 else getattr(session, "fresh", session)
@@ -189,6 +247,11 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
     result.chunks = scan.chunks
     result.itl = scan.itl
     result.prompt_tokens = scan.prompt_tokens
+    result.prompt_evaluated = scan.prompt_n
+    if scan.cached_tokens is not None:
+        result.cached_tokens, result.cache_source = scan.cached_tokens, "usage"
+    elif scan.cache_n is not None:
+        result.cached_tokens, result.cache_source = scan.cache_n, "timings"
     if scan.first is not None:
         result.ttft = scan.first - t0
     if result.error is None:
@@ -198,7 +261,7 @@ async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
             result.error = "not_streamed"  # a 200 answer without any SSE event (stream ignored?)
             result.detail = scan.buf[:200].decode("utf-8", "replace")
         elif not scan.done and not scan.finished:
-            result.error = "stream_incomplete"  # closed cleanly but without [DONE] or a finish_reason
+            result.error = "stream_incomplete"  # closed cleanly but without its end ([DONE], finish_reason...)
         elif scan.chunks == 0:
             result.error = "no_content"  # TTFT is undefined without a single content chunk
     if result.error is None:

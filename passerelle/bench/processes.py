@@ -21,8 +21,10 @@ from passerelle.bench.runner import (
     BenchError,
     Level,
     LevelResult,
+    Marker,
     RunOptions,
     make_session,
+    no_mark,
     pool_size,
     run_levels_here,
     run_load,
@@ -42,7 +44,7 @@ def share_level(level: Level, j: int, n: int) -> Level:
     classes = []
     for cls in level.classes:
         conc = _split(cls.concurrency, n)[j] if cls.concurrency else None
-        if cls.rate is None:
+        if cls.rate is None and cls.trace is None:
             reqs = None
             if cls.requests is not None:
                 weights = _split(cls.concurrency or 0, n)
@@ -52,9 +54,12 @@ def share_level(level: Level, j: int, n: int) -> Level:
                     shares[k % n] += 1
                 reqs = shares[j] if weights[j] else 0
             classes.append(replace(cls, concurrency=conc or 0, requests=reqs))
+        elif cls.trace is not None:  # every n-th entry, at its own time
+            mine = cls.trace[j::n]
+            classes.append(replace(cls, trace=mine, requests=len(mine), concurrency=conc))
         else:
             reqs = _split(cls.requests, n)[j] if cls.requests is not None else None
-            classes.append(replace(cls, rate=cls.rate / n, concurrency=conc if cls.concurrency else None,
+            classes.append(replace(cls, rate=(cls.rate or 0.0) / n, concurrency=conc if cls.concurrency else None,
                                    requests=reqs))
     return replace(level, classes=tuple(classes))
 
@@ -89,7 +94,7 @@ async def _child_async(target: Target, level: Level, options: RunOptions, j: int
                        go: Any, start_at: Any, base: int) -> None:
     mine = share_level(level, j, n)
     async with make_session(pool_size(mine)) as session:
-        if any(c.concurrency or c.rate for c in mine.classes):
+        if any(c.concurrency or c.rate or c.trace for c in mine.classes):
             await warm_up(session, target, mine, math.ceil(options.warmup / n), options.timeout, base + j * 10_000)
         out.put(("ready", j))
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
@@ -112,7 +117,7 @@ async def _child_async(target: Target, level: Level, options: RunOptions, j: int
 
 
 def run_level_processes(target: Target, level: Level, options: RunOptions, progress: Progress,
-                        base: int = 0) -> LevelResult:
+                        base: int = 0, mark: Any = None) -> LevelResult:
     import multiprocessing as mp
 
     # spawn: a fresh interpreter per process, safe whatever threads the parent has
@@ -146,6 +151,8 @@ def run_level_processes(target: Target, level: Level, options: RunOptions, progr
                     start_at.value = time.perf_counter() + 0.05
                     tally.started = start_at.value
                     progress.start_level(f"{target.name} {level.label}", level.total_requests, tally)
+                    if mark is not None:
+                        mark("start")
                     go.set()
             elif kind == "tick":
                 tally.merge(*msg[2:])
@@ -154,6 +161,8 @@ def run_level_processes(target: Target, level: Level, options: RunOptions, progr
                 done[msg[1]] = msg[2]
     finally:
         go.set()
+        if mark is not None and ready == n:
+            mark("end")
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
@@ -166,10 +175,11 @@ def run_level_processes(target: Target, level: Level, options: RunOptions, progr
 
 
 def run_levels(target: Target, levels: list[Level], options: RunOptions,
-               progress: Progress) -> list[LevelResult]:
+               progress: Progress, mark: Marker = no_mark) -> list[LevelResult]:
     """Run ``levels`` against ``target``: in this process, or each level spread over
-    ``options.processes`` processes."""
+    ``options.processes`` processes. ``mark`` is told when each level's measured load starts and ends."""
     if options.processes > 1:
-        return [run_level_processes(target, level, options, progress, options.index_base + i * LEVEL_STRIDE)
+        return [run_level_processes(target, level, options, progress, options.index_base + i * LEVEL_STRIDE,
+                                    mark=lambda event, i=i: mark(event, i))
                 for i, level in enumerate(levels)]
-    return run_levels_here(target, levels, options, progress)
+    return run_levels_here(target, levels, options, progress, mark)

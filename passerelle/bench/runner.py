@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from passerelle.bench.client import HttpClient, RequestResult, send
 from passerelle.bench.progress import Progress, Tally
 from passerelle.bench.target import Target, discover
-from passerelle.bench.workload import Conversation, TrafficClass, Workload
+from passerelle.bench.workload import ENDPOINTS, Conversation, TrafficClass, Workload
 
 T = TypeVar("T")
 # Prompt indexes: every (target, level, class, process, conversation) gets its own, so no prompt
@@ -64,10 +64,14 @@ class Level:
 
 @dataclass
 class LevelResult:
+    """A level's measurements; one made of ``segments`` (the rounds of an interleaved compare)
+    pools their requests, and its wall time is the sum of theirs."""
+
     level: Level
     results: list[RequestResult]
     loop_lag: list[float] = field(default_factory=list)  # oversleep of a 10 ms ticker: generator load
     send_lag: list[float] = field(default_factory=list)  # open loop: lateness of each arrival
+    segments: list[LevelResult] = field(default_factory=list)
 
     @property
     def started(self) -> float:
@@ -79,7 +83,16 @@ class LevelResult:
 
     @property
     def wall_s(self) -> float:
+        if self.segments:
+            return sum(s.wall_s for s in self.segments)
         return max(self.ended - self.started, 1e-9)
+
+    @classmethod
+    def pooled(cls, level: Level, parts: list[LevelResult]) -> LevelResult:
+        if len(parts) == 1:
+            return replace(parts[0], level=level)
+        return cls(level, [r for p in parts for r in p.results], [x for p in parts for x in p.loop_lag],
+                   [x for p in parts for x in p.send_lag], segments=list(parts))
 
 
 @dataclass(frozen=True)
@@ -105,7 +118,7 @@ def make_session(limit: int) -> HttpClient:
 
 
 def pool_size(level: Level) -> int:
-    if any(c.rate is not None and c.concurrency is None for c in level.classes):
+    if any((c.rate is not None or c.trace is not None) and c.concurrency is None for c in level.classes):
         return 0
     return sum(c.concurrency or 0 for c in level.classes)
 
@@ -132,20 +145,25 @@ async def run_load(session: Any, target: Target, level: Level, *, timeout: float
         if tally is not None:
             tally.add(result.ok, result.ttft, result.output_tokens)
 
-    async def one(cls: TrafficClass, conv: Conversation) -> RequestResult:
-        body, _ = conv.next_body()
+    async def one(cls: TrafficClass, conv: Conversation, prompt_tokens: int | None = None,
+                  max_tokens: int | None = None) -> RequestResult:
+        turn = conv.turn
+        body, _ = conv.next_body(prompt_tokens, max_tokens)
         result = await send(session, url[cls.workload.endpoint], body, {**target.headers(), **cls.headers()},
                             cls.name, timeout)
+        result.turn = turn
         record(result)
         return result
 
-    url = {e: target.base_url + Workload(endpoint=e).path for e in ("chat", "completions")}
+    url = {e: target.base_url + path for e, path in ENDPOINTS.items()}
     assert target.model is not None
     model = target.model
     jobs = []
     for k, cls in enumerate(level.classes):
         base = index_base + k * CLASS_STRIDE  # disjoint prompt indexes per class (and process: step)
-        if cls.rate is None:
+        if cls.trace is not None:
+            jobs.append(_replay(cls, model, one, deadline, base, index_step, start, out.send_lag))
+        elif cls.rate is None:
             jobs.append(_closed(cls, model, one, deadline, base, index_step))
         else:
             jobs.append(_open(cls, model, one, deadline, base, index_step, start + phase, out.send_lag))
@@ -210,6 +228,34 @@ async def _open(cls: TrafficClass, model: str, one: Callable[..., Awaitable[Requ
         await asyncio.gather(*list(pending))
 
 
+async def _replay(cls: TrafficClass, model: str, one: Callable[..., Awaitable[RequestResult]],
+                  deadline: float | None, base: int, step: int, first: float, send_lag: list[float]) -> None:
+    """A recorded trace: request i at ``first + t_i / speed`` with its own lengths (open loop)."""
+    assert cls.trace is not None
+    cap = asyncio.Semaphore(cls.concurrency) if cls.concurrency else None
+    pending: set[asyncio.Task[RequestResult]] = set()
+
+    async def capped(conv: Conversation, prompt: int, output: int) -> RequestResult:
+        assert cap is not None
+        async with cap:  # the generator's own queue: outside the request's clock
+            return await one(cls, conv, prompt, output)
+
+    for i, entry in enumerate(cls.trace):
+        at = first + entry.t / cls.trace_speed
+        if deadline is not None and at >= deadline:
+            break
+        await sleep_until(at)
+        send_lag.append(time.perf_counter() - at)
+        conv = Conversation(cls.workload, base + i * step, model)
+        coro = (one(cls, conv, entry.prompt_tokens, entry.output_tokens) if cap is None
+                else capped(conv, entry.prompt_tokens, entry.output_tokens))
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+    if pending:
+        await asyncio.gather(*list(pending))
+
+
 async def _watch_loop_lag(out: list[float], interval: float = 0.01) -> None:
     while True:
         t = time.perf_counter()
@@ -229,13 +275,13 @@ async def preconnect(session: Any, target: Target, n: int) -> None:
 async def warm_up(session: Any, target: Target, level: Level, n: int, timeout: float | None,
                   index_base: int = 0) -> None:
     """``n`` requests of the first class at the level's concurrency, not measured; then fill the pool."""
-    expected = pool_size(level) or max(1, math.ceil(sum(c.rate or 0 for c in level.classes)))
+    expected = pool_size(level) or max(1, math.ceil(sum(c.rate or 0 for c in level.classes)), 4)
     await preconnect(session, target, expected)
     if n <= 0:
         return
     cls = level.classes[0]
     conc = max(1, min(n, cls.concurrency or n))
-    warm = Level((replace(cls, rate=None, concurrency=conc, requests=n),))
+    warm = Level((replace(cls, rate=None, concurrency=conc, requests=n, trace=None),))
     result = await run_load(session, target, warm, timeout=timeout, index_base=index_base + WARMUP_OFFSET)
     if not any(r.ok for r in result.results):
         first = result.results[0]
@@ -295,10 +341,19 @@ def prepare(target: Target, workload: Workload, *, calibrate_prompts: bool = Tru
 
 
 # --- a sweep against one target --------------------------------------------------------------
+# Told "start" when a level's measured load begins (after its warm-up) and "end" when it is over,
+# with the level's index: the memory and runtime monitor brackets its samples with these.
+Marker = Callable[[str, int], None]
+
+
+def no_mark(event: str, index: int) -> None:
+    pass
+
+
 def run_levels_here(target: Target, levels: list[Level], options: RunOptions,
-                    progress: Progress) -> list[LevelResult]:
+                    progress: Progress, mark: Marker = no_mark) -> list[LevelResult]:
     """Every level in this process, one after the other (``processes.run_levels`` chooses)."""
-    return run_loop(_run_levels(target, levels, options, progress))
+    return run_loop(_run_levels(target, levels, options, progress, mark))
 
 
 def summary(result: LevelResult) -> str:
@@ -317,7 +372,7 @@ async def _refresh(progress: Progress) -> None:
 
 
 async def _run_levels(target: Target, levels: list[Level], options: RunOptions,
-                      progress: Progress) -> list[LevelResult]:
+                      progress: Progress, mark: Marker) -> list[LevelResult]:
     sizes = [pool_size(level) for level in levels]
     out = []
     async with make_session(0 if 0 in sizes else max(sizes)) as session:
@@ -327,11 +382,13 @@ async def _run_levels(target: Target, levels: list[Level], options: RunOptions,
             tally = Tally()
             progress.start_level(f"{target.name} {level.label}", level.total_requests, tally)
             ticker = asyncio.create_task(_refresh(progress))
+            mark("start", i)
             try:
                 result = await run_load(session, target, level, timeout=options.timeout, tally=tally,
                                         index_base=base)
             finally:
                 ticker.cancel()
+                mark("end", i)
             progress.end_level(summary(result))
             out.append(result)
     return out

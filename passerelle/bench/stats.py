@@ -1,9 +1,16 @@
-"""From request measurements to the numbers of ``results.json``: percentiles, SLOs, goodput, verdict.
+"""From request measurements to the numbers of ``results.json``: percentiles, SLOs, throughput, goodput.
 
 Definitions (DESIGN): TTFT = request sent → first content chunk; TPOT = (e2e − TTFT) / (output
 tokens − 1), per request; ITL = gaps between content chunks, pooled over all requests of a run;
 e2e = request sent → end of stream. Percentiles interpolate linearly between order statistics.
-Throughput counts successful requests over the run's wall time (first send → last answer).
+
+Throughput is measured over the run's **steady state**: from the end of the first answer (by
+then every concurrent request has been through a whole cycle: the ramp-up, when all of them
+started together, is over) to the last request's send (after which fewer requests are in flight
+and the queue drains). Tokens are counted by the arrival time of their chunks; requests/s is that
+token rate over the mean answer length, goodput its share of requests meeting every SLO. A run
+too short to have one (its steady part under a quarter of its wall time) is measured over its
+whole wall time (first send → last answer), and the record says which.
 
 Goodput counts the successful requests that meet every latency SLO on their own (TTFT, TPOT and
 e2e of the request; for ITL, the request's own percentile of its gaps), per second.
@@ -91,11 +98,12 @@ def _request_meets(r: RequestResult, slos: Sequence[Slo]) -> bool:
     for slo in slos:
         if slo.metric == "error_rate":
             continue
+        value: float | None
         if slo.metric == "itl":
             if not r.itl:
                 continue
             gaps = sorted(r.itl)
-            value = sum(gaps) / len(gaps) if slo.stat == "mean" else percentile(gaps, float(slo.stat[1:]))
+            value = sum(gaps) / len(gaps) if slo.stat == "mean" else percentile(gaps, float((slo.stat or "p50")[1:]))
         else:
             value = {"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e}[slo.metric]
             if value is None:
@@ -124,14 +132,101 @@ def run_failures(run: dict[str, Any], slos: Sequence[Slo]) -> list[str]:
     return failed
 
 
+# --- steady state --------------------------------------------------------------------------
+STEADY_MIN_SHARE = 0.25
+
+
+def steady_window(level: LevelResult) -> tuple[float, float] | None:
+    """(start, end) on the ``perf_counter`` clock: first answer's end → last send; ``None`` when
+    that is under a quarter of the run (every request sent before the first one ended)."""
+    results = level.results
+    # the first *answer*: a request refused at once does not end the ramp-up
+    done = [r.t_done for r in results if r.ok and r.t_done] or [r.t_done for r in results if r.t_done]
+    sends = [r.t_send for r in results if r.t_send]
+    if not done or not sends:
+        return None
+    start, end = min(done), max(sends)
+    if end - start < STEADY_MIN_SHARE * level.wall_s:
+        return None
+    return start, end
+
+
+def _tokens_between(r: RequestResult, start: float, end: float) -> float:
+    """Output tokens of one request whose chunks arrived in [start, end]."""
+    if r.ttft is None or not r.chunks:
+        return 0.0
+    per_chunk = r.output_tokens / r.chunks
+    t = r.t_send + r.ttft
+    n = 1 if start <= t <= end else 0
+    for gap in r.itl:
+        t += gap
+        if t > end:
+            break
+        if t >= start:
+            n += 1
+    return n * per_chunk
+
+
+def throughput(level: LevelResult, results: Sequence[RequestResult], slos: Sequence[Slo]) -> dict[str, Any]:
+    """Output tokens/s, requests/s and goodput over the steady state (else the whole run).
+
+    A level made of rounds (``segments``) adds up each round's steady window, tokens and requests.
+    """
+    ok = [r for r in results if r.ok]
+    whole = {"output_tokens_per_s": sum(r.output_tokens for r in ok) / level.wall_s,
+             "requests_per_s": len(ok) / level.wall_s,
+             "goodput_rps": sum(1 for r in ok if _request_meets(r, slos)) / level.wall_s}
+    whole = {k: round(v, 4) for k, v in whole.items()}
+    span = tokens = 0.0
+    finished: list[RequestResult] = []
+    windows = []
+    for seg in level.segments or [level]:
+        window = steady_window(seg)
+        if window is None:
+            return {**whole, "throughput_over": "whole run", "whole_run": whole, "steady_state": None}
+        start, end = window
+        ids = {id(x) for x in seg.results}
+        mine = ok if seg is level else [r for r in ok if id(r) in ids]
+        span += end - start
+        tokens += sum(_tokens_between(r, start, end) for r in mine)
+        finished += [r for r in mine if start < r.t_done <= end]
+        windows.append((round(start - seg.started, 3), round(end - seg.started, 3)))
+    steady: dict[str, Any] = {"start_s": windows[0][0], "end_s": windows[0][1], "duration_s": round(span, 3),
+              "requests_ended": len(finished), "output_tokens": round(tokens, 1)}
+    if len(windows) > 1:
+        steady["rounds"] = [{"start_s": a, "end_s": b} for a, b in windows]
+    # Requests/s from tokens/s and the mean answer length, not by counting the requests that ended
+    # inside the window: closed-loop requests end in batches, and a window edge on a batch's end
+    # would count or miss a whole batch.
+    rps = tokens / span / (sum(r.output_tokens for r in ok) / len(ok)) if ok else 0.0
+    good = sum(1 for r in ok if _request_meets(r, slos)) / len(ok) if ok else 0.0
+    return {"output_tokens_per_s": round(tokens / span, 4), "requests_per_s": round(rps, 4),
+            "goodput_rps": round(rps * good, 4), "throughput_over": "steady state", "whole_run": whole,
+            "steady_state": steady}
+
+
+def spread(results: Sequence[RequestResult]) -> float | None:
+    """The relative standard error of the mean request time (e2e): how much a rerun of this many
+    requests would move a throughput that follows from it (``verdict``'s noise estimate)."""
+    times = [r.e2e for r in results if r.ok and r.e2e]
+    if len(times) < 2:
+        return None
+    mean = sum(times) / len(times)
+    var = sum((t - mean) ** 2 for t in times) / (len(times) - 1)
+    return round(math.sqrt(var / len(times)) / mean, 4)
+
+
 # --- one run (a level, or one class of a scenario) ------------------------------------------
 def run_record(target: str, level: LevelResult, results: Sequence[RequestResult], slos: Sequence[Slo],
                cls: str | None = None, concurrency: int | None = None, rate: float | None = None,
-               prompt_tokens_requested: float | None = None) -> dict[str, Any]:
+               prompt_tokens_requested: float | None = None, prefix_share: float = 0.0) -> dict[str, Any]:
     """The ``results.json`` entry of one run; DESIGN's keys first, additions after."""
+    from passerelle.bench import cache
+
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
     wall = level.wall_s
+    rates = throughput(level, results, slos)
     kinds = Counter(r.error or "unknown" for r in errors)
     samples: dict[str, str] = {}
     for r in errors:
@@ -140,7 +235,6 @@ def run_record(target: str, level: LevelResult, results: Sequence[RequestResult]
     source = None if not ok else "usage" if usage == len(ok) else "chunks" if usage == 0 else "mixed"
     out_tokens = sum(r.output_tokens for r in ok)
     chunks = sum(r.chunks for r in ok)
-    good = sum(1 for r in ok if _request_meets(r, slos))
     prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     record: dict[str, Any] = {
         "target": target,
@@ -152,9 +246,9 @@ def run_record(target: str, level: LevelResult, results: Sequence[RequestResult]
         "tpot_ms": summarize_ms(t for r in ok if (t := r.tpot) is not None),
         "itl_ms": summarize_ms(g for r in ok for g in r.itl),
         "e2e_ms": summarize_ms(r.e2e for r in ok if r.e2e is not None),
-        "output_tokens_per_s": round(out_tokens / wall, 3),
-        "requests_per_s": round(len(ok) / wall, 4),
-        "goodput_rps": round(good / wall, 4),
+        "output_tokens_per_s": round(rates["output_tokens_per_s"], 3),
+        "requests_per_s": rates["requests_per_s"],
+        "goodput_rps": rates["goodput_rps"],
         "token_count_source": source,
         # additions to the DESIGN schema
         "class": cls,
@@ -168,6 +262,11 @@ def run_record(target: str, level: LevelResult, results: Sequence[RequestResult]
         "prompt_tokens_requested": prompt_tokens_requested,
         "tokens_per_chunk": round(out_tokens / chunks, 3) if chunks else None,
         "retried_on_closed_connection": sum(r.retries for r in results),
+        "throughput_over": rates["throughput_over"],
+        "throughput_rse": spread(results),
+        "steady_state": rates["steady_state"],
+        "whole_run": rates["whole_run"],
+        "cache": cache.summarize(results, prefix_share),
         "generator": {
             "loop_lag_ms_p99": round(percentile(sorted(level.loop_lag), 99) * 1000, 3) if level.loop_lag else None,
             "send_lag_ms_p99": round(percentile(sorted(level.send_lag), 99) * 1000, 3) if level.send_lag else None,
@@ -184,80 +283,14 @@ def level_records(target: str, level: LevelResult, slos: Sequence[Slo]) -> list[
     if len(classes) == 1 and classes[0].name is None:
         c = classes[0]
         return [run_record(target, level, level.results, slos, None, level.level.concurrency,
-                           level.level.rate, c.workload.prompt_tokens)]
+                           level.level.rate, c.workload.prompt_tokens, c.workload.prefix_share)]
     records = []
     for c in classes:
         mine = [r for r in level.results if r.cls == c.name]
         records.append(run_record(target, level, mine, slos, c.name, c.concurrency, c.rate,
-                                  c.workload.prompt_tokens))
+                                  c.workload.prompt_tokens, c.workload.prefix_share))
     conc = sum(c.concurrency or 0 for c in classes) or None
     rate = sum(c.rate or 0 for c in classes) or None
-    records.append(run_record(target, level, level.results, slos, "all", conc, rate))
+    share = max(c.workload.prefix_share for c in classes)
+    records.append(run_record(target, level, level.results, slos, "all", conc, rate, prefix_share=share))
     return records
-
-
-# --- verdict -------------------------------------------------------------------------------
-def _load_key(run: dict[str, Any]) -> tuple[float, float]:
-    return (run["concurrency"] or 0, run["rate"] or 0.0)
-
-
-def verdict(runs: Sequence[dict[str, Any]], slos: Sequence[Slo], models: dict[str, str | None]) -> dict[str, Any]:
-    """Per target, the highest load meeting every SLO and the throughput there; the winner.
-
-    The winner holds the highest load within the SLOs; a tie goes to the higher output tokens/s.
-    Only whole-load runs count (a plain level, or a scenario's ``all``).
-    """
-    targets: dict[str, Any] = {}
-    for name in dict.fromkeys(r["target"] for r in runs):
-        mine = [r for r in runs if r["target"] == name and r["class"] in (None, "all")]
-        passing = [r for r in mine if r["meets_slo"]]
-        best = max(passing, key=lambda r: (_load_key(r), r["output_tokens_per_s"]), default=None)
-        targets[name] = {
-            "max_concurrency": best["concurrency"] if best else None,
-            "max_rate": best["rate"] if best else None,
-            "output_tokens_per_s": best["output_tokens_per_s"] if best else None,
-            "requests_per_s": best["requests_per_s"] if best else None,
-            "goodput_rps": best["goodput_rps"] if best else None,
-            "loads_meeting_slo": [_label(r) for r in sorted(passing, key=_load_key)],
-            "loads_tested": [_label(r) for r in sorted(mine, key=_load_key)],
-        }
-    ranked = sorted(((n, t) for n, t in targets.items() if t["loads_meeting_slo"]),
-                    key=lambda item: ((item[1]["max_concurrency"] or 0, item[1]["max_rate"] or 0.0),
-                                      item[1]["output_tokens_per_s"] or 0.0), reverse=True)
-    winner = ranked[0][0] if ranked else None
-    slo_text = ", ".join(s.describe() for s in slos) or "no SLO given"
-    if winner is None:
-        reason = f"no target meets the SLOs ({slo_text}) at any tested load"
-    else:
-        w = targets[winner]
-        reason = (f"{winner} holds {_load_phrase(w)} within the SLOs ({slo_text}) at "
-                  f"{w['output_tokens_per_s']:.1f} output tokens/s")
-        others = [f"{n}: {_load_phrase(t) if t['loads_meeting_slo'] else 'none'}"
-                  for n, t in targets.items() if n != winner]
-        if others:
-            reason += " (" + "; ".join(others) + ")"
-    distinct = {m for m in models.values() if m}
-    return {
-        "slo": [{"key": s.key, "threshold": s.threshold, "unit": "fraction" if s.stat is None else "ms"}
-                for s in slos],
-        "targets": targets,
-        "winner": winner,
-        "reason": reason,
-        "models": dict(models),
-        "model_ids_differ": len(distinct) > 1,
-    }
-
-
-def _label(run: dict[str, Any]) -> str:
-    parts = []
-    if run["rate"] is not None:
-        parts.append(f"rate {run['rate']:g}/s")
-    if run["concurrency"] is not None:
-        parts.append(f"concurrency {run['concurrency']}")
-    return ", ".join(parts)
-
-
-def _load_phrase(t: dict[str, Any]) -> str:
-    if t["max_rate"] is not None:
-        return f"{t['max_rate']:g} requests/s"
-    return f"{t['max_concurrency']} concurrent request{'' if t['max_concurrency'] == 1 else 's'}"

@@ -37,12 +37,52 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def parse_target(text: str) -> tuple[str, str]:
-    """``NAME=URL`` of ``bench compare --target``."""
-    name, sep, url = text.partition("=")
-    if not sep or not name.strip() or not url.strip():
+@dataclass(frozen=True)
+class TargetSpec:
+    """A target as given on the command line: ``NAME=URL[,key=ENV][,model=ID][,pid=PID]``."""
+
+    name: str
+    url: str
+    key_env: str | None = None  # the environment variable holding this target's API key
+    model: str | None = None
+    pid: int | None = None  # the runtime's process, when it cannot be found from the port
+
+    def api_key(self, default: str | None, env: dict[str, str] | None = None) -> str | None:
+        import os
+
+        if self.key_env is None:
+            return default
+        value = (os.environ if env is None else env).get(self.key_env)
+        if value is None:
+            raise ValueError(f"{self.name}: environment variable {self.key_env} (key=) is not set")
+        return value
+
+
+_SPEC_KEYS = ("key", "model", "pid")
+
+
+def parse_target(text: str) -> TargetSpec:
+    """``NAME=URL`` of ``bench compare --target``, optionally followed by ``,key=ENV``, ``,model=ID``
+    and ``,pid=PID`` (e.g. ``vllm=http://127.0.0.1:8000,key=VLLM_KEY,model=qwen2.5-7b``)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name.strip() or not rest.strip():
         raise ValueError(f"{text!r}: expected NAME=URL, e.g. vulkan=http://127.0.0.1:8081")
-    return name.strip(), normalize_url(url)
+    url, *options = rest.split(",")
+    fields: dict[str, str] = {}
+    for opt in options:
+        key, eq, value = opt.partition("=")
+        key = key.strip()
+        if not eq or key not in _SPEC_KEYS or not value.strip():
+            raise ValueError(f"{text!r}: after the URL expected key=ENV, model=ID or pid=PID, not {opt!r}")
+        if key in fields:
+            raise ValueError(f"{text!r}: {key}= given twice")
+        fields[key] = value.strip()
+    pid = None
+    if "pid" in fields:
+        if not fields["pid"].isdigit():
+            raise ValueError(f"{text!r}: pid= must be a process id")
+        pid = int(fields["pid"])
+    return TargetSpec(name.strip(), normalize_url(url), key_env=fields.get("key"), model=fields.get("model"), pid=pid)
 
 
 async def discover(session: Any, target: Target) -> Target:

@@ -2,9 +2,19 @@
 
 Prompts are cut from ordinary English prose so every runtime tokenizes them like real text; their
 length in words is the requested token count divided by a tokens-per-word ratio that the runner
-measures once per target (see ``runner.calibrate``). Each prompt starts at a different place in
-the text, so runtimes cannot serve one request from another's prefix cache; multi-turn chats do
-share their own growing prefix, as real conversations do.
+measures once per target (see ``runner.calibrate``). Each prompt starts with its own tag and at a
+different place in the text, so runtimes cannot serve one request from another's prefix cache;
+multi-turn chats do share their own growing prefix, as real conversations do.
+
+Across runs, a random **nonce** (one per run and target, mixed into every tag and text offset)
+keeps a second run from being answered out of the cache the first one filled; an explicit
+``--seed`` leaves it out, so prompts repeat exactly (and the report's cache check says when a
+runtime served them from its cache). ``prefix_share`` makes a deliberate shared prefix: that
+fraction of every prompt's words is the same passage for all requests of a target, like a
+common system prompt::
+
+    Workload(prompt_tokens=128, nonce="3f9a0c1e")          # fresh text every run
+    Workload(prompt_tokens=128, prefix_share=0.5)          # half of each prompt shared
 
 A scenario file (TOML) mixes traffic classes, each with its own load, lengths, key and priority::
 
@@ -28,6 +38,8 @@ import zlib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from passerelle.bench.trace import TraceEntry, TraceError, load_trace
 
 # Original prose written for this benchmark (no external corpus is needed or fetched).
 CORPUS = """
@@ -67,14 +79,19 @@ WORDS: tuple[str, ...] = tuple(CORPUS.split())
 INSTRUCTION = "Continue this story in the same style."
 # A typical ratio for English prose under current tokenizers; replaced by a measured one per target.
 DEFAULT_TOKENS_PER_WORD = 1.3
-ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
+             "messages": "/v1/messages"}
+# Conversation indexes of different targets of a compare differ by this much (see cli); lengths
+# are drawn from the index within a target, so every target gets the same sequence of lengths.
+TARGET_STRIDE = 1_000_000_000
+DEFAULT_MIN_REQUESTS = 16  # per level, unless --requests or --duration says otherwise
 
 
 @dataclass(frozen=True)
 class Workload:
     """One kind of request: lengths, endpoint and sampling options."""
 
-    endpoint: str = "chat"  # "chat" or "completions"
+    endpoint: str = "chat"  # the API: "chat", "completions", "responses" (OpenAI) or "messages" (Anthropic)
     prompt_tokens: int = 128
     prompt_spread: int = 0  # prompt lengths are uniform in [prompt_tokens ± prompt_spread]
     max_tokens: int = 64
@@ -83,6 +100,8 @@ class Workload:
     ignore_eos: bool = True
     include_usage: bool = True
     seed: int = 0
+    nonce: str = ""  # mixed into the prompt text: fresh prompts per run ("" with an explicit --seed)
+    prefix_share: float = 0.0  # fraction of each prompt's words shared by all requests (deliberate cache hits)
     tokens_per_word: float = DEFAULT_TOKENS_PER_WORD
     prompt_overhead: float = 12.0  # tokens around the text: tag, instruction, chat template
     extra_body: dict[str, Any] = field(default_factory=dict, hash=False)
@@ -109,7 +128,10 @@ class Conversation:
         self.workload = workload
         self.model = model
         self.index = index
-        self.rng = random.Random(f"{workload.seed}:{index}")
+        # lengths depend on the seed and the index within the target only (like for like between
+        # targets); the text also on the nonce (fresh every run)
+        self.rng = random.Random(f"{workload.seed}:{index % TARGET_STRIDE}")
+        self.text_rng = random.Random(f"{workload.nonce}:{workload.seed}:{index}")
         self.turn = 0
         self.messages: list[dict[str, str]] = []
         self.last_max_tokens = 0
@@ -117,32 +139,40 @@ class Conversation:
     def _tokens(self, mean: int, spread: int) -> int:
         return max(1, mean + (self.rng.randint(-spread, spread) if spread else 0))
 
-    def next_body(self) -> tuple[dict[str, Any], int]:
-        """The next request body and its ``max_tokens``; call at most ``workload.turns`` times."""
+    def next_body(self, prompt_tokens: int | None = None, max_tokens: int | None = None) -> tuple[dict[str, Any], int]:
+        """The next request body and its ``max_tokens``; call at most ``workload.turns`` times.
+
+        ``prompt_tokens`` and ``max_tokens`` override the workload's lengths (a replayed trace).
+        """
         w = self.workload
-        prompt_tokens = self._tokens(w.prompt_tokens, w.prompt_spread)
-        max_tokens = self._tokens(w.max_tokens, w.max_tokens_spread)
+        drawn_prompt = self._tokens(w.prompt_tokens, w.prompt_spread)
+        drawn_max = self._tokens(w.max_tokens, w.max_tokens_spread)
+        prompt_tokens = drawn_prompt if prompt_tokens is None else max(1, prompt_tokens)
+        max_tokens = drawn_max if max_tokens is None else max(1, max_tokens)
         n_words = max(1, round(max(prompt_tokens - w.prompt_overhead, 1.0) / w.tokens_per_word))
         return self.body_for_words(n_words, max_tokens), max_tokens
 
     def body_for_words(self, n_words: int, max_tokens: int) -> dict[str, Any]:
         w = self.workload
-        offset = self.rng.randrange(len(WORDS))
+        offset = self.text_rng.randrange(len(WORDS))
         # A fixed-length tag (so it costs the same tokens for every index) that differs at once
         # between requests: no prompt can be served from another's prefix cache.
-        tag = f"{zlib.crc32(f'{w.seed}:{self.index}:{self.turn}'.encode()):08x}"
+        tag = f"{zlib.crc32(f'{w.nonce}:{w.seed}:{self.index}:{self.turn}'.encode()):08x}"
         body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "stream": True}
-        if w.endpoint == "chat":
+        text = self._user_text(n_words, offset, tag)
+        if w.endpoint == "responses":
+            body = {"model": self.model, "max_output_tokens": max_tokens, "stream": True}
+        if w.endpoint != "completions":
             if self.messages:
                 # The reply is not decoded (the client only scans bytes); a stand-in of the same
                 # length keeps the history realistic, and everything before it is a shared prefix.
                 self.messages.append({"role": "assistant", "content": prompt_text(
                     round(self.last_max_tokens / w.tokens_per_word), offset + 7, tag)})
-            self.messages.append({"role": "user", "content": f"{prompt_text(n_words, offset, tag)}\n\n{INSTRUCTION}"})
-            body["messages"] = list(self.messages)
+            self.messages.append({"role": "user", "content": text})
+            body["input" if w.endpoint == "responses" else "messages"] = list(self.messages)
         else:
-            body["prompt"] = f"{prompt_text(n_words, offset, tag)}\n\n{INSTRUCTION}"
-        if w.include_usage:
+            body["prompt"] = text
+        if w.include_usage and w.endpoint in ("chat", "completions"):  # (the others always send usage)
             body["stream_options"] = {"include_usage": True}
         if w.ignore_eos:
             body["ignore_eos"] = True
@@ -150,6 +180,20 @@ class Conversation:
         self.turn += 1
         self.last_max_tokens = max_tokens
         return body
+
+    def _user_text(self, n_words: int, offset: int, tag: str) -> str:
+        """The prompt: [the shared passage, on a first turn with ``prefix_share``] + own text + instruction."""
+        w = self.workload
+        shared = round(n_words * w.prefix_share) if w.prefix_share > 0 and self.turn == 0 else 0
+        shared = min(shared, n_words - 1)
+        own = prompt_text(n_words - shared, offset, tag)
+        if shared <= 0:
+            return f"{own}\n\n{INSTRUCTION}"
+        # the same words for every request of this target (and run): a common "system prompt"
+        scope = f"{w.nonce}:{w.seed}:{self.index // TARGET_STRIDE}"
+        stag = f"{zlib.crc32(f'{scope}:shared'.encode()):08x}"
+        start = random.Random(f"{scope}:shared").randrange(len(WORDS))
+        return f"{prompt_text(shared, start, stag)}\n\n{own}\n\n{INSTRUCTION}"
 
     @property
     def finished(self) -> bool:
@@ -161,7 +205,8 @@ class TrafficClass:
     """One stream of load: a workload sent closed-loop (``concurrency``) or open-loop (``rate``).
 
     With both, ``rate`` sets arrivals and ``concurrency`` caps requests in flight (the wait for a
-    free place is never counted in TTFT).
+    free place is never counted in TTFT). With a ``trace``, its arrival times and lengths replace
+    ``rate`` and the workload's lengths (``trace_speed`` 2 replays twice as fast).
     """
 
     name: str | None
@@ -173,6 +218,8 @@ class TrafficClass:
     priority: str | None = None
     tenant: str | None = None
     api_key: str | None = None
+    trace: tuple[TraceEntry, ...] | None = field(default=None, repr=False)
+    trace_speed: float = 1.0
 
     def headers(self) -> dict[str, str]:
         out = {}
@@ -202,7 +249,7 @@ class Scenario:
 _WORKLOAD_KEYS = {"endpoint", "prompt_tokens", "prompt_spread", "max_tokens", "max_tokens_spread", "turns",
                   "ignore_eos", "include_usage", "extra_body"}
 _CLASS_KEYS = _WORKLOAD_KEYS | {"name", "concurrency", "rate", "poisson", "requests", "priority", "tenant",
-                                "api_key", "api_key_env"}
+                                "api_key", "api_key_env", "trace", "trace_speed"}
 _TOP_KEYS = {"duration", "requests", "seed", "defaults", "class"}
 
 
@@ -237,6 +284,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_tokens_spread": (int,), "turns": (int,), "ignore_eos": (bool,), "include_usage": (bool,),
     "extra_body": (dict,), "name": (str,), "concurrency": (int,), "rate": (int, float), "poisson": (bool,),
     "requests": (int,), "priority": (str,), "tenant": (str,), "api_key": (str,), "api_key_env": (str,),
+    "trace": (str,), "trace_speed": (int, float),
 }
 
 
@@ -244,7 +292,7 @@ def load_scenario(path: str | Path, base: Workload, env: dict[str, str] | None =
     """Read a scenario TOML; errors name the file and the key (and the line for syntax errors)."""
     import os
 
-    env = os.environ if env is None else env
+    env = dict(os.environ) if env is None else env
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -269,7 +317,7 @@ def load_scenario(path: str | Path, base: Workload, env: dict[str, str] | None =
     requests = data.get("requests")
     if requests is not None:
         _check_type(str(path), "requests", requests, (int,))
-    if duration is None and requests is None:
+    if duration is None and requests is None and not all("trace" in c for c in raw_classes if isinstance(c, dict)):
         raise ScenarioError(f"{path}: set 'duration' or 'requests' at the top level")
     seed = data.get("seed", base.seed)
     classes, names = [], set()
@@ -286,9 +334,17 @@ def load_scenario(path: str | Path, base: Workload, env: dict[str, str] | None =
         names.add(name)
         if merged.get("endpoint", base.endpoint) not in ENDPOINTS:
             raise ScenarioError(f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}")
-        if "concurrency" not in merged and "rate" not in merged:
-            raise ScenarioError(f"{where}: set 'concurrency' (closed loop) or 'rate' (requests/s)")
-        for key in ("concurrency", "rate", "prompt_tokens", "max_tokens", "turns"):
+        trace = None
+        if "trace" in merged:
+            if "rate" in merged:
+                raise ScenarioError(f"{where}: 'trace' sets the arrivals; drop 'rate'")
+            try:
+                trace = load_trace(path.parent / merged["trace"])
+            except TraceError as exc:
+                raise ScenarioError(f"{where}: 'trace': {exc}") from None
+        elif "concurrency" not in merged and "rate" not in merged:
+            raise ScenarioError(f"{where}: set 'concurrency' (closed loop), 'rate' (requests/s) or 'trace' (a replay)")
+        for key in ("concurrency", "rate", "prompt_tokens", "max_tokens", "turns", "trace_speed"):
             if key in merged and merged[key] <= 0:
                 raise ScenarioError(f"{where}: '{key}' must be > 0")
         api_key = merged.get("api_key")
@@ -301,6 +357,7 @@ def load_scenario(path: str | Path, base: Workload, env: dict[str, str] | None =
         classes.append(TrafficClass(
             name=name, workload=workload, concurrency=merged.get("concurrency"),
             rate=float(merged["rate"]) if "rate" in merged else None, poisson=merged.get("poisson", False),
-            requests=merged.get("requests", requests), priority=merged.get("priority"),
-            tenant=merged.get("tenant"), api_key=api_key))
+            requests=merged.get("requests", requests) if trace is None else len(trace),
+            priority=merged.get("priority"), tenant=merged.get("tenant"), api_key=api_key, trace=trace,
+            trace_speed=float(merged.get("trace_speed", 1.0))))
     return Scenario(tuple(classes), duration, requests)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import re
 import sys
 import time
 import weakref
@@ -25,7 +26,28 @@ from typing import TextIO
 
 import orjson
 
-from passerelle.observe.record import RequestRecord
+from passerelle.observe.record import RequestRecord, clip
+
+# Characters that would let a client's string (model, user) forge a line or drive a terminal:
+# C0 and C1 controls (newline, ESC), DEL, the Unicode line and paragraph separators, bidi overrides.
+# The backslash too, so that an escape in the output always means an escaped character.
+_UNPRINTABLE = re.compile("[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return "\\\\" if c == "\\" else f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character escaped, for text logs and terminals.
+
+    >>> printable("gpt\\n12:00:00 req_x forged")
+    'gpt\\\\x0a12:00:00 req_x forged'
+    >>> printable("\\x1b[2Jalice")
+    '\\\\x1b[2Jalice'
+    """
+    return _UNPRINTABLE.sub(_escape, text)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -40,10 +62,11 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "ts": round(time.time(), 3),
         "request_id": rec.id,
         "endpoint": rec.endpoint,
-        "model": rec.model,
+        "model": clip(rec.model),
         "backend": rec.backend,
         **({"slot": rec.slot} if rec.slot is not None else {}),
         "tenant": rec.tenant,
+        **({"key_id": rec.key_id} if rec.key_id else {}),
         "priority": rec.priority,
         "stream": rec.stream,
         "status": rec.status,
@@ -57,7 +80,7 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "client": rec.client,
         **({"suspensions": rec.suspensions, "suspended_ms": _ms(rec.suspended_s),
             "resume_prompt_tokens": rec.resume_prompt_tokens} if rec.suspensions else {}),
-        **({"error": rec.error} if rec.error else {}),
+        **({"error": clip(rec.error, 512)} if rec.error else {}),
     }
 
 
@@ -78,10 +101,10 @@ class AccessLog:
         if self.fmt == "json":
             line = orjson.dumps(fields, option=orjson.OPT_APPEND_NEWLINE)
         else:
-            line = (f"{time.strftime('%H:%M:%S')} {rec.id} {rec.endpoint} {rec.model} -> {rec.status} "
+            line = (f"{time.strftime('%H:%M:%S')} {rec.id} {rec.endpoint} {printable(clip(rec.model))} -> {rec.status} "
                     f"{fields['cause']} ttft={fields['ttft_ms']}ms dur={fields['duration_ms']}ms "
                     f"tokens={fields['prompt_tokens']}/{fields['completion_tokens']} backend={rec.backend or '-'} "
-                    f"tenant={rec.tenant} class={rec.priority}"
+                    f"tenant={printable(rec.tenant)} class={rec.priority}"
                     f"{f' suspended={rec.suspensions}x' if rec.suspensions else ''}\n").encode()
         self._buf.append(line)
         if self._flush_at is None or self._flush_loop is None or self._flush_loop.is_closed():

@@ -38,6 +38,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from passerelle import config
 from passerelle.errors import Cause
 from passerelle.observe.loghist import (
     BUCKETS,
@@ -52,9 +53,9 @@ from passerelle.observe.loghist import (
     occupied,
     quantiles,
 )
-from passerelle.observe.record import RequestRecord
+from passerelle.observe.record import RequestRecord, clip
 
-DEFAULT_CLASSES = ("interactive", "standard", "batch")
+DEFAULT_CLASSES = tuple(c.name for c in config.DEFAULT_CLASSES)
 RATE_WINDOW_S = 60.0  # tokens/s and requests/s: over the last minute
 SERIES_POINTS = 30  # the charts' resolution: the window cut into this many buckets
 RECENT_ERRORS = 20
@@ -186,9 +187,9 @@ class LiveStats:
                              else (top if g >= LARGEST else GAP) for g in rec.gaps])
         else:
             ring.errors[pos] += 1
-            self._errors.append((now, {"cause": cause.value, "status": rec.status, "model": rec.model,
+            self._errors.append((now, {"cause": cause.value, "status": rec.status, "model": clip(rec.model),
                                        "backend": rec.backend, "priority": rec.priority, "tenant": rec.tenant,
-                                       "error": rec.error}))
+                                       "error": clip(rec.error, 512)}))
         tokens = rec.output_tokens
         if tokens:
             gen = rec.t_last - rec.t_first if rec.t_first and rec.t_last > rec.t_first else 0.0

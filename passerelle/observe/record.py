@@ -39,6 +39,17 @@ _ALLOWED = {
 }
 
 
+def clip(text: str, limit: int = 256) -> str:
+    """``text`` cut to ``limit`` characters, ``…`` marking the cut. A record's strings that a client
+    chose (a model id, an error message quoting it) leave the request through this: the access log,
+    the usage store and the dashboard keep 256 characters of an 8 MiB model name, not 8 MiB a line.
+
+    >>> clip("m" * 300)[-3:], len(clip("m" * 300))
+    ('mm…', 256)
+    """
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def new_request_id() -> str:
     return "req_" + os.urandom(12).hex()
 
@@ -54,6 +65,7 @@ class RequestRecord:
     stream: bool = False
     priority: str = "standard"
     tenant: str = "anonymous"
+    key_id: str = ""  # the API key's id (never its secret); "" without a key
     backend: str = ""
     slot: int | None = None  # the runtime's slot it ran in, where passerelle names it (llama-server)
     max_tokens: int | None = None

@@ -77,13 +77,15 @@ def assemble(sse: bytes, endpoint: str) -> bytes:
                 extra[k] = obj[k]
         for ch in obj.get("choices") or []:
             idx = ch.get("index", 0)
-            c = choices.setdefault(idx, {"index": idx, "text": "", "reasoning": "", "tools": [],
+            c = choices.setdefault(idx, {"index": idx, "text": "", "reasoning": "", "reasoning_field": "",
+                                         "tools": [],
                                          "role": "assistant", "finish_reason": None, "logprobs": None})
             if chat:
                 delta = ch.get("delta") or {}
                 c["role"] = delta.get("role") or c["role"]
                 c["text"] += delta.get("content") or ""
                 c["reasoning"] += delta.get("reasoning_content") or ""
+                c["reasoning_field"] += delta.get("reasoning") or ""  # vLLM >= 0.16's name
                 if delta.get("tool_calls"):
                     _merge_tool_calls(c["tools"], delta["tool_calls"])
             else:
@@ -99,6 +101,8 @@ def assemble(sse: bytes, endpoint: str) -> bytes:
             message: dict[str, Any] = {"role": c["role"], "content": c["text"] or (None if c["tools"] else "")}
             if c["reasoning"]:
                 message["reasoning_content"] = c["reasoning"]
+            if c["reasoning_field"]:
+                message["reasoning"] = c["reasoning_field"]
             if c["tools"]:
                 message["tool_calls"] = c["tools"]
             out_choices.append({"index": idx, "message": message, "finish_reason": c["finish_reason"],

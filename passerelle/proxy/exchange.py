@@ -30,8 +30,10 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from passerelle.errors import GatewayError, UpstreamStatus
+from passerelle.errors import GatewayError
 from passerelle.observe.record import RequestRecord, new_request_id
+from passerelle.proxy import grammars
+from passerelle.proxy.protocols import OPENAI, error_body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -46,7 +48,8 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 
 class Exchange:
-    __slots__ = ("_watcher", "disconnected", "finishing", "rec", "receive", "scope", "send", "started", "task")
+    __slots__ = ("_watcher", "disconnected", "errors", "finishing", "grammar", "rec", "receive", "scope", "send",
+                 "started", "task")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         client = scope.get("client")
@@ -59,6 +62,9 @@ class Exchange:
         assert task is not None
         self.task = task
         self._watcher: asyncio.Task[None] | None = None
+        # the API's error shape (protocols.py) and stream grammar (grammars.py), for report()
+        self.errors = OPENAI
+        self.grammar = "chat"
 
     def header(self, name: bytes) -> str | None:
         return header(self.scope, name)
@@ -89,22 +95,24 @@ class Exchange:
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
-        await self.send({"type": "http.response.start", "status": status,
-                         "headers": [*headers, (b"x-request-id", self.rec.id.encode())]})
+        rid = self.rec.id.encode()
+        headers = [*headers, (b"x-request-id", rid)]
+        if self.errors != OPENAI:
+            headers.append((b"request-id", rid))  # where Anthropic's SDKs and Claude Code read it
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def send_body(self, body: bytes, *, more: bool) -> None:
         await self.send({"type": "http.response.body", "body": body, "more_body": more})
 
     async def report(self, err: GatewayError) -> None:
-        """Tell the client about ``err``: an error response, or an SSE error event once streaming
-        began. A client that is gone by then is nobody's problem."""
+        """Tell the client about ``err``: an error response in its API's shape, or that API's own
+        error event once streaming began. A client that is gone by then is nobody's problem."""
         self.finishing = True
         with contextlib.suppress(OSError):
             if self.started:
-                await self.send_body(err.sse_event(), more=False)
+                await self.send_body(grammars.error_event(self.grammar, err), more=False)
                 return
-            body = err.body()
-            ctype = err.content_type if isinstance(err, UpstreamStatus) and err.content_type else b"application/json"
+            body, ctype = error_body(err, self.errors)
             await self.start(err.status, [(b"content-type", ctype), (b"content-length", str(len(body)).encode()),
                                           *err.headers()])
             await self.send_body(body, more=False)

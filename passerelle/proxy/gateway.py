@@ -3,9 +3,11 @@
     read body (capped) → parse the few fields the gateway needs → pick a backend
     → send upstream → relay (stream or body) → account: metrics, usage, one access-log line
 
-The body passes through untouched, except that a streaming request that did not ask for
+Every inference API goes through this life (protocols.py says what differs: the fields read, the
+runtime's path, the stream's grammar, whether it queues for a slot, the error shape). The body
+passes through untouched, except that a streaming chat/completions request that did not ask for
 ``stream_options.include_usage`` gets it added (so token counts come from the runtime), and the
-usage chunk is removed again before it reaches that client.
+usage chunk is removed again before it reaches that client; vLLM gets the class as ``priority``.
 
 Races worth knowing:
 
@@ -38,7 +40,6 @@ from passerelle.errors import (
     ClientDisconnect,
     GatewayError,
     InvalidRequest,
-    Unauthorized,
     UnknownModel,
     UpstreamError,
     UpstreamStatus,
@@ -47,19 +48,22 @@ from passerelle.errors import (
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
 from passerelle.observe.record import RequestRecord, State
+from passerelle.proxy import grammars
 from passerelle.proxy.assemble import assemble
+from passerelle.proxy.assemble_events import assemble_events
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
+from passerelle.proxy.protocols import Api, Parsed, api_for
 from passerelle.proxy.relay import StreamRelay, read_body
 from passerelle.proxy.resume import Splice, suspendable
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey, KeyRing
-from passerelle.tenants.limits import FailedAuthThrottle, Grant, KeyLimiter
+from passerelle.tenants.names import user_tenant
+from passerelle.tenants.policy import KeyPolicy, Ticket
 
 log = logging.getLogger("passerelle.proxy.gateway")
 
-_REQUIRED = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
 
@@ -88,52 +92,13 @@ async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes
             return b"".join(chunks)
 
 
-def parse_request(body: bytes, endpoint: str) -> dict[str, Any]:
-    """Validate the fields the gateway relies on; everything else is the runtime's business."""
-    if not body.strip():
-        raise InvalidRequest("The request body is empty; expected a JSON object.")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}.") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    model = data.get("model")
-    if model is None:
-        raise InvalidRequest("Missing required parameter: 'model'.", param="model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' must be a non-empty string.", param="model")
-    required = _REQUIRED[endpoint]
-    value = data.get(required)
-    if value is None:
-        raise InvalidRequest(f"Missing required parameter: '{required}'.", param=required)
-    if endpoint == "chat":
-        if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
-            raise InvalidRequest("'messages' must be a non-empty array of message objects.", param="messages")
-    elif not isinstance(value, str | list):
-        raise InvalidRequest(f"'{required}' must be a string or an array.", param=required)
-    if "stream" in data and not isinstance(data["stream"], bool | None):
-        raise InvalidRequest("'stream' must be a boolean.", param="stream")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        v = data.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "n" else 0)):
-            raise InvalidRequest(f"'{key}' must be a non-negative integer.", param=key)
-    so = data.get("stream_options")
-    if so is not None and not isinstance(so, dict):
-        raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
-    user = data.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidRequest("'user' must be a string.", param="user")
-    return data
-
-
 def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
     """``body`` with ``stream_options.include_usage = true`` (spliced in when absent, so the
     rest of the body keeps its exact bytes)."""
     if "stream_options" not in data:
         i = body.index(b"{")
         return body[: i + 1] + b'"stream_options":{"include_usage":true},' + body[i + 1 :]
-    data = dict(data, stream_options=dict(data["stream_options"], include_usage=True))
+    data = dict(data, stream_options={**(data["stream_options"] or {}), "include_usage": True})  # null is valid
     return orjson.dumps(data)
 
 
@@ -157,8 +122,7 @@ class Gateway:
         self.access_log = access_log
         self.scheduler = scheduler
         self.keyring = keyring
-        self.limiter = KeyLimiter()
-        self.auth_throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
+        self.keys = KeyPolicy(cfg, keyring)  # keys: who, which models, quotas, limits (tenants/policy.py)
         self.classes = {c.name: c for c in cfg.classes}
         self._retry_budget = 10.0  # retries allowed now; refilled by 0.2 per request
         self.preemption_stats = {"suspensions": 0, "resumed_streams": 0, "resume_prompt_tokens_processed": 0,
@@ -167,24 +131,13 @@ class Gateway:
         self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
         self.listeners: list[Callable[[RequestRecord], None]] = []
+        # Requests in progress; the server's shutdown ends those still running (server/shutdown.py).
+        self.open: set[Exchange] = set()
 
     # -- who is asking, and how urgent ---------------------------------------------------------
     def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:
         """The caller's key; None when keys are not in use. Raises Unauthorized / RateLimited."""
-        ring = self.keyring
-        if ring is None:
-            return None
-        ring.refresh()
-        if not (ring.any or self.cfg.auth.required):
-            return None
-        self.auth_throttle.check(rec.client)
-        value = header(scope, b"authorization") or ""
-        scheme, _, token = value.partition(" ")
-        key = ring.lookup(token.strip()) if scheme.lower() == "bearer" and token else None
-        if key is None:
-            self.auth_throttle.failed(rec.client)
-            raise Unauthorized("Missing or invalid API key. Send 'Authorization: Bearer <key>'.")
-        return key
+        return self.keys.authenticate(scope, rec)
 
     def priority_class(self, scope: Scope, key: ApiKey | None) -> ClassConfig:
         """The key's class (or the anonymous one), lowered by X-Priority, raised only up to the
@@ -204,63 +157,88 @@ class Gateway:
             return ceiling if ceiling.rank < base.rank else base
         return wanted
 
-    def affinity_key(self, scope: Scope, data: dict[str, Any], endpoint: str) -> str:
-        """What keeps related requests on one replica: a session header, else the chat's opening
-        (system prompt and first user message, shared by every turn, so llama-server's prompt
-        cache is reused), else the OpenAI ``user``."""
+    def affinity_key(self, scope: Scope, data: dict[str, Any] | None, endpoint: str) -> str:
+        """What keeps related requests on one replica: a session header, else the conversation's
+        opening (system prompt and first user message, shared by every turn, so llama-server's
+        prompt cache is reused: chat, Anthropic messages, Responses input), else the ``user``."""
         r = self.cfg.routing
         session = header(scope, r.session_header.lower().encode()) if r.session_header else None
-        if session:
-            return "s:" + session
-        if r.prefix_affinity and endpoint == "chat":
-            opening = []
-            for m in data["messages"]:
+        if session:  # hashed, like the others: a client's string never sets an entry's size
+            return "s:" + hashlib.blake2b(session.encode("latin-1"), digest_size=12).hexdigest()
+        if data is None:
+            return ""
+        if r.prefix_affinity and endpoint in ("chat", "messages", "responses"):
+            turns = data.get("input" if endpoint == "responses" else "messages")
+            opening: list[Any] = [data.get("system" if endpoint == "messages" else "instructions")]
+            for m in turns if isinstance(turns, list) else [turns]:
                 opening.append(m)
-                if m.get("role") == "user":
+                if not isinstance(m, dict) or m.get("role") == "user":
                     break
             return "p:" + hashlib.blake2b(orjson.dumps(opening), digest_size=12).hexdigest()
-        return "u:" + data["user"] if isinstance(data.get("user"), str) else ""
+        user = data.get("user")
+        return "u:" + hashlib.blake2b(user.encode(errors="surrogatepass"), digest_size=12).hexdigest() \
+            if isinstance(user, str) else ""
 
     # -- the request's life ----------------------------------------------------------------
+    def _read(self, api: Api, body: bytes, scope: Scope) -> Parsed:
+        """The request's fields (protocols.py), its model filled in where a route may leave it out."""
+        req = api.parse(body, header(scope, b"content-type"))
+        if req.model is None:
+            served = self.registry.models_on(api.name)
+            if len(served) != 1:
+                raise InvalidRequest("Missing required parameter: 'model' (this gateway serves "
+                                     f"{', '.join(served) or 'no model'} on {scope['path']}).", param="model")
+            req.model = served[0]
+        return req
+
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
+        api = api_for(endpoint)
         ex = Exchange(scope, receive, send, endpoint)
+        ex.errors, ex.grammar = api.errors, api.grammar
         rec = ex.rec
         job: Job | None = None
-        grant: Grant | None = None
+        grant: Ticket | None = None
+        self.open.add(ex)
         try:
-            body = await read_request_body(scope, receive, self.cfg.server.max_body_bytes)
+            key = self.authenticate(scope, rec)  # before the body: a stranger's body is never read
+            limit = self.cfg.server.max_upload_bytes if api.form else self.cfg.server.max_body_bytes
+            body = await read_request_body(scope, receive, limit)
             ex.watch()
-            key = self.authenticate(scope, rec)
-            data = parse_request(body, endpoint)
-            rec.model = data["model"]
-            rec.stream = bool(data.get("stream")) and endpoint != "embeddings"
-            rec.max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
+            req = self._read(api, body, scope)
+            rec.model = model = req.model or ""
+            rec.stream = req.stream
+            rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
             cls = self.priority_class(scope, key)
             rec.priority = cls.name
             if key is not None:
                 rec.tenant = key.tenant
-            elif data.get("user"):
-                rec.tenant = data["user"]
-            pool = self.registry.pool(rec.model, endpoint)
+            elif req.user:
+                rec.tenant = user_tenant(req.user, self.cfg.auth.max_user_chars)
+            pool = self.registry.pool(model, endpoint)
             if pool is None:
-                raise UnknownModel(rec.model, self.registry.models)
+                raise UnknownModel(model, self.registry.models)
             if not pool:
-                raise InvalidRequest(f"The model '{rec.model}' is not served on /v1/{endpoint}.", param="model")
-            est_prompt = len(body) // 4  # about 4 bytes of JSON per token; corrected by usage
-            est_output = 0 if endpoint == "embeddings" else (rec.max_tokens or 256)
-            if key is not None:
-                grant = self.limiter.admit(key, est_prompt + est_output)
-            job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=rec.model, weight=key.weight if key else 1.0,
+                raise InvalidRequest(f"The model '{model}' is not served on {scope['path']}: no backend of it "
+                                     f"serves that route. It is served on: {self._routes_of(model)}.", param="model")
+            # prompt: its text, media at a constant (corrected by usage); an upload is not text, and
+            # tokenizing or counting tokens is not the model's work
+            est_prompt = (self.keys.estimate_prompt(req.data, model)
+                          if api.scheduled and not api.form and req.data is not None else 0)
+            est_output = (rec.max_tokens or 256) if api.generates else 0
+            if key is not None:  # allow-list, quota, rpm/tpm, then a turn among the key's concurrent slots
+                grant = await self.keys.admit(key, rec, cls, est_prompt + est_output)
+            job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
                       est_prompt_tokens=est_prompt, est_output_tokens=est_output,
-                      can_wait_for_start=any(b.supervised for b in pool), slotted=endpoint != "embeddings",
-                      affinity=self.affinity_key(scope, data, endpoint)
+                      can_wait_for_start=any(b.supervised for b in pool), slotted=api.scheduled and not api.form,
+                      affinity=self.affinity_key(scope, req.data, endpoint)
                       if len(pool) > 1 or any(b.slot_ids for b in pool) else "")
             if self.on_demand is not None and not any(b.stats.up for b in pool):
                 self.on_demand(pool)
             # A stream of a preemptible class may be cut for a better one and continued (resume.py).
-            splice = (Splice(data, endpoint) if cls.preemptible and self.scheduler.preemption is not None
-                      and any(b.continuation for b in pool) and suspendable(data, endpoint) else None)
-            await self._dispatch(ex, job, data, body, cls, splice)
+            splice = (Splice(req.data, endpoint) if cls.preemptible and self.scheduler.preemption is not None
+                      and req.data is not None and any(b.continuation for b in pool)
+                      and suspendable(req.data, endpoint) else None)
+            await self._dispatch(ex, api, job, req.data, body, cls, splice)
             rec.finish(Cause.OK, 200)
         except asyncio.CancelledError:
             if not ex.disconnected:
@@ -277,28 +255,41 @@ class Gateway:
             await ex.report(GatewayError("Internal error in the gateway; see its log."))
         finally:
             ex.close()
+            self.open.discard(ex)
             if rec.cause is None:  # an unexpected exception: still one cause, one log line
                 rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
-            used = None if rec.completion_tokens is None else (rec.prompt_tokens or 0) + rec.completion_tokens
             if job is not None:
                 self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
             if grant is not None:
-                self.limiter.finish(grant, used)
+                self.keys.finish(grant, rec)
             self.account(rec)
 
-    async def _dispatch(self, ex: Exchange, job: Job, data: dict[str, Any], body: bytes, cls: ClassConfig,
-                        splice: Splice | None = None) -> None:
+    def _routes_of(self, model: str) -> str:
+        names = sorted({e for b in self.registry.backends_of(model) for e in b.endpoints})
+        return ", ".join(api_for(e).upstream for e in names) or "no route"
+
+    def _direct(self, job: Job) -> Backend | None:
+        """For a route that takes no runtime slot (tokenize, token counts): the least busy replica
+        up now, without queueing; None when none is (then the scheduler waits for one)."""
+        now = time.monotonic()
+        usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
+        return min(usable, key=lambda b: b.in_flight / b.capacity) if usable else None
+
+    async def _dispatch(self, ex: Exchange, api: Api, job: Job, data: dict[str, Any] | None, body: bytes,
+                        cls: ClassConfig, splice: Splice | None = None) -> None:
         """Queue for a replica and try it; before the client got a byte, a replica that could not
         take the request is replaced by another (within the retry budget). A stream suspended
         for a better class queues again and continues where it was cut."""
         rec = ex.rec
-        rec.t_queued = time.perf_counter()
+        rec.t_queued = rec.t_queued or time.perf_counter()  # set already if it waited in its key's queue
         rec.to(State.QUEUED)
         self._retry_budget = min(10.0, self._retry_budget + 0.2)
         deadline = rec.t_arrival + self.cfg.timeouts.total_s
         suspended_at = 0.0
         while True:
-            backend = await self.scheduler.acquire(job)
+            backend = None if api.scheduled else self._direct(job)
+            if backend is None:
+                backend = await self.scheduler.acquire(job)
             rec.backend, rec.slot = backend.name, job.slot
             if suspended_at:  # resumed
                 rec.suspended_s += time.perf_counter() - suspended_at
@@ -310,7 +301,7 @@ class Gateway:
             running.inc()
             sent_with = backend.in_flight
             try:
-                await self._attempt(ex, backend, job, data, body, cls, deadline, splice)
+                await self._attempt(ex, api, backend, job, data, body, cls, deadline, splice)
                 if splice is None or not splice.suspended:
                     break
             except (UpstreamError, UpstreamTimeout) as err:
@@ -361,26 +352,33 @@ class Gateway:
         self._retry_budget -= 1.0
         return True
 
-    async def _attempt(self, ex: Exchange, backend: Backend, job: Job, data: dict[str, Any], body: bytes,
-                       cls: ClassConfig, deadline: float, splice: Splice | None = None) -> None:
+    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, data: dict[str, Any] | None,
+                       body: bytes, cls: ClassConfig, deadline: float, splice: Splice | None = None) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing. With a
         ``splice`` the stream may be cut by the scheduler (then this returns or raises with
         ``splice.suspended`` set), and a later try continues it."""
-        rec, endpoint = ex.rec, ex.rec.endpoint
+        rec = ex.rec
         strip_usage = False
-        collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
+        chat_like = api.grammar == "chat"
+        collect = not rec.stream and backend.stream_always and api.collect and data is not None
         dialect = backend.continuation if splice is not None else ""
         if dialect and splice is not None:
             data = splice.request_data(dialect)
             body = orjson.dumps(data)
         if collect:
-            body = orjson.dumps({**data, "stream": True, "stream_options": {"include_usage": True}})
-        elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
+            assert data is not None
+            extra = {"stream_options": {"include_usage": True}} if chat_like else {}
+            body = orjson.dumps({**data, "stream": True, **extra})
+        elif rec.stream and chat_like and data is not None and not (data.get("stream_options") or {}).get(
+                "include_usage"):
             body, strip_usage = with_usage_requested(body, data), True
-        body = backend.prepare(body, cls.rank, job.slot)
-        resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body,
-                                  request_id=rec.id)
+        ctype = b"application/json"
+        if api.form:
+            ctype = (header(ex.scope, b"content-type") or "").encode("latin-1")
+        elif api.scheduled:  # (vLLM's priority, llama-server's slot: for requests that take one)
+            body = backend.prepare(body, cls.rank, job.slot)
+        resp = await backend.post(api.upstream, body, request_id=rec.id, content_type=ctype)
         try:
             if resp.status != 200:
                 raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
@@ -395,7 +393,7 @@ class Gateway:
             if rec.stream:
                 relay = StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage,
                                     before_first=None if ex.started else lambda: ex.start(200, _SSE_HEADERS),
-                                    on_done=ex.mark_finishing)
+                                    on_done=ex.mark_finishing, grammar=grammars.make(api.grammar))
                 await relay.run(resp, deadline)
                 if splice is not None and splice.suspended:
                     return
@@ -404,14 +402,21 @@ class Gateway:
                     await ex.send_body(b"", more=False)
                 return
             if collect:
-                await StreamRelay(rec, send, self.cfg.timeouts, strip_usage=False).run(resp, deadline)
+                await StreamRelay(rec, send, self.cfg.timeouts, strip_usage=False,
+                                  grammar=grammars.make(api.grammar)).run(resp, deadline)
                 if splice is not None and splice.suspended:
                     return
-                raw = assemble(b"".join(sink.parts), endpoint)
+                sse = b"".join(sink.parts)
+                raw = assemble(sse, api.name) if chat_like else assemble_events(sse, api.grammar)
                 ctype = b"application/json"
             else:
                 raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
                 ctype = resp.headers.get("Content-Type", "application/json").encode()
+                if not rec.usage_from_server and b"_tokens" in raw:  # Responses', Anthropic's, llama-server's names
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        p, c = grammars.usage_of(orjson.loads(raw))
+                        if p is not None or c is not None:
+                            rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
             await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
             ex.mark_finishing()
             await ex.send_body(raw, more=False)

@@ -4,10 +4,14 @@ No event is decoded as JSON except the one carrying ``usage``. Complete events f
 read are sent to the client in one write; an incomplete trailing event is held only until its end
 arrives (a partial event is of no use to a client). The scan finds:
 
-* content chunks (``"content"``/``"text"``/``"reasoning_content"`` with a non-empty string, or
-  ``tool_calls``): first-token time, inter-chunk gaps, a fallback token count;
+* content chunks (``"content"``/``"text"``/``"reasoning_content"``/``"reasoning"`` with a non-empty
+  string, or ``tool_calls``): first-token time, inter-chunk gaps, a fallback token count (a
+  reasoning model's thinking is its first tokens: vLLM >= 0.16 names it ``reasoning``);
 * the usage chunk: token counts; dropped again when the gateway asked for it and the client did not;
 * ``[DONE]``: a stream that ends without it was truncated, and the client gets an error event.
+
+Other APIs' streams (Responses, Anthropic Messages, llama-server's native chunks) are read through
+their grammar (grammars.py), which says the same things in their words.
 
 Example::
 
@@ -29,12 +33,13 @@ import orjson
 from passerelle.config import TimeoutConfig
 from passerelle.errors import UpstreamError, UpstreamTimeout
 from passerelle.observe.record import RequestRecord, State
+from passerelle.proxy.grammars import CONTENT, END, ERROR, Grammar
 from passerelle.upstream.client import HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _CONTENT = re.compile(
-    rb'"(?:content|text|reasoning_content)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{')
+    rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{')
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _ERROR = re.compile(rb'^data:\s*\{\s*"error"')
@@ -86,8 +91,9 @@ class StreamRelay:
 
     def __init__(self, rec: RequestRecord, send: Send, timeouts: TimeoutConfig, *, strip_usage: bool,
                  before_first: Callable[[], Awaitable[None]] | None = None,
-                 on_done: Callable[[], None] | None = None) -> None:
+                 on_done: Callable[[], None] | None = None, grammar: Grammar | None = None) -> None:
         self.rec = rec
+        self.grammar = grammar  # None: OpenAI chat/completions chunks, scanned here
         # Called once [DONE] is about to go out: a client that hangs up right after reading it
         # (the openai SDK does) has its answer, and must not count as a disconnect.
         self.on_done = on_done
@@ -100,6 +106,8 @@ class StreamRelay:
 
     def _scan(self, events: list[bytes], now: float) -> bytes:
         """Account for ``events``; return the bytes to send (all of them unless one is dropped)."""
+        if self.grammar is not None:
+            return self._scan_grammar(events, now)
         rec = self.rec
         out: list[bytes] | None = None
         for i, ev in enumerate(events):
@@ -134,6 +142,30 @@ class StreamRelay:
         if out is None:
             return b"".join(events) if len(events) > 1 else events[0]
         return b"".join(out)
+
+    def _scan_grammar(self, events: list[bytes], now: float) -> bytes:
+        """``_scan`` for a stream read through its API's grammar; nothing is dropped."""
+        rec, g = self.rec, self.grammar
+        assert g is not None
+        for ev in events:
+            flags = g.scan(ev)
+            if flags & CONTENT:
+                if rec.content_chunks == 0:
+                    rec.t_first = now
+                    rec.to(State.STREAMING)
+                else:
+                    rec.gaps.append(now - rec.t_last)
+                rec.t_last = now
+                rec.content_chunks += 1
+            if flags & END:
+                self.done = True
+            if flags & ERROR:
+                self.upstream_error = True
+                rec.error = "the runtime sent an error event"
+        if g.completion_tokens is not None:
+            rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = \
+                g.prompt_tokens, g.completion_tokens, True
+        return b"".join(events) if len(events) > 1 else events[0]
 
     async def run(self, resp: Response, deadline_total: float) -> None:
         """Relay until ``[DONE]``; raise UpstreamTimeout/UpstreamError on a broken stream.
@@ -195,6 +227,8 @@ class StreamRelay:
             raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "
                                 f"{exc.__class__.__name__}", retryable=True) from exc
         tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n" if scanner.pending.strip() else b""
+        if not self.done and not self.upstream_error and self.grammar is not None and self.grammar.ends_at_close:
+            self.done = True  # a grammar without an end marker: the close is the end
         if held is not None and self.done:  # a stream with no content at all, e.g. max_tokens = 0
             tail = b"".join(held) + tail
         if self.done and self.on_done is not None:

@@ -24,7 +24,7 @@ from passerelle.errors import UpstreamError
 from passerelle.runtimes.capacity import Capacity
 from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, UpstreamClient
 
-_JSON = b"Content-Type: application/json\r\n"
+_JSON = b"application/json"
 
 
 @dataclass
@@ -49,6 +49,10 @@ class Backend:
     # Ask for a stream even when the client did not, and assemble the answer in the gateway:
     # for runtimes that notice a departed client only while streaming.
     stream_always = False
+    # The inference routes this kind serves (protocols.py names) when its configuration lists
+    # none: the allow-list of what the gateway forwards to it. A generic OpenAI-compatible server
+    # is only assumed to serve the three classic routes; list more in `endpoints`.
+    serves: tuple[str, ...] = ("chat", "completions", "embeddings")
     # A request may name the slot it runs in (llama-server's id_slot): passerelle then knows
     # which slot every stream holds, and resumes a suspended one where its prompt cache is.
     slot_ids = False
@@ -81,6 +85,9 @@ class Backend:
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         if cfg.health_path:
             self.health_path = cfg.health_path
+        # what the gateway forwards to this runtime: its configured endpoints or its kind's, plus
+        # the routes the operator added for every backend ([server] extra_routes) or for this one
+        self.endpoints: tuple[str, ...] = (*(cfg.endpoints or self.serves), *cfg.extra_routes)
 
     EJECT_AFTER = 3
 
@@ -163,13 +170,16 @@ class Backend:
         ``id_slot``); default: untouched."""
         return body
 
-    async def post(self, path: str, body: bytes, *, request_id: str = "") -> Response:
-        """Send ``body``; return once the response headers arrived. Raises UpstreamError.
+    async def post(self, path: str, body: bytes, *, request_id: str = "", content_type: bytes = _JSON) -> Response:
+        """Send ``body`` (``content_type``: a multipart upload keeps its boundary); return once the
+        response headers arrived. Raises UpstreamError.
 
         ``request_id`` goes along as ``X-Request-Id`` (vLLM adopts it), so logs can be matched.
         A pooled connection that the runtime had closed is replaced by a fresh one (see
         upstream.py), so that race never becomes a client error."""
-        headers = (_JSON + b"X-Request-Id: " + request_id.encode() + b"\r\n") if request_id else _JSON
+        headers = b"Content-Type: " + content_type + b"\r\n"
+        if request_id:
+            headers += b"X-Request-Id: " + request_id.encode() + b"\r\n"
         try:
             return await self.client.request(b"POST", path, body, headers=headers)
         except ConnectFailed as exc:

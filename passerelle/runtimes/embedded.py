@@ -158,12 +158,20 @@ def ensure_default_model(*, log=print) -> Path:
     return target
 
 
+# Gemma 3's <unused0..2> as fill-in-the-middle prefix/suffix/middle tokens (see factory.py)
+GEMMA_FIM_OVERRIDES = ("--override-kv", "tokenizer.ggml.fim_pre_token_id=int:6",
+                       "--override-kv", "tokenizer.ggml.fim_suf_token_id=int:7",
+                       "--override-kv", "tokenizer.ggml.fim_mid_token_id=int:8")
+
+
 def launch_command(binary: Path, model: Path, *, alias: str, slots: int, ctx_per_slot: int,
-                   threads: int = 0, embeddings: bool = False, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+                   threads: int = 0, embeddings: bool = False, reranking: bool = False,
+                   extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The versioned command line of the embedded runtime (``{port}`` is filled in at start).
 
-    llama-server started with ``--embeddings`` serves only embeddings, so the embedded default
-    runs a second, one-slot instance of the same GGUF for ``/v1/embeddings``.
+    llama-server started with ``--embeddings`` serves only embeddings, and with ``--reranking``
+    only rerank, so the embedded default runs a second, one-slot instance of the same GGUF for
+    ``/v1/embeddings`` and a third with a reranking GGUF for ``/v1/rerank``.
     """
     cmd = [str(binary), "-m", str(model), "--alias", alias, "--host", "127.0.0.1", "--port", "{port}",
            "-np", str(slots), "-c", str(slots * ctx_per_slot), "--metrics", "--slots", "--no-webui"]
@@ -171,4 +179,6 @@ def launch_command(binary: Path, model: Path, *, alias: str, slots: int, ctx_per
         cmd += ["-t", str(threads)]
     if embeddings:
         cmd += ["--embeddings", "--pooling", "mean"]
+    if reranking:  # a query and a document are scored in one batch: room for the whole context
+        cmd += ["--reranking", "-b", str(ctx_per_slot), "-ub", str(ctx_per_slot)]
     return (*cmd, *extra)

@@ -8,35 +8,59 @@ from pathlib import Path
 
 from passerelle.config import BackendConfig, Config, TimeoutConfig
 from passerelle.errors import ConfigError
-from passerelle.runtimes import embedded
+from passerelle.runtimes import embedded, tiny_reranker
 from passerelle.runtimes.kinds import Backend, make_backend
 from passerelle.runtimes.supervisor import RuntimeProcess
 
+# What the embedded chat instance serves: everything but embeddings and rerank, which need
+# llama-server started in another mode (--embeddings, --reranking), each a process of its own.
+CHAT_ENDPOINTS = ("chat", "completions", "responses", "responses_input_tokens", "messages", "count_tokens",
+                  "tokenize", "detokenize", "apply_template", "infill", "transcriptions")
+
 
 def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
-    """The embedded llama-server (built once): one chat instance, and one for embeddings, since
-    llama-server started with ``--embeddings`` serves only embeddings."""
+    """The embedded llama-server (built once): one chat instance, one for embeddings and one for
+    reranking, since llama-server started with ``--embeddings`` or ``--reranking`` serves only that."""
     e = cfg.embedded
     binary = embedded.find_or_build_llama_server(e.llama_server or None)
     model = Path(e.model_path).expanduser() if e.model_path else embedded.ensure_default_model()
     if not model.is_file():
         raise ConfigError(f"model file {model} does not exist", file=cfg.source, key="embedded.model_path")
-    # No max_concurrency: llama-server reports its slots (/props total_slots), see capacity.py.
-    chat = BackendConfig(name="local", kind="llama-server", models=(e.model_id,), endpoints=("chat", "completions"),
+    # Gemma 3 has no fill-in-the-middle tokens; three of its unused special tokens stand for them,
+    # so /infill runs llama-server's real infill path (the text is not a coder model's)
+    fim = () if e.model_path else embedded.GEMMA_FIM_OVERRIDES
+    # No max_concurrency: each llama-server reports its slots (/props total_slots), see capacity.py.
+    out = [BackendConfig(name="local", kind="llama-server", models=(e.model_id,), endpoints=CHAT_ENDPOINTS,
                          launch=embedded.launch_command(binary, model, alias=e.model_id, slots=e.slots,
                                                         ctx_per_slot=e.ctx_per_slot, threads=e.threads,
-                                                        extra=e.extra_args))
-    if not e.embeddings:
-        return (chat,)
-    embed = BackendConfig(name="local-embed", kind="llama-server", models=(e.model_id,), endpoints=("embeddings",),
-                          launch=embedded.launch_command(binary, model, alias=e.model_id, slots=1, ctx_per_slot=2048,
-                                                         threads=e.threads, embeddings=True))
-    return chat, embed
+                                                        extra=(*fim, *e.extra_args)))]
+    if e.embeddings:
+        out.append(BackendConfig(
+            name="local-embed", kind="llama-server", models=(e.model_id,), endpoints=("embeddings",),
+            launch=embedded.launch_command(binary, model, alias=e.model_id, slots=1, ctx_per_slot=2048,
+                                           threads=e.threads, embeddings=True)))
+    if e.rerank:
+        ranker = Path(e.rerank_model_path).expanduser() if e.rerank_model_path else tiny_reranker.ensure_tiny_reranker()
+        if not ranker.is_file():
+            raise ConfigError(f"model file {ranker} does not exist", file=cfg.source, key="embedded.rerank_model_path")
+        out.append(BackendConfig(
+            name="local-rerank", kind="llama-server", models=(e.rerank_model_id,), endpoints=("rerank",),
+            launch=embedded.launch_command(binary, ranker, alias=e.rerank_model_id, slots=1, ctx_per_slot=2048,
+                                           threads=e.threads, reranking=True)))
+    return tuple(out)
 
 
 def expand(cfg: Config) -> Config:
-    """``cfg`` with the embedded runtime spelled out when it lists no backend."""
-    return dataclasses.replace(cfg, backends=embedded_backends(cfg)) if cfg.uses_embedded else cfg
+    """``cfg`` with the embedded runtime spelled out when it lists no backend, and the routes
+    ``[server] extra_routes`` adds given to every backend."""
+    if cfg.uses_embedded:
+        cfg = dataclasses.replace(cfg, backends=embedded_backends(cfg))
+    extra = cfg.server.extra_routes
+    if extra:
+        cfg = dataclasses.replace(cfg, backends=tuple(
+            dataclasses.replace(b, extra_routes=tuple(dict.fromkeys((*extra, *b.extra_routes))))
+            for b in cfg.backends))
+    return cfg
 
 
 def build_runtime(bc: BackendConfig, timeouts: TimeoutConfig) -> tuple[Backend, RuntimeProcess | None]:

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from passerelle.config import BackendConfig, TimeoutConfig
+from passerelle.config import BACKEND_KINDS, BackendConfig, TimeoutConfig
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.llama_server import LlamaServerBackend
 from passerelle.runtimes.ollama import OllamaBackend
 from passerelle.runtimes.vllm import SglangBackend, VllmBackend
 
-KINDS: dict[str, type[Backend]] = {
+_CLASSES: dict[str, type[Backend]] = {
     "openai": Backend,
     "llama-server": LlamaServerBackend,
     "vllm": VllmBackend,
     "sglang": SglangBackend,
     "ollama": OllamaBackend,
 }
+# The kinds' names are the configuration's (config.BACKEND_KINDS validates them at load); each has a class here.
+KINDS: dict[str, type[Backend]] = {name: _CLASSES[name] for name in BACKEND_KINDS}
 
 __all__ = ["KINDS", "Backend", "BackendStats", "detect_upstream", "make_backend"]
 

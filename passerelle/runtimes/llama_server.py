@@ -15,6 +15,10 @@ class LlamaServerBackend(Backend):
     # llama-server checks for a closed connection only between streamed chunks; a non-streaming
     # request would hold its slot after the client left (see assemble.py).
     stream_always = True
+    # every inference route of the pinned llama-server (a route its model cannot serve, e.g.
+    # /infill without FIM tokens, is answered by llama-server itself with a 501)
+    serves = ("chat", "completions", "embeddings", "responses", "responses_input_tokens", "messages", "count_tokens",
+              "rerank", "tokenize", "detokenize", "apply_template", "infill", "transcriptions")
     slot_ids = True
     continuation = "llama-server"
 

@@ -10,6 +10,7 @@ from passerelle.runtimes.base import Backend, BackendStats
 class OllamaBackend(Backend):
     kind = "ollama"
     health_path = "/api/version"
+    serves = ("chat", "completions", "embeddings", "responses", "messages")  # Ollama >= 0.14
 
     async def _scrape_load(self, stats: BackendStats) -> None:
         status, body = await self._get("/api/ps")

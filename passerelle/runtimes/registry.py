@@ -37,7 +37,7 @@ class Registry:
         for b in self.backends:
             for m in b.models:
                 by_model.setdefault(m, []).append(b)
-                for e in b.cfg.endpoints:
+                for e in b.endpoints:
                     pools.setdefault((m, e), []).append(b)
         self._by_model, self._pools = by_model, pools
 
@@ -56,8 +56,12 @@ class Registry:
     def backends_of(self, model: str) -> list[Backend]:
         return self._by_model.get(model, [])
 
+    def models_on(self, endpoint: str) -> list[str]:
+        """The models some backend serves on ``endpoint``."""
+        return [m for (m, e) in self._pools if e == endpoint]
+
     def pool(self, model: str, endpoint: str) -> list[Backend] | None:
-        """The backends serving ``model`` on ``endpoint`` (chat, completions, embeddings);
+        """The backends serving ``model`` on ``endpoint`` (chat, responses, messages...);
         None when no backend serves the model at all, [] when none serves it there."""
         if model not in self._by_model:
             return None

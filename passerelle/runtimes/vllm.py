@@ -24,6 +24,8 @@ class VllmBackend(Backend):
     kind = "vllm"
     health_path = "/health"
     prefix = "vllm:"
+    serves: tuple[str, ...] = ("chat", "completions", "embeddings", "responses", "messages", "count_tokens",
+                               "rerank", "tokenize", "detokenize", "transcriptions")
     continuation = "vllm"
     running_gauge = "num_requests_running"
     waiting_gauge = "num_requests_waiting"
@@ -77,6 +79,7 @@ class VllmBackend(Backend):
 class SglangBackend(VllmBackend):
     kind = "sglang"
     prefix = "sglang:"
+    serves = ("chat", "completions", "embeddings", "responses", "rerank")
     continuation = ""  # not checked against a real SGLang: its streams are not suspended
     running_gauge = "num_running_reqs"
     waiting_gauge = "num_queue_reqs"

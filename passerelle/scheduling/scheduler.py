@@ -54,6 +54,11 @@ from passerelle.scheduling.slots import SlotMap
 
 __all__ = ["Job", "PreemptionPolicy", "Scheduler"]
 
+# Memory of one entry of the affinity map, its key a hashed 26-character string (the gateway's
+# affinity_key); measured in tests/unit/test_client_edges.py. [routing] affinity_max_bytes / this
+# is how many conversations the map remembers.
+AFFINITY_ENTRY_BYTES = 200
+
 @dataclass
 class _Tenant:
     counter: float = 0.0
@@ -102,14 +107,15 @@ class Scheduler(Preempting):
     def __init__(self, classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, aging_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
-                 affinity_slack: float = 1.0, hold_s: float = 0.05,
-                 preemption: PreemptionPolicy | None = None) -> None:
+                 affinity_slack: float = 1.0, hold_s: float = 0.05, max_tenants: int = 10_000,
+                 affinity_max_entries: int = 100_000, preemption: PreemptionPolicy | None = None) -> None:
         self.classes = {c.name: c for c in classes}
         self.aging_s = aging_s
         self.clock = clock
         self.on_change = on_change
         self.waiting: list[Job] = []
-        self.tenants: dict[str, _Tenant] = {}
+        self.tenants: OrderedDict[str, _Tenant] = OrderedDict()  # least recently submitting first
+        self.max_tenants = max_tenants  # past it, the least recently seen idle tenants are forgotten
         self.running: dict[tuple[str, str], int] = {}  # (backend, class) -> requests
         self.served_tokens: dict[str, float] = {}  # tenant -> weighted tokens, for reports
         self._seq = itertools.count()
@@ -118,6 +124,7 @@ class Scheduler(Preempting):
         self.policy = policy  # "least_loaded" (with affinity) or "round_robin"
         self.affinity_slack = affinity_slack  # how much busier than the least loaded an affine replica may be
         self.affinity: OrderedDict[str, str] = OrderedDict()  # conversation/session -> replica name
+        self.affinity_max_entries = affinity_max_entries
         self._rr = itertools.count()
         self.hold_s = hold_s
         self.holds: list[_Hold] = []
@@ -154,6 +161,7 @@ class Scheduler(Preempting):
         now = self.clock()
         job.seq, job.enqueued_at, job.queued_at = next(self._seq), now, now
         t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
+        self.tenants.move_to_end(job.tenant)
         back_soon = self.hold_s > 0 and now - t.released_at <= self.hold_s
         t.anticipate = t.anticipate or back_soon
         t.submitted_at = now
@@ -165,6 +173,8 @@ class Scheduler(Preempting):
             floor = min((self.tenants[j.tenant].counter for j in self.waiting), default=self._vtime)
             t.counter = max(t.counter, floor)
         t.waiting += 1
+        if len(self.tenants) > self.max_tenants:
+            self._forget_idle_tenants()
         self.waiting.append(job)
         self.dispatch()
         if job.backend is None:
@@ -255,6 +265,18 @@ class Scheduler(Preempting):
     def _charge(self, tenant: str, virtual: float, tokens: float) -> None:
         self.tenants[tenant].counter += virtual
         self.served_tokens[tenant] = self.served_tokens.get(tenant, 0.0) + tokens
+
+    def _forget_idle_tenants(self) -> None:
+        """Drop the least recently seen tenants with nothing queued, running or held, down to
+        ``max_tenants``: tenant names come from clients (``user`` without keys). One that comes back
+        starts afresh, as one back from idle does anyway."""
+        held = {h.tenant for h in self.holds}
+        while len(self.tenants) > self.max_tenants:
+            name = next((n for n, t in self.tenants.items() if not (t.waiting or t.running or n in held)), None)
+            if name is None:
+                return
+            del self.tenants[name]
+            self.served_tokens.pop(name, None)
 
     def _remove(self, job: Job) -> None:
         if job in self.waiting:
@@ -416,7 +438,7 @@ class Scheduler(Preempting):
         if job.affinity:
             self.affinity[job.affinity] = backend.name
             self.affinity.move_to_end(job.affinity)
-            if len(self.affinity) > 100_000:
+            if len(self.affinity) > self.affinity_max_entries:
                 self.affinity.popitem(last=False)
         self.running[(backend.name, job.cls.name)] = self.running.get((backend.name, job.cls.name), 0) + 1
         job.starts += 1

@@ -27,14 +27,11 @@ from typing import Any
 import uvicorn
 
 from passerelle.config import AdminConfig
-from passerelle.errors import Cause, GatewayError, Unauthorized
+from passerelle.errors import Forbidden, GatewayError, Unauthorized
+from passerelle.server.connections import ConnectionLimits, guarded_protocol
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
-
-
-class Forbidden(GatewayError):
-    status, type, code, cause = 403, "permission_error", "forbidden", Cause.UNAUTHORIZED
 
 
 def _client_ip(scope: Scope) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -85,8 +82,10 @@ class _AdminServer(uvicorn.Server):
 class AdminListener:
     """A second uvicorn server, in this process and event loop, serving ``app`` on ``host:port``."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, limits: ConnectionLimits | None = None) -> None:
         self.app, self.host, self.port = app, host, port
+        # the client limits of the main port; at most 64 connections (a dashboard, a scraper, an operator)
+        self.limits = limits or ConnectionLimits(max_connections=64)
         self._server: _AdminServer | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -101,9 +100,10 @@ class AdminListener:
             sock.close()
             raise OSError(exc.errno, f"admin port {self.host}:{self.port}: {exc.strerror}") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, interface="asgi3", http="httptools", lifespan="off", access_log=False,
-                                log_config=None, log_level="warning", timeout_graceful_shutdown=2,
-                                timeout_keep_alive=30)
+        limits = self.limits
+        config = uvicorn.Config(self.app, interface="asgi3", http=guarded_protocol(limits), lifespan="off",
+                                access_log=False, log_config=None, log_level="warning", timeout_graceful_shutdown=2,
+                                timeout_keep_alive=limits.keep_alive_s)  # type: ignore[arg-type]
         self._server = _AdminServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="passerelle-admin-server")
         while not self._server.started:

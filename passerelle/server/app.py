@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,19 +28,29 @@ from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
+from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
 from passerelle.runtimes.factory import build_runtime, expand
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
-from passerelle.scheduling.scheduler import PreemptionPolicy, Scheduler
+from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, PreemptionPolicy, Scheduler
 from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener
+from passerelle.server.connections import BodyBudget, BoundedReceive, ConnectionLimits
+from passerelle.server.keys_api import KeysApi
 from passerelle.server.responses import error_response, json_response, raw_response
-from passerelle.server.routes import Access, NotFound, is_admin_path, match
+from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
+from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_requests
+from passerelle.tenants.db import connect
 from passerelle.tenants.keys import KeyRing, KeyStore
-from passerelle.tenants.usage import UsageRecorder
+from passerelle.tenants.manage import KeyManager
+from passerelle.tenants.usage import UsageReader, UsageRecorder
 
 log = logging.getLogger("passerelle.server.app")
+
+
+class ReloadRefused(InvalidRequest):
+    status, code = 409, "reload_refused"
 
 
 class App:
@@ -47,9 +58,13 @@ class App:
     it launches, ``loader`` re-reads the configuration for a reload."""
 
     def __init__(self, cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] | None = None, *,
-                 loader: Callable[[], Config] | None = None) -> None:
+                 loader: Callable[[], Config] | None = None, backends_configured: bool | None = None) -> None:
         self.cfg = cfg
         self.loader = loader
+        # The configuration lists backends (not the embedded default): a reload to none is refused.
+        self.backends_configured = bool(cfg.backends) if backends_configured is None else backends_configured
+        self._ending: asyncio.Task[None] | None = None
+        self.body_budget = BodyBudget(cfg.server.max_body_bytes_total)
         self._tasks: set[asyncio.Future[Any]] = set()
         self.metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
         self.registry = Registry(backends, self.metrics)
@@ -57,19 +72,30 @@ class App:
         sc = cfg.scheduler
         self.scheduler = Scheduler(cfg.classes, aging_s=sc.aging_s, on_change=self._queue_changed,
                                    policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack,
-                                   hold_s=sc.hold_s,
+                                   hold_s=sc.hold_s, max_tenants=sc.max_tenants,
+                                   affinity_max_entries=cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES,
                                    preemption=PreemptionPolicy(sc.preempt_after_ms / 1000, sc.min_run_s)
                                    if sc.preemption else None)
         self.supervisor = Supervisor(processes or [], max_loaded_gib=cfg.runtimes.max_loaded_gib,
                                      on_ready=self.scheduler.dispatch)
         for proc in self.supervisor.processes.values():
             proc.on_ready = self.scheduler.dispatch
-        self.keystore = KeyStore(cfg.auth.db or None)
-        self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler,
-                               KeyRing(self.keystore))
+        # Keys, usage and the audit log: one SQLite file per instance (Config.db_path), a
+        # connection each for the keys, the usage writer and the reports (tenants/db.py).
+        self.keystore = KeyStore(cfg.db_path())
+        self.key_manager = KeyManager(self.keystore, [c.name for c in cfg.classes])
+        keyring = KeyRing(self.keystore)
+        self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler, keyring)
+        # A tenant label is a key's tenant or "other": a client's `user` never makes a series.
+        self.metrics.is_known_tenant = keyring.has_tenant
         self.gateway.on_demand = self.supervisor.request_start
-        self.usage = UsageRecorder(self.keystore.conn)
+        self.usage = UsageRecorder(connect(self.keystore.path))
+        self.usage_reader = UsageReader(self.keystore.path)
+        self.gateway.keys.quotas.load = self._usage_since
         self.gateway.listeners.append(self.usage.record)
+        self.gateway.listeners.append(self.gateway.keys.activity.observe)
+        self.keys_api = KeysApi(cfg.admin.key, self.keystore, self.key_manager, self.gateway.keys, self.usage,
+                                self.usage_reader)
         self.started_at = time.time()
         self._cors = {o.encode() for o in cfg.server.cors_origins}
         # The dashboard's rolling window (/admin/stats, /ui), fed with every finished request.
@@ -79,9 +105,17 @@ class App:
         # Requests waiting in passerelle's queue by class (the scheduler may put its own counter here).
         self.waiting_by_class: Callable[[], Mapping[str, int]] = self.scheduler.waiting_by_class
         self.admin_guard = AdminGuard(cfg.admin)
-        self.admin_listener = (AdminListener(self.admin_app, cfg.admin.host, cfg.admin.port)
+        self.admin_listener = (AdminListener(self.admin_app, cfg.admin.host, cfg.admin.port,
+                                             ConnectionLimits.of(cfg.server, max_connections=64))
                                if cfg.admin.port else None)
         self._ui_page: bytes | None = None
+        self.extra_routes: dict[str, Route] = {}
+        self._extra_routes_changed()
+
+    def _extra_routes_changed(self) -> None:
+        """The operator's added routes (``extra_routes``) of the current backends, by path."""
+        self.extra_routes = {e: extra_route(e) for b in self.registry.backends for e in b.endpoints
+                             if e.startswith("/")}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -115,12 +149,23 @@ class App:
                 raise NotFound(f"No route for {method} {path} on this port.")
             if admin and (err := self.admin_guard.check(scope)) is not None:
                 raise err
-            route = match(method, path)
+            route = match(method, path, self.extra_routes)
             if route.access is Access.INFERENCE:
-                await self.gateway.handle(scope, receive, send, route.target)
+                # the body has a deadline (408) and a share of a budget (503), and the shutdown path
+                # may end the answer (shutdown.py)
+                bounded = BoundedReceive(receive, self.cfg.server.body_timeout_s, self.body_budget)
+                try:
+                    await self.gateway.handle(scope, bounded, StreamGate(send), route.target)
+                finally:
+                    bounded.release()
                 return
             await getattr(self, route.target)(scope, receive, send)
         except GatewayError as err:
+            found = find(path)
+            if found is not None and found.access is Access.INFERENCE and api_for(found.target).errors == ANTHROPIC:
+                body, ctype = error_body(err, ANTHROPIC)  # e.g. GET /v1/messages: Anthropic's shape there
+                await raw_response(send, err.status, body, ctype, err.headers())
+                return
             await error_response(send, err)
 
     async def admin_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -128,6 +173,7 @@ class App:
                                   waiting=self.waiting_by_class())
         snap["metrics_enabled"] = self.cfg.metrics.enabled
         snap["slot_holds"] = dict(self.scheduler.hold_counts)  # freed slots kept for a returning tenant
+        snap.update(self.gateway.keys.snapshot())  # auth_throttle, tenants, keys (tenants/policy.py)
         # streams suspended for a better class, resumed, and the prompt tokens resuming cost
         snap["preemption"] = {"enabled": self.scheduler.preemption is not None, **self.scheduler.preempt_counts,
                               **self.gateway.preemption_stats}
@@ -155,10 +201,34 @@ class App:
                                         "on_demand": on_demand})
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # once keys are in use, only to a key, and only the models it may use
+        key = self.gateway.keys.authenticate(scope)
         created = int(self.started_at)
         data = [{"id": m, "object": "model", "created": created, "owned_by": "passerelle",
-                 "backends": [b.name for b in self.registry.backends_of(m)]} for m in self.registry.models]
+                 "backends": [b.name for b in self.registry.backends_of(m)]}
+                for m in self.registry.models if key is None or key.allows(m)]
         await json_response(send, 200, {"object": "list", "data": data})
+
+    # -- keys: the key holder's /v1/me, the admin key API (keys_api.py) ---------------------
+    async def me(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.keys_api.me(scope, receive, send)
+
+    async def me_usage(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.keys_api.me_usage(scope, receive, send)
+
+    async def keys_collection(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.keys_api.collection(scope, receive, send)
+
+    async def key_item(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.keys_api.item(scope, receive, send)
+
+    async def audit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.keys_api.audit(scope, receive, send)
+
+    async def _usage_since(self, key_id: str, starts: list[float]) -> list[int]:
+        """A key's tokens since each of ``starts``, for its quotas (rows still buffered included)."""
+        await self.usage.flush()
+        return await self.usage_reader.tokens_since(key_id, starts)
 
     async def prom(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = generate_latest(self.metrics.registry)
@@ -166,7 +236,9 @@ class App:
 
     # -- runtime control (control.py) -------------------------------------------------------
     async def reload_route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await json_response(send, 200, await self.reload())
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        force = query.get("force", ["0"])[-1].lower() in ("1", "true", "yes")
+        await json_response(send, 200, await self.reload(force=force))
 
     async def runtimes(self, scope: Scope, receive: Receive, send: Send) -> None:
         await json_response(send, 200, control.runtimes(self.supervisor, self.registry.backends))
@@ -188,7 +260,9 @@ class App:
             if allowed and message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []),
                                       (b"access-control-allow-origin", origin.encode()),  # type: ignore[union-attr]
-                                      (b"access-control-allow-headers", b"authorization, content-type, x-priority"),
+                                      (b"access-control-allow-headers",
+                                       b"authorization, content-type, x-priority, x-api-key, anthropic-version, "
+                                       b"anthropic-beta"),
                                       (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                                       (b"access-control-expose-headers", b"x-request-id, retry-after")]
             await send(message)
@@ -239,13 +313,18 @@ class App:
             admin = f"http://{self.cfg.admin.host}:{self.admin_listener.port}"
         else:
             admin = f"http://{s.host}:{s.port}"
+        ring = self.gateway.keys.ring
+        n_keys = len(ring.active) if ring is not None else 0
+        auth = (f"{n_keys} active key{'s' if n_keys != 1 else ''}, a key is required" if self.gateway.keys.in_use
+                else "no key yet, requests need none")
         lines = [f"passerelle serving on http://{s.host}:{s.port}/v1  (OpenAI-compatible; health at /health)",
-                 f"  dashboard at {admin}/ui, metrics at {admin}/metrics"]
+                 f"  dashboard at {admin}/ui, metrics at {admin}/metrics",
+                 f"  key store {self.keystore.path} ({auth})"]
         for b in self.registry.backends:
             cap = b.capacity_info
             size = f"capacity {cap.describe()}" if b.stats.up or cap.declared else "capacity asked once it is up"
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
-                         f"[{', '.join(b.cfg.endpoints)}], {size}, {'up' if b.stats.up else 'DOWN'}")
+                         f"[{', '.join(b.endpoints)}], {size}, {'up' if b.stats.up else 'DOWN'}")
         e = self.cfg.embedded
         if not e.model_path and any(b.cfg.name == "local" for b in self.registry.backends):
             lines.append(f"  note: {e.model_id} is a small base model: it continues text rather than chats "
@@ -268,13 +347,27 @@ class App:
 
         self._spawn(run(), "reload")
 
-    async def reload(self) -> dict[str, list[str]]:
+    async def reload(self, *, force: bool = False) -> dict[str, list[str]]:
         """Re-read the configuration: added backends start, removed ones drain (finish their
-        requests, then stop), unchanged ones are not touched and keep their streams."""
+        requests, then stop), unchanged ones are not touched and keep their streams.
+
+        A file that lists no backend means "the embedded default"; while backends are configured,
+        that is far more often a file emptied or cut short by an editor or a deploy than a wish to
+        drain them all, so it is refused unless ``force`` (``passerelle reload --force``)."""
         if self.loader is None:
             raise InvalidRequest("This gateway has no configuration file to reload.")
         try:
-            new = expand(await asyncio.to_thread(self.loader))
+            raw = await asyncio.to_thread(self.loader)
+        except ConfigError as exc:
+            raise InvalidRequest(f"Reload refused, the running configuration stays: {exc}") from None
+        if raw.uses_embedded and self.backends_configured and not force:
+            names = ", ".join(b.name for b in self.registry.backends)
+            raise ReloadRefused(f"Reload refused, the running configuration stays: {raw.source} lists no "
+                                f"[[backends]], which would drain every configured backend ({names}) and start "
+                                "the embedded default. If that is what you want: passerelle reload --force "
+                                "(POST /admin/reload?force=1).")
+        try:
+            new = expand(raw)
         except ConfigError as exc:
             raise InvalidRequest(f"Reload refused, the running configuration stays: {exc}") from None
         current = {b.name: b for b in self.registry.backends}
@@ -296,6 +389,8 @@ class App:
                 if not backend.cfg.on_demand:
                     self._spawn(self.supervisor.start(name), f"start-{name}")
         self.registry.set_backends(backends + [current[n] for n in removed])
+        self.backends_configured = not raw.uses_embedded
+        self._extra_routes_changed()
         log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
         return {"added": added, "removed": removed, "unchanged": kept}
 
@@ -307,12 +402,30 @@ class App:
             await proc.stop()
             del self.supervisor.processes[backend.name]
         self.registry.set_backends([b for b in self.registry.backends if b is not backend])
+        self._extra_routes_changed()
         await backend.close()
 
+    def begin_shutdown(self) -> None:
+        """The server stopped accepting: requests still running after ``shutdown_grace_s`` are
+        ended with an error event or a 503, and the cause ``shutdown`` (shutdown.py)."""
+        grace = self.cfg.server.shutdown_grace_s
+
+        async def end_after_grace() -> None:
+            await asyncio.sleep(grace)
+            if n := await end_open_requests(self.gateway.open, ShuttingDown(grace)):
+                log.warning("shutdown: %d request(s) still running after %g s ended with an error", n, grace)
+
+        if self._ending is None:
+            self._ending = asyncio.ensure_future(end_after_grace())
+
     async def shutdown(self) -> None:
+        if self._ending is not None:
+            self._ending.cancel()
         if self.admin_listener is not None:
             await self.admin_listener.stop()
         await self.usage.stop()
+        self.usage.conn.close()
+        self.usage_reader.close()
         await self.registry.stop()
         if self.supervisor is not None:
             await self.supervisor.stop_all()

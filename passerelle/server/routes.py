@@ -2,7 +2,10 @@
 handles it.
 
     INFERENCE  POST, routed by model through the scheduler (proxy/gateway.py); the value is the
-               endpoint name the gateway knows
+               endpoint name the gateway knows (proxy/protocols.py: its fields, runtime path,
+               stream grammar, error shape). Only these, and the operator's ``extra_routes``,
+               reach a runtime: its management routes (/slots, /props, /models/load, vLLM's
+               /sleep, /reset_prefix_cache...) are not here and never forwarded.
     PUBLIC     small answers of the app itself (health, readiness, the model list)
     ADMIN      /admin/*, /ui, /metrics: the admin guard applies (loopback by default), and with
                ``[admin] port`` they move to the admin listener
@@ -23,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from passerelle.errors import InvalidRequest
@@ -52,20 +56,40 @@ class Route:
 
 GET = ("GET", "HEAD")
 POST = ("POST",)
+PATCH = ("PATCH",)
+DELETE = ("DELETE",)
 
 ROUTES: tuple[Route, ...] = (
     Route("/v1/chat/completions", POST, Access.INFERENCE, "chat"),
     Route("/v1/completions", POST, Access.INFERENCE, "completions"),
     Route("/v1/embeddings", POST, Access.INFERENCE, "embeddings"),
+    Route("/v1/responses", POST, Access.INFERENCE, "responses"),
+    Route("/v1/responses/input_tokens", POST, Access.INFERENCE, "responses_input_tokens"),
+    Route("/v1/messages", POST, Access.INFERENCE, "messages"),
+    Route("/v1/messages/count_tokens", POST, Access.INFERENCE, "count_tokens"),
+    Route("/v1/rerank", POST, Access.INFERENCE, "rerank"),
+    Route("/rerank", POST, Access.INFERENCE, "rerank"),  # llama-server's and vLLM's other spellings
+    Route("/v1/reranking", POST, Access.INFERENCE, "rerank"),
+    Route("/reranking", POST, Access.INFERENCE, "rerank"),
+    Route("/tokenize", POST, Access.INFERENCE, "tokenize"),
+    Route("/detokenize", POST, Access.INFERENCE, "detokenize"),
+    Route("/apply-template", POST, Access.INFERENCE, "apply_template"),
+    Route("/infill", POST, Access.INFERENCE, "infill"),
+    Route("/v1/audio/transcriptions", POST, Access.INFERENCE, "transcriptions"),
     Route("/health", GET, Access.PUBLIC, "health"),
     Route("/ready", GET, Access.PUBLIC, "ready"),
     Route("/v1/models", GET, Access.PUBLIC, "models"),
+    Route("/v1/me", GET, Access.PUBLIC, "me"),  # the calling key (tenants/policy.py, server/keys_api.py)
+    Route("/v1/me/usage", GET, Access.PUBLIC, "me_usage"),
     Route("/metrics", GET, Access.ADMIN, "prom"),
     Route("/ui", GET, Access.ADMIN, "ui"),
     Route("/admin/stats", GET, Access.ADMIN, "admin_stats"),
     Route("/admin/reload", POST, Access.ADMIN, "reload_route"),
     Route("/admin/runtimes", GET, Access.ADMIN, "runtimes"),
     Route("/admin/runtimes/", (*GET, *POST), Access.ADMIN, "runtime_action"),
+    Route("/admin/keys", (*GET, *POST), Access.ADMIN, "keys_collection"),
+    Route("/admin/keys/", (*GET, *PATCH, *DELETE), Access.ADMIN, "key_item"),
+    Route("/admin/audit", GET, Access.ADMIN, "audit"),
 )
 
 _EXACT = {r.path: r for r in ROUTES if not r.path.endswith("/")}
@@ -80,9 +104,18 @@ def find(path: str) -> Route | None:
     return route
 
 
-def match(method: str, path: str) -> Route:
-    """The route for ``method path``; raises NotFound or MethodNotAllowed."""
+def extra_route(path: str) -> Route:
+    """An operator-added inference route (``extra_routes``): forwarded as is to the backends that
+    have it (its endpoint name is the path itself)."""
+    return Route(path, POST, Access.INFERENCE, path)
+
+
+def match(method: str, path: str, extra: Mapping[str, Route] | None = None) -> Route:
+    """The route for ``method path`` (``extra``: the operator's added routes, by path); raises
+    NotFound or MethodNotAllowed."""
     route = find(path)
+    if route is None and extra:
+        route = extra.get(path)
     if route is None:
         raise NotFound(f"No route for {method} {path}.")
     if method not in route.methods:

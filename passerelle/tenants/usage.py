@@ -1,7 +1,19 @@
-"""Usage per tenant (requests, prompt and completion tokens, by class) in SQLite.
+"""Usage per request (time, tenant, key, class, model, cause, tokens) in SQLite, and reports on it.
 
 Rows are buffered and written by a background task every half second in one transaction, so the
-event loop never waits on the disk and a ``kill -9`` loses at most the last half second.
+event loop never waits on the disk and a ``kill -9`` loses at most the last half second. Reports
+(``passerelle usage``, ``GET /v1/me/usage``, quotas after a restart) read the same table.
+
+A request's tokens are the runtime's counts; when the runtime gave none (the client left
+mid-stream, the runtime broke), the completion is the content chunks relayed, one token each,
+so that leaving early is not free. Quotas charge exactly what is written here.
+
+Example::
+
+    recorder = UsageRecorder(connect(path)); recorder.start()
+    gateway.listeners.append(recorder.record)
+    ...
+    report(conn, since=time.time() - 7 * 86400, by=("key",))
 """
 
 from __future__ import annotations
@@ -9,31 +21,56 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sqlite3
+import threading
 import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
 
-from passerelle.observe.record import RequestRecord
+from passerelle.observe.record import RequestRecord, clip
+from passerelle.tenants.db import connect
 
 log = logging.getLogger("passerelle.tenants.usage")
 
+# --by dimensions and the columns they group on
+DIMENSIONS = {"key": "key_id", "tenant": "tenant", "model": "model", "class": "class"}
+
+
+def billed_tokens(rec: RequestRecord) -> tuple[int, int]:
+    """(prompt, completion) tokens a finished request is charged."""
+    completion = rec.completion_tokens if rec.completion_tokens is not None else rec.content_chunks
+    return rec.prompt_tokens or 0, completion or 0
+
 
 class UsageRecorder:
-    def __init__(self, conn: sqlite3.Connection, *, flush_s: float = 0.5) -> None:
+    def __init__(self, conn: sqlite3.Connection, *, flush_s: float = 0.5,
+                 clock: Callable[[], float] = time.time) -> None:
         self.conn = conn
         self.flush_s = flush_s
+        self.clock = clock  # a row's time: when its request ended
         self._rows: list[tuple] = []
+        self._write_lock = threading.Lock()  # flushes may overlap (the timer, a report asking for one)
         self._task: asyncio.Task[None] | None = None
 
     def record(self, rec: RequestRecord) -> None:
         if rec.cause is None:
             return
-        self._rows.append((time.time(), rec.tenant, rec.priority, rec.model or "", rec.cause.value,
-                           rec.prompt_tokens or 0, rec.completion_tokens or 0))
+        prompt, completion = billed_tokens(rec)
+        self._rows.append((self.clock(), rec.tenant, rec.key_id, rec.priority, clip(rec.model), rec.cause.value,
+                           prompt, completion))
 
     def _write(self, rows: list[tuple]) -> None:
-        with self.conn:
+        with self._write_lock:
             self.conn.execute("BEGIN")
-            self.conn.executemany("INSERT INTO usage VALUES (?,?,?,?,?,?,?)", rows)
+            try:
+                self.conn.executemany("INSERT INTO usage (ts, tenant, key_id, class, model, cause, prompt_tokens, "
+                                      "completion_tokens) VALUES (?,?,?,?,?,?,?,?)", rows)
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
 
     async def flush(self) -> None:
         if self._rows:
@@ -59,9 +96,90 @@ class UsageRecorder:
         await self.flush()
 
 
+def report(conn: sqlite3.Connection, *, since: float = 0.0, until: float | None = None,
+           by: Sequence[str] = ("tenant", "class"), key_id: str | None = None) -> list[dict[str, Any]]:
+    """Requests and tokens grouped ``by`` any of key, tenant, model, class, largest first.
+
+    Each row: the dimensions, ``requests``, ``prompt_tokens``, ``completion_tokens``,
+    ``total_tokens``, ``not_ok`` (requests that ended with another cause than ``ok``),
+    ``limited`` (refused by a key's limits: rate_limited, quota_exceeded), ``last_seen`` (Unix time).
+    """
+    unknown = [d for d in by if d not in DIMENSIONS]
+    if unknown or not by:
+        raise ValueError(f"cannot group by {', '.join(unknown) or 'nothing'}; expected some of "
+                         f"{', '.join(DIMENSIONS)}")
+    cols = [DIMENSIONS[d] for d in by]
+    where: list[str] = ["ts >= ?"]
+    args: list[Any] = [since]
+    if until is not None:
+        where.append("ts < ?")
+        args.append(until)
+    if key_id is not None:
+        where.append("key_id = ?")
+        args.append(key_id)
+    group = ", ".join(cols)
+    rows = conn.execute(
+        f"SELECT {group}, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), "
+        "SUM(CASE WHEN cause = 'ok' THEN 0 ELSE 1 END), "
+        "SUM(CASE WHEN cause IN ('rate_limited', 'quota_exceeded') THEN 1 ELSE 0 END), MAX(ts) "
+        f"FROM usage WHERE {' AND '.join(where)} GROUP BY {group} "
+        f"ORDER BY SUM(prompt_tokens + completion_tokens) DESC, COUNT(*) DESC, {group}", args).fetchall()
+    out = []
+    for r in rows:
+        n = len(cols)
+        p, c = r[n + 1] or 0, r[n + 2] or 0
+        out.append({**dict(zip(by, r[:n], strict=True)), "requests": r[n], "prompt_tokens": p,
+                    "completion_tokens": c, "total_tokens": p + c, "not_ok": r[n + 3] or 0,
+                    "limited": r[n + 4] or 0, "last_seen": r[n + 5]})
+    return out
+
+
+def tokens_since(conn: sqlite3.Connection, key_id: str, starts: Sequence[float]) -> list[int]:
+    """Tokens the key used since each of ``starts`` (one indexed range scan from the earliest)."""
+    cases = ", ".join("COALESCE(SUM(CASE WHEN ts >= ? THEN prompt_tokens + completion_tokens END), 0)"
+                      for _ in starts)
+    row = conn.execute(f"SELECT {cases} FROM usage WHERE key_id = ? AND ts >= ?",
+                       (*starts, key_id, min(starts))).fetchone()
+    return [int(v) for v in row]
+
+
 def summarize(conn: sqlite3.Connection, since: float = 0.0) -> list[tuple]:
     """(tenant, class, requests, prompt tokens, completion tokens, requests not ok) since ``since``."""
-    return conn.execute(
-        "SELECT tenant, class, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), "
-        "SUM(CASE WHEN cause = 'ok' THEN 0 ELSE 1 END) FROM usage WHERE ts >= ? "
-        "GROUP BY tenant, class ORDER BY tenant, class", (since,)).fetchall()
+    return [(r["tenant"], r["class"], r["requests"], r["prompt_tokens"], r["completion_tokens"], r["not_ok"])
+            for r in sorted(report(conn, since=since, by=("tenant", "class")),
+                            key=lambda r: (r["tenant"], r["class"]))]
+
+
+def parse_since(text: str | None, now: float | None = None) -> float:
+    """``2026-11-30``, ``2026-11-30T12:00``, or back from now: ``90m``, ``24h``, ``7d``, ``2w``
+    (None or empty: the beginning). Raises ValueError."""
+    if not text:
+        return 0.0
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+    text = text.strip()
+    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        return (time.time() if now is None else now) - float(text[:-1]) * units[text[-1]]
+    return datetime.fromisoformat(text).timestamp()
+
+
+class UsageReader:
+    """Reports for the running gateway, on a connection of their own, in a worker thread (the
+    event loop never waits on a scan of the usage table)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.conn = connect(path)
+        self._lock = threading.Lock()
+
+    def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        with self._lock:
+            return fn(self.conn, *args, **kw)
+
+    async def report(self, **kw: Any) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self._run, report, **kw)
+
+    async def tokens_since(self, key_id: str, starts: Sequence[float]) -> list[int]:
+        return await asyncio.to_thread(self._run, tokens_since, key_id, starts)
+
+    def close(self) -> None:
+        with self._lock:
+            self.conn.close()

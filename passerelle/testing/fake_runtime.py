@@ -6,7 +6,9 @@ every Y ms, scheduled against the monotonic clock from that start so delays neve
 With ``--slots N`` at most N requests generate at once and the rest wait in FIFO order, like
 llama-server's slots. It also speaks enough of llama-server's side API (``/health``, ``/slots``,
 ``/metrics``, ``/props``) to stand in for it, and can inject failures (HTTP 500) and mid-stream
-connection cuts. ``GET /fake/stats`` tells tests what it injected.
+connection cuts. ``GET /fake/stats`` tells tests what it injected. ``/v1/responses`` and
+``/v1/messages`` stream the same tokens on the same schedule in those APIs' events
+(fake_events.py), so the gateway's cost can be measured on every grammar alike.
 
 It has to outrun the benchmark client at hundreds of streams and zero delays, so chunks are
 assembled from pre-encoded byte templates and whatever is due is written in one call.
@@ -34,6 +36,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
+
+from passerelle.testing.fake_events import Events
 
 # Tokens the fake "generates": ordinary words, so the text looks like text to whatever reads it.
 VOCAB = (
@@ -72,6 +76,7 @@ _CHAT_MID = tuple(b'"content":' + w + b'},"logprobs":null,"finish_reason":null}]
 _COMPL_MID = tuple(b'"text":' + w + b',"logprobs":null,"finish_reason":null}]}\n\n' for w in _WORDS_JSON)
 _ROLE_MID = b'"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
 _DONE = b"data: [DONE]\n\n"
+_EVENTS = Events(VOCAB)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,9 @@ class FakeConfig:
     # like llama-server: drop the connection this long after each streamed answer, ignoring any
     # request already sent on it (None: keep it alive)
     close_after_stream_ms: float | None = None
+    # a prompt cache like a runtime's: remember the last N prompts and report, in
+    # usage.prompt_tokens_details.cached_tokens, the longest prefix (in words) shared with one (0: off)
+    prefix_cache: int = 0
 
 
 class Slots:
@@ -147,6 +155,8 @@ class Counters:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     connections: int = 0  # accepted: tells a keep-alive client's reuse from one connection per request
+    in_flight: int = 0  # generation requests being answered now (waiting for a slot or generating)
+    peak_in_flight: int = 0  # the most at once since start: what a gateway's limits let through
 
 
 class BadRequest(Exception):
@@ -155,6 +165,36 @@ class BadRequest(Exception):
 
 def _error_body(message: str, type_: str, code: int) -> bytes:
     return _dumps({"error": {"message": message, "type": type_, "code": code}})
+
+
+def _words(value: Any) -> list[str]:
+    """The words of every text part, in order (what ``_count_words`` counts)."""
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, list):
+        return [w for v in value for w in _words(v)]
+    if isinstance(value, dict):
+        return _words(value.get("content", "")) + _words(value.get("text", ""))
+    return []
+
+
+class PromptCache:
+    """The last ``size`` prompts; ``lookup`` says how many leading words a new one shares with one."""
+
+    def __init__(self, size: int) -> None:
+        self.prompts: deque[list[str]] = deque(maxlen=size)
+
+    def lookup(self, words: list[str]) -> int:
+        best = 0
+        for old in self.prompts:
+            n = 0
+            for a, b in zip(old, words, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        self.prompts.append(words)
+        return min(best, max(len(words) - 1, 0))  # like llama-server, the last token is always computed
 
 
 def _count_words(value: Any) -> int:
@@ -336,10 +376,13 @@ class FakeBackend:
         self.slots = Slots(self.config.slots)
         self.rng = random.Random(self.config.seed)
         self.prompts_seen: set[int] = set()  # hashes, for tests: does a client ever repeat a prompt?
+        self.cache = PromptCache(self.config.prefix_cache) if self.config.prefix_cache else None
         self.routes = {
             (b"POST", b"/v1/chat/completions"): self.chat,
             (b"POST", b"/v1/completions"): self.completions,
             (b"POST", b"/v1/embeddings"): self.embeddings,
+            (b"POST", b"/v1/responses"): self.responses,
+            (b"POST", b"/v1/messages"): self.messages,
             (b"GET", b"/v1/models"): self.models,
             (b"GET", b"/health"): self.health,
             (b"GET", b"/slots"): self.slots_view,
@@ -431,14 +474,21 @@ class FakeBackend:
     async def completions(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
         await self._generate(conn, body, keep_alive, chat=False)
 
-    async def _generate(self, conn: Connection, raw: bytes, keep_alive: bool, *, chat: bool) -> None:
+    async def responses(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
+        await self._generate(conn, body, keep_alive, chat=False, api="responses")
+
+    async def messages(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
+        await self._generate(conn, body, keep_alive, chat=True, api="messages")
+
+    async def _generate(self, conn: Connection, raw: bytes, keep_alive: bool, *, chat: bool, api: str = "") -> None:
         received = conn.received
         try:
             body = self._body(raw)
             n_tokens = self._max_tokens(body)
-            prompt = body.get("messages") if chat else body.get("prompt")
+            field_name = "input" if api == "responses" else "messages" if chat else "prompt"
+            prompt = body.get(field_name)
             if prompt is None:
-                raise BadRequest("'messages' is required" if chat else "'prompt' is required")
+                raise BadRequest(f"'{field_name}' is required")
         except BadRequest as exc:
             conn.respond(400, _error_body(str(exc), "invalid_request_error", 400), keep_alive)
             return
@@ -454,15 +504,23 @@ class FakeBackend:
             return
         prompt_tokens = _count_words(prompt)
         self.prompts_seen.add(hash(_dumps(prompt)))
+        cached = self.cache.lookup(_words(prompt)) if self.cache is not None else None
         stream = bool(body.get("stream"))
         include_usage = cfg.usage and bool((body.get("stream_options") or {}).get("include_usage"))
         model = body.get("model") or cfg.model
         self._ids += 1
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-fake{self._ids:x}"
+        rid = f"{api or ('chatcmpl' if chat else 'cmpl')}-fake{self._ids:x}"
         finish = "length" if ("max_tokens" in body or "max_completion_tokens" in body) else "stop"
 
         waited = bool(self.slots.waiters) or (self.slots.limit and not self.slots.free)
-        slot = await self.slots.acquire()
+        c = self.counters
+        c.in_flight += 1
+        c.peak_in_flight = max(c.peak_in_flight, c.in_flight)
+        try:
+            slot = await self.slots.acquire()
+        except BaseException:
+            c.in_flight -= 1
+            raise
         try:
             # The schedule starts when the request arrived, or when it got its slot after a wait.
             start = time.perf_counter() if waited else received
@@ -471,19 +529,25 @@ class FakeBackend:
                 await _sleep_until(start + (cfg.ttft_ms + max(n_tokens - 1, 0) * cfg.itl_ms) / 1000)
                 self.counters.completed += 1
                 self.counters.completion_tokens += n_tokens
-                conn.respond(200, self._full_body(chat, rid, model, n_tokens, prompt_tokens, finish), keep_alive)
+                full = (_EVENTS.full_body(api, rid, model, n_tokens, prompt_tokens) if api
+                        else self._full_body(chat, rid, model, n_tokens, prompt_tokens, finish, cached))
+                conn.respond(200, full, keep_alive)
+                return
+            if api:
+                await self._stream_events(conn, api, rid, model, n_tokens, prompt_tokens, start, keep_alive)
                 return
             await self._stream(conn, chat, rid, model, n_tokens, prompt_tokens, finish, include_usage, abort,
-                               start, keep_alive)
+                               start, keep_alive, cached)
         except (asyncio.CancelledError, ConnectionResetError):
             self.counters.disconnected += 1
             raise
         finally:
+            c.in_flight -= 1
             self.slots.release(slot)
 
     async def _stream(self, conn: Connection, chat: bool, rid: str, model: str, n_tokens: int,
                       prompt_tokens: int, finish: str, include_usage: bool, abort: bool, start: float,
-                      keep_alive: bool) -> None:
+                      keep_alive: bool, cached: int | None = None) -> None:
         cfg = self.config
         conn.start_stream()
         head = (b'data: {"id":"' + rid.encode() + b'","object":"'
@@ -515,10 +579,10 @@ class FakeBackend:
                 conn.close()  # no chunked terminator, no [DONE]: the client sees a cut stream
                 return
             if sent == n_tokens:
-                out += self._tail(chat, prefix, head, finish, n_tokens, prompt_tokens, include_usage)
+                out += self._tail(chat, prefix, head, finish, n_tokens, prompt_tokens, include_usage, cached)
             await conn.write_chunk(out)
         if n_tokens == 0:
-            await conn.write_chunk(self._tail(chat, prefix, head, finish, 0, prompt_tokens, include_usage))
+            await conn.write_chunk(self._tail(chat, prefix, head, finish, 0, prompt_tokens, include_usage, cached))
         self.counters.completed += 1
         self.counters.completion_tokens += n_tokens
         conn.end_stream(keep_alive)
@@ -526,18 +590,43 @@ class FakeBackend:
             conn.draining = True
             asyncio.get_running_loop().call_later(cfg.close_after_stream_ms / 1000, conn.close)
 
+    async def _stream_events(self, conn: Connection, api: str, rid: str, model: str, n_tokens: int,
+                             prompt_tokens: int, start: float, keep_alive: bool) -> None:
+        """A Responses or Messages stream on the chat stream's schedule (no injected cuts)."""
+        cfg = self.config
+        conn.start_stream()
+        await conn.write_chunk(_EVENTS.head(api, rid, model, prompt_tokens))
+        ttft, itl = cfg.ttft_ms / 1000, cfg.itl_ms / 1000
+        sent = 0
+        while sent < n_tokens:
+            due = start + ttft + sent * itl
+            if due > time.perf_counter():
+                await _sleep_until(due)
+            upto = n_tokens if itl <= 0 else min(n_tokens, int((time.perf_counter() - start - ttft) / itl) + 1)
+            out = b"".join([_EVENTS.token(api, i) for i in range(sent, upto)])
+            sent = upto
+            if sent == n_tokens:
+                out += _EVENTS.tail(api, rid, model, n_tokens, prompt_tokens)
+            await conn.write_chunk(out)
+        if n_tokens == 0:
+            await conn.write_chunk(_EVENTS.tail(api, rid, model, 0, prompt_tokens))
+        self.counters.completed += 1
+        self.counters.completion_tokens += n_tokens
+        conn.end_stream(keep_alive)
+
     @staticmethod
     def _tail(chat: bool, prefix: bytes, head: bytes, finish: str, n_tokens: int, prompt_tokens: int,
-              include_usage: bool) -> bytes:
+              include_usage: bool, cached: int | None = None) -> bytes:
         reason = b'"finish_reason":"' + finish.encode() + b'"}]}\n\n'
         out = prefix + (b'},"logprobs":null,' if chat else b'"text":"","logprobs":null,') + reason
         if include_usage:
+            details = b"" if cached is None else b',"prompt_tokens_details":{"cached_tokens":%d}' % cached
             out += (head + b',"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,'
-                    b'"total_tokens":%d}}\n\n' % (prompt_tokens, n_tokens, prompt_tokens + n_tokens))
+                    b'"total_tokens":%d%s}}\n\n' % (prompt_tokens, n_tokens, prompt_tokens + n_tokens, details))
         return out + _DONE
 
     def _full_body(self, chat: bool, rid: str, model: str, n_tokens: int, prompt_tokens: int,
-                   finish: str) -> bytes:
+                   finish: str, cached: int | None = None) -> bytes:
         text = "".join(VOCAB[i % len(VOCAB)] for i in range(n_tokens))
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         if chat:
@@ -548,12 +637,13 @@ class FakeBackend:
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
-                      "total_tokens": prompt_tokens + n_tokens},
+                      "total_tokens": prompt_tokens + n_tokens,
+                      **({} if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}})},
         })
 
     # --- helpers ---------------------------------------------------------------------------
     def _max_tokens(self, body: dict[str, Any]) -> int:
-        value = body.get("max_tokens", body.get("max_completion_tokens"))
+        value = body.get("max_tokens", body.get("max_completion_tokens", body.get("max_output_tokens")))
         if value is None:
             return self.config.tokens
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -634,6 +724,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--close-after-stream-ms", type=_non_negative, default=None, metavar="MS",
                         help="close the connection MS ms after each streamed answer, dropping requests "
                              "sent on it meanwhile (llama-server does so without notice)")
+    parser.add_argument("--prefix-cache", type=int, default=0, metavar="N",
+                        help="act as if the last N prompts were cached: report the words a prompt shares "
+                             "with one as usage.prompt_tokens_details.cached_tokens (default 0: off)")
 
 
 def config_from_args(args: argparse.Namespace) -> FakeConfig:
@@ -641,7 +734,7 @@ def config_from_args(args: argparse.Namespace) -> FakeConfig:
                       slots=max(args.slots, 0), tokens=args.tokens, model=args.model,
                       fail_rate=args.fail_rate, abort_rate=args.abort_rate, seed=args.seed,
                       usage=args.usage, embedding_dim=args.embedding_dim,
-                      close_after_stream_ms=args.close_after_stream_ms)
+                      close_after_stream_ms=args.close_after_stream_ms, prefix_cache=max(args.prefix_cache, 0))
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL_ID, slots_busy, tokens_decoded, upstream_config, wait_until
+from tests.conftest import MODEL_ID, free_port, slots_busy, tokens_decoded, upstream_config, wait_until
 
 pytestmark = pytest.mark.llama
 
@@ -191,9 +191,7 @@ def test_upstream_option_detects_the_kind_and_models(gateway, llama_server):
 
 
 def test_unreachable_backend_is_503_no_backend(gateway):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()  # nobody listens there
     gw = gateway(upstream_config(f"http://127.0.0.1:{dead}"), wait_ready=False)
     assert httpx.get(gw.url + "/ready").status_code == 503
     r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL_ID, "messages": MSG})
@@ -283,10 +281,19 @@ def test_sigkill_of_the_gateway_leaves_no_orphan(launched):
     wait_until(lambda: not pid_alive(runtime), 10, what="runtime killed with its parent")
 
 
-def test_embedded_default_serves_chat_and_embeddings(gateway):
+def test_embedded_default_serves_the_whole_api(gateway):
     gw = gateway("")
     c = sdk(gw)
     assert c.chat.completions.create(model=MODEL_ID, messages=MSG, max_tokens=3).choices[0].message.content
     emb = c.embeddings.create(model=MODEL_ID, input=["a lighthouse", "a ship"])
     assert len(emb.data) == 2 and len(emb.data[0].embedding) > 100
-    assert len(gw.children()) == 2
+    assert c.responses.create(model=MODEL_ID, input="Hi", max_output_tokens=3).usage.output_tokens > 0
+    assert gw.anthropic().messages.create(model=MODEL_ID, max_tokens=3, messages=MSG).usage.output_tokens > 0
+    assert httpx.post(gw.url + "/tokenize", json={"content": "a lighthouse"}).json()["tokens"]
+    infill = httpx.post(gw.url + "/infill", timeout=60, json={"input_prefix": "def f(", "input_suffix": "):",
+                                                              "n_predict": 2})
+    assert infill.status_code == 200 and infill.json()["tokens_predicted"] >= 1
+    ranked = httpx.post(gw.url + "/v1/rerank", timeout=60, json={"model": "tiny-reranker", "query": "light",
+                                                                 "documents": ["a lighthouse", "a ship"]})
+    assert ranked.status_code == 200 and len(ranked.json()["results"]) == 2
+    assert len(gw.children()) == 3  # chat, embeddings, rerank

@@ -387,3 +387,25 @@ def test_bench_compare_llama_server_and_vllm(vgw, gateway, llama_server, tmp_pat
     assert "Model ids differ between targets" in (out / "report.md").read_text()
     assert all((out / f).exists() for f in ("results.csv", "report.html"))
     print(f"bench compare took {time.monotonic() - started:.0f} s")
+
+
+def test_anthropic_messages_responses_and_tokenize_through_the_gateway(vgw):
+    """vLLM's own /v1/messages, /v1/responses and /tokenize, forwarded natively: the official SDKs
+    get their answers, the relay reads each grammar (usage and first-token time in the log)."""
+    msg = vgw.anthropic().messages.create(model=MODEL, max_tokens=6, messages=MSG, extra_body={"ignore_eos": True})
+    assert msg.usage.output_tokens == 6
+    with vgw.anthropic().messages.stream(model=MODEL, max_tokens=6, messages=MSG,
+                                         extra_body={"ignore_eos": True}) as stream:
+        text = "".join(stream.text_stream)
+        streamed_id = stream.response.headers["x-request-id"]
+    assert text
+    resp = vgw.openai().responses.create(model=MODEL, input="Tell me about the gateway.", max_output_tokens=6,
+                                         stream=True, extra_body={"ignore_eos": True})
+    events = list(resp)
+    assert events[-1].type == "response.completed" and events[-1].response.usage.output_tokens == 6
+    tokens = httpx.post(vgw.url + "/tokenize", json={"model": MODEL, "prompt": "the gateway"}, timeout=30).json()
+    assert tokens["count"] > 0
+    line = vgw.log_for(streamed_id)
+    assert line["endpoint"] == "messages" and line["completion_tokens"] == 6 and line["ttft_ms"] > 0
+    line = vgw.log_for(resp.response.headers["x-request-id"])
+    assert line["endpoint"] == "responses" and line["completion_tokens"] == 6 and line["cause"] == "ok"

@@ -47,6 +47,22 @@ def test_usage_finish_and_done():
     assert s.finished and s.done and s.error is None
 
 
+def test_what_the_runtime_took_from_its_cache_is_read():
+    # OpenAI's field (llama-server and vLLM send it too)
+    s = StreamScanner()
+    s.feed(ev('{"choices":[],"usage":{"prompt_tokens":41,"completion_tokens":3,'
+              '"prompt_tokens_details":{"cached_tokens":36}}}'), 1.0)
+    assert s.cached_tokens == 36 and s.prompt_tokens == 41
+    # llama-server's timings, on the usage chunk (as it sends them) or alone on the last chunk
+    s = StreamScanner()
+    s.feed(ev(chunk("x")) + ev('{"choices":[{"index":0,"delta":{},"finish_reason":"length"}],'
+                               '"timings":{"cache_n":36,"prompt_n":5,"prompt_ms":59.9}}'), 1.0)
+    assert s.cache_n == 36 and s.prompt_n == 5 and s.cached_tokens is None
+    s = StreamScanner()
+    s.feed(ev('{"choices":[{"delta":{"content":"z"}}],"timings":{"cache_n":2,"prompt_n":40}}'), 1.0)
+    assert s.chunks == 1 and s.cache_n == 2 and s.prompt_n == 40
+
+
 def test_usage_on_the_last_content_chunk_is_read():
     s = StreamScanner()
     s.feed(ev('{"choices":[{"delta":{"content":"z"}}],"usage":{"completion_tokens":9,"prompt_tokens":1}}'), 1.0)

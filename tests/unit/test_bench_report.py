@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from passerelle.bench.report import cell, run_table
+from passerelle.bench.tables import cell, run_table
 from passerelle.cli import main
 from passerelle.testing.fake_runtime import start_fake_backend
 
@@ -45,7 +45,7 @@ def assert_report_consistent(out: Path) -> dict:
     for target in dict.fromkeys(r["target"] for r in results["runs"]):
         runs = [r for r in results["runs"] if r["target"] == target]
         head, table = run_table(runs)
-        section = md.split(f"### {target}\n", 1)[1]
+        section = md.split("## Results\n", 1)[1].split(f"### {target}\n", 1)[1]
         lines = [ln for ln in section.splitlines() if ln.startswith("|")]
         assert lines[0] == "| " + " | ".join(head) + " |"
         md_rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:2 + len(runs)]]
@@ -56,11 +56,14 @@ def assert_report_consistent(out: Path) -> dict:
     assert results["verdict"]["reason"] in md
     # plots: real PNGs, referenced by the markdown, inlined in the HTML (self-contained)
     pngs = sorted(out.glob("*.png"))
-    assert {p.name for p in pngs} >= {"latency_cdf.png"} and len(pngs) == 3
+    assert {p.name for p in pngs} >= {"latency_cdf.png", "summary.png"} and len(pngs) == 5
     for png in pngs:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
         assert f"]({png.name})" in md
-    assert html.count("src='data:image/png;base64,") == 3
+    assert html.count("src='data:image/png;base64,") == 5
+    # the summary figure opens the report, before the verdict
+    assert md.index("](summary.png)") < md.index("## Verdict")
+    assert html.index("alt='summary'") < html.index("<h2>Verdict</h2>")
     assert not re.search(r"""(src|href)=['"]?https?:""", html)
     return results
 
@@ -111,13 +114,19 @@ def test_compare_names_the_winner_and_flags_different_models(tmp_path):
     assert all(r["slo_failures"] == ["ttft_p95"] for r in results["runs"] if r["target"] == "slow")
 
 
-def test_compare_through_two_routes_to_one_backend_never_repeats_a_prompt(tmp_path):
+def test_compare_through_two_routes_to_one_backend_never_repeats_a_prompt(tmp_path, capsys):
     """E.g. a runtime directly and through the gateway: the second target must not hit the cache."""
     with start_fake_backend(ttft_ms=2, itl_ms=1) as fake:
         assert main(["bench", "compare", "--target", f"direct={fake.url}", "--target", f"again={fake.url}/v1",
                      "--concurrency", "2", "--requests", "4", "--max-tokens", "2", "--out", str(tmp_path)]) == 0
         seen = fake.stats()
-    assert seen["requests"] == 2 * (4 + 1 + 4)
+    # the targets took turns: A B, then B A
+    ends = [line.split()[0] for line in capsys.readouterr().err.splitlines() if " concurrency 2: " in line]
+    assert ends == ["direct", "again", "again", "direct"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["load"]["rounds"] == 2 and [r["requests_ok"] for r in results["runs"]] == [4, 4]
+    # per target: 4 calibration probes, then the level in 2 rounds (taking turns), 1 warm-up + 2 requests each
+    assert seen["requests"] == 2 * (4 + 2 * (1 + 2))
     # only the calibration probes repeat (the same passages, to measure the same tokenizer)
     assert seen["distinct_prompts"] == seen["requests"] - 4
 

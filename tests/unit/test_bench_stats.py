@@ -1,4 +1,4 @@
-"""Percentiles, run records, SLO parsing and checks, goodput, and the compare verdict."""
+"""Percentiles, run records, steady-state throughput, SLO parsing and checks, goodput, the verdict."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 
 from passerelle.bench.client import RequestResult
 from passerelle.bench.runner import Level, LevelResult
-from passerelle.bench.stats import parse_slos, percentile, run_record, summarize_ms, verdict
+from passerelle.bench.stats import parse_slos, percentile, run_record, steady_window, summarize_ms
+from passerelle.bench.verdict import memory_phrase, verdict
 from passerelle.bench.workload import TrafficClass, Workload
 
 
@@ -85,34 +86,104 @@ def test_error_rate_slo_and_a_run_without_success_fails():
     assert none["meets_slo"] is False and none["ttft_ms"]["p50"] is None
 
 
-def run(target: str, conc: int, ttft_p95: float, tok_s: float, meets: bool, model_cls=None) -> dict:
+def test_steady_state_excludes_ramp_up_and_drain():
+    # closed loop, 2 workers, 7 requests of 1 s with 10 tokens (0.1 s TTFT, then one every 0.09 s),
+    # except that the first pair's tokens come late and in a burst (a cold start) and the last
+    # request runs alone (the drain)
+    results = []
+    for k in range(3):
+        for _ in range(2):
+            results.append(ok(0.1 if k else 0.6, 1.0, tokens=10, t_send=float(k), itl=[0.09 if k else 0.04] * 9))
+    results.append(ok(0.1, 1.0, tokens=10, t_send=3.0, itl=[0.09] * 9))
+    level = level_result(results)
+    assert steady_window(level) == (1.0, 3.0)  # first answer's end → last send
+    run = run_record("t", level, results, [], concurrency=2)
+    assert run["throughput_over"] == "steady state"
+    # in [1, 3]: the 40 tokens of the four requests sent at 1 and 2, over 2 s
+    assert run["output_tokens_per_s"] == pytest.approx(20.0)
+    assert run["requests_per_s"] == pytest.approx(2.0)  # 4 requests ended in (1, 3]
+    assert run["steady_state"] == {"start_s": 1.0, "end_s": 3.0, "duration_s": 2.0, "requests_ended": 4,
+                                   "output_tokens": 40.0}
+    # the whole run, ramp-up and a lone last request included, reads lower
+    assert run["whole_run"]["output_tokens_per_s"] == pytest.approx(70 / 4.0)
+
+
+def test_too_short_for_a_steady_state_uses_the_whole_run():
+    results = [ok(0.1, 1.0, t_send=0.0), ok(0.1, 1.0, t_send=0.01)]
+    run = run_record("t", level_result(results), results, [], concurrency=2)
+    assert run["throughput_over"] == "whole run" and run["steady_state"] is None
+    assert run["output_tokens_per_s"] == pytest.approx(22 / 1.01, rel=1e-3)
+
+
+def run(target: str, conc: int, ttft_p95: float, tok_s: float, meets: bool, model_cls=None,
+        memory: dict | None = None) -> dict:
     return {"target": target, "class": model_cls, "concurrency": conc, "rate": None, "meets_slo": meets,
-            "ttft_ms": {"p95": ttft_p95}, "output_tokens_per_s": tok_s, "requests_per_s": tok_s / 10,
-            "goodput_rps": tok_s / 20}
+            "slo_failures": [] if meets else ["ttft_p95"], "ttft_ms": {"p95": ttft_p95},
+            "output_tokens_per_s": tok_s, "requests_per_s": tok_s / 10, "goodput_rps": tok_s / 20, "memory": memory}
 
 
-def test_verdict_highest_passing_concurrency_wins():
+def test_verdict_says_where_the_limit_is_and_whether_it_was_found():
     runs = [run("vulkan", 1, 100, 30, True), run("vulkan", 5, 900, 120, True), run("vulkan", 10, 3000, 150, False),
-            run("rocm", 1, 90, 35, True), run("rocm", 5, 2500, 140, False), run("rocm", 10, 5000, 160, False)]
-    v = verdict(runs, parse_slos("ttft_p95=2s"), {"vulkan": "m", "rocm": "m"})
-    assert v["winner"] == "vulkan"
-    assert v["targets"]["vulkan"]["max_concurrency"] == 5
-    assert v["targets"]["vulkan"]["output_tokens_per_s"] == 120
-    assert v["targets"]["rocm"]["max_concurrency"] == 1
-    assert "vulkan holds 5 concurrent requests" in v["reason"] and "rocm: 1 concurrent" in v["reason"]
+            run("rocm", 1, 90, 35, True), run("rocm", 5, 2500, 140, False), run("rocm", 10, 5000, 160, False),
+            run("cuda", 1, 50, 40, True), run("cuda", 5, 300, 100, True)]
+    v = verdict(runs, parse_slos("ttft_p95=2s"), {"vulkan": "m", "rocm": "m", "cuda": "m"})
+    # cuda held every load it was given: "≥ 5", ranked above vulkan's 5 with a limit at 10
+    assert v["winner"] == "cuda"
+    assert v["targets"]["cuda"]["summary"] == "holds ≥ 5 concurrent requests (the highest load tried)"
+    assert v["targets"]["cuda"]["limit_found"] is False
+    vk = v["targets"]["vulkan"]
+    assert vk["max_concurrency"] == 5 and vk["output_tokens_per_s"] == 120 and vk["limit_found"] is True
+    assert vk["summary"] == "holds 5 concurrent requests, fails at 10 (TTFT p95)"
+    assert vk["fails_at"] == "concurrency 10" and vk["fails_on"] == ["ttft_p95"]
+    assert v["targets"]["rocm"]["summary"] == "holds 1 concurrent request, fails at 5 (TTFT p95)"
+    assert v["reason"].startswith("cuda holds ≥ 5 concurrent requests (the highest load tried) within the SLOs")
+    assert "vulkan: holds 5 concurrent requests, fails at 10 (TTFT p95)" in v["reason"]
     assert v["model_ids_differ"] is False
 
 
-def test_verdict_tie_goes_to_throughput_and_flags_models():
+def test_verdict_holds_only_up_to_the_first_failure():
+    runs = [run("a", 1, 100, 30, True), run("a", 2, 3000, 50, False), run("a", 4, 1900, 60, True)]
+    t = verdict(runs, parse_slos("ttft_p95=2s"), {"a": "m"})["targets"]["a"]
+    assert t["max_concurrency"] == 1 and t["passes_again_at"] == ["concurrency 4"]
+    assert t["summary"] == "holds 1 concurrent request, fails at 2 (TTFT p95); passed again at 4 (noisy?)"
+    assert t["loads_meeting_slo"] == ["concurrency 1", "concurrency 4"]
+
+
+def test_verdict_throughput_decides_beyond_the_tie_margin_and_flags_models():
     runs = [run("a", 4, 10, 100, True), run("b", 4, 10, 130, True)]
     v = verdict(runs, [], {"a": "llama-q4", "b": "llama-q8"})
-    assert v["winner"] == "b"
+    assert v["winner"] == "b" and v["tie"] == []
     assert v["model_ids_differ"] is True
+
+
+def test_verdict_within_the_tie_margin_names_no_winner():
+    runs = [run("gateway", 1, 10, 60.1, True), run("direct", 1, 10, 61.0, True)]
+    v = verdict(runs, [], {"gateway": "m", "direct": "m"})
+    assert v["winner"] is None and v["tie"] == ["direct", "gateway"]
+    assert v["reason"].startswith("no clear winner: direct and gateway each holds ≥ 1 concurrent request")
+    assert "within the noise of each other (61.0 vs 60.1; differences under 5% are noise here)" in v["reason"]
+    assert verdict(runs, [], {"gateway": "m", "direct": "m"}, tie_margin=0.01)["winner"] == "direct"
+    # noisy runs widen the margin: 2 × √(0.08² + 0.06²) = 20 %
+    noisy = [{**runs[0], "output_tokens_per_s": 50.0, "throughput_rse": 0.08}, {**runs[1], "throughput_rse": 0.06}]
+    v = verdict(noisy, [], {"gateway": "m", "direct": "m"})
+    assert v["winner"] is None and v["tie_within"] == pytest.approx(0.2) and "under 20% are noise" in v["reason"]
+    noisy[0]["output_tokens_per_s"] = 45.0  # 26 % below: a difference
+    assert verdict(noisy, [], {"gateway": "m", "direct": "m"})["winner"] == "direct"
+
+
+def test_verdict_names_the_winners_memory():
+    mem = {"rss_peak_bytes": 900 * 2**20, "pss_peak_bytes": 850 * 2**20, "gpu_process_peak_bytes": 5 * 2**30}
+    v = verdict([run("a", 4, 10, 100, True, memory=mem)], [], {"a": "m"})
+    assert v["targets"]["a"]["memory"] == mem
+    assert "at 100.0 output tokens/s and 850 MiB resident (PSS, peak) + 5.00 GiB GPU" in v["reason"]
+    assert memory_phrase({"rss_peak_bytes": 3 * 2**30}) == "3.00 GiB resident (RSS, peak)"
+    assert memory_phrase(None) is None
 
 
 def test_verdict_without_any_passing_level():
     v = verdict([run("a", 1, 5000, 10, False)], parse_slos("ttft_p95=1s"), {"a": "m"})
     assert v["winner"] is None and v["targets"]["a"]["max_concurrency"] is None
+    assert v["targets"]["a"]["summary"] == "fails at the lowest load tried, 1 concurrent request (TTFT p95)"
     assert "no target meets" in v["reason"]
 
 

@@ -1,4 +1,3 @@
-import os
 import textwrap
 
 import pytest
@@ -79,12 +78,7 @@ def test_invalid_toml_is_reported(tmp_path):
         load_config(write(tmp_path, "[server\n"), env={})
 
 
-def test_example_configuration_loads(tmp_path, monkeypatch):
-    # the example launches `llama-server` from PATH, as an installed llama.cpp provides it
-    stub = tmp_path / "llama-server"
-    stub.write_text("#!/bin/sh\n")
-    stub.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+def test_example_configuration_loads(llama_server_on_path):
     cfg = load_config("passerelle.example.toml", env={})
     assert cfg.backends, "the example shows backends"
 

@@ -75,7 +75,7 @@ def test_bad_environment_value_names_the_variable():
     assert info.value.key == "PASSERELLE_METRICS_ENABLED" and "true or false" in str(info.value)
 
 
-def test_the_example_configuration_documents_admin_and_metrics():
+def test_the_example_configuration_documents_admin_and_metrics(llama_server_on_path):
     example = Path(__file__).resolve().parents[2] / "passerelle.example.toml"
     text = example.read_text()
     for key in ("[admin]", "allow", "key", "port", "[metrics]", "tenant_label", "window_s", "enabled"):

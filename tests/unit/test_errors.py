@@ -9,7 +9,12 @@ from passerelle import errors as e
     (e.UnknownModel("x", ["a", "b"]), 404, "invalid_request"),
     (e.BodyTooLarge(10), 413, "invalid_request"),
     (e.Unauthorized("no"), 401, "unauthorized"),
+    (e.KeyExpired("expired at 2026-07-01 00:00 +02:00"), 401, "unauthorized"),
+    (e.Forbidden("not for you"), 403, "forbidden"),
+    (e.ModelNotAllowed("big-model", ["small-*"]), 403, "forbidden"),
+    (e.KeyNotFound("3f9c0a1b2c4d"), 404, "invalid_request"),
     (e.RateLimited("slow", retry_after=1.2), 429, "rate_limited"),
+    (e.QuotaExceeded("used up", retry_after=3600), 429, "quota_exceeded"),
     (e.QueueFull("full"), 429, "queue_full"),
     (e.QueueTimeout("late"), 429, "queue_timeout"),
     (e.NoBackend("none"), 503, "no_backend"),
@@ -53,4 +58,14 @@ def test_upstream_status_passes_openai_bodies_and_wraps_others():
 def test_one_enum_of_causes_matches_the_contract():
     assert {c.value for c in e.Cause} == {
         "ok", "client_disconnect", "upstream_error", "upstream_timeout", "queue_timeout", "queue_full",
-        "rate_limited", "unauthorized", "invalid_request", "no_backend"}
+        "rate_limited", "unauthorized", "invalid_request", "no_backend",
+        # added by the keys work (issue 16): one cause each, none overloaded
+        "forbidden", "quota_exceeded",
+        # added by the client-side limits (issue 11)
+        "shutdown"}
+
+
+def test_model_not_allowed_lists_the_keys_models():
+    err = e.ModelNotAllowed("big-model", ["small-*", "embed-1"])
+    assert err.type == "permission_error" and err.code == "model_not_allowed"
+    assert "big-model" in err.message and "small-*, embed-1" in err.message

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import uvloop
 from passerelle.config import BackendConfig, TimeoutConfig
 from passerelle.errors import UpstreamError
 from passerelle.runtimes.kinds import make_backend
+from passerelle.runtimes.supervisor import free_port
 from passerelle.upstream.client import HIGH_WATER, ConnectFailed, ServerDisconnected, UpstreamClient
 
 
@@ -332,9 +332,7 @@ async def test_an_interim_100_continue_is_skipped():
 
 
 async def test_connect_refused_is_connect_failed_and_a_retryable_upstream_error():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     client = UpstreamClient(url, limit=1)
     with pytest.raises(ConnectFailed):
         await client.request(b"GET", "/")

@@ -1,0 +1,245 @@
+"""What the gateway knows about each inference API it forwards: one :class:`Api` per endpoint.
+
+The body goes to the runtime untouched; the gateway reads only the few fields it acts on (the
+model it routes by, whether the answer streams, the token budget it charges limits and fair share
+with) and checks only what it relies on. Each API also says:
+
+* ``upstream``: the runtime's path (aliases such as ``/rerank`` all go to ``/v1/rerank``);
+* ``grammar``: how its stream speaks (grammars.py): OpenAI chunks, Responses events, Anthropic
+  Messages events, llama-server's native chunks, transcription events;
+* ``scheduled``: it occupies a runtime slot, so it queues for one (tokenize and token counting
+  do not: they run beside generation, at once);
+* ``errors``: the shape of the errors the gateway itself sends: OpenAI's
+  ``{"error": {"message", "type", "code"}}`` or Anthropic's
+  ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's error types;
+* ``collect``: for runtimes that notice a departed client only while streaming (llama-server), a
+  non-streaming request is asked as a stream and assembled in the gateway, so the slot frees at
+  once when the client leaves.
+
+Example::
+
+    >>> api = API["messages"]
+    >>> req = api.parse(b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}', None)
+    >>> (req.model, req.stream, req.max_tokens, api.upstream)
+    ('m', False, 5, '/v1/messages')
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from passerelle.errors import GatewayError, InvalidRequest, UpstreamStatus
+
+OPENAI, ANTHROPIC = "openai", "anthropic"
+
+
+@dataclass(slots=True)
+class Parsed:
+    """The fields of one request that the gateway acts on."""
+
+    model: str | None
+    stream: bool = False
+    max_tokens: int | None = None
+    user: str | None = None
+    data: dict[str, Any] | None = None  # the JSON body; None for a multipart form
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    name: str
+    upstream: str
+    grammar: str = "chat"
+    required: tuple[str, ...] = ()
+    scheduled: bool = True
+    can_stream: bool = True
+    errors: str = OPENAI
+    form: bool = False  # multipart/form-data (audio): the model is the form's `model` field
+    model_optional: bool = False  # llama-server's own routes: the model may be left out when one model serves them
+    collect: bool = False
+    generates: bool = True  # produces output tokens (estimated from its token budget)
+    budget: tuple[str, ...] = ("max_completion_tokens", "max_tokens")  # fields bounding the output
+
+    def parse(self, body: bytes, content_type: str | None) -> Parsed:
+        """Validate what the gateway relies on; everything else is the runtime's business."""
+        if self.form:
+            return _parse_form(body, content_type)
+        data = _json_object(body)
+        model = data.get("model")
+        if model is None:
+            if not self.model_optional:
+                raise InvalidRequest("Missing required parameter: 'model'.", param="model")
+        elif not isinstance(model, str) or not model:
+            raise InvalidRequest("'model' must be a non-empty string.", param="model")
+        for name in self.required:
+            if data.get(name) is None:
+                raise InvalidRequest(f"Missing required parameter: '{name}'.", param=name)
+        _check_fields(self.name, data)
+        stream = bool(data.get("stream")) and self.can_stream
+        budget = next((data[k] for k in self.budget if data.get(k) is not None), None)
+        user = data.get("user")
+        return Parsed(model=model, stream=stream, max_tokens=budget, user=user, data=data)
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    if not body.strip():
+        raise InvalidRequest("The request body is empty; expected a JSON object.")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}.") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return data
+
+
+def _check_fields(endpoint: str, data: dict[str, Any]) -> None:
+    if endpoint in ("chat", "messages", "count_tokens", "apply_template"):
+        value = data.get("messages")
+        if value is not None and (not isinstance(value, list) or not value
+                                  or not all(isinstance(m, dict) for m in value)):
+            raise InvalidRequest("'messages' must be a non-empty array of message objects.", param="messages")
+    text = {"completions": "prompt", "embeddings": "input", "responses": "input"}.get(endpoint)
+    if text is not None and text in data and not isinstance(data[text], str | list):
+        raise InvalidRequest(f"'{text}' must be a string or an array.", param=text)
+    if endpoint == "rerank":
+        docs = data.get("documents", data.get("texts"))
+        if not isinstance(docs, list) or not docs:
+            raise InvalidRequest("'documents' must be a non-empty array.", param="documents")
+    if "stream" in data and not isinstance(data["stream"], bool | None):
+        raise InvalidRequest("'stream' must be a boolean.", param="stream")
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict", "n"):
+        v = data.get(key)
+        if key == "n_predict" and v == -1:  # llama-server: no limit
+            continue
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "n" else 0)):
+            raise InvalidRequest(f"'{key}' must be a non-negative integer.", param=key)
+    so = data.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
+    user = data.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequest("'user' must be a string.", param="user")
+
+
+# -- multipart forms (audio) -------------------------------------------------------------------
+_BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.I)
+_NAME = re.compile(rb'\bname="([^"]*)"', re.I)
+
+
+def form_fields(body: bytes, content_type: str | None, names: tuple[str, ...]) -> dict[str, str]:
+    """The small text fields ``names`` of a multipart/form-data body (file parts are skipped).
+
+    Example::
+
+        >>> body = b'--b\\r\\nContent-Disposition: form-data; name="model"\\r\\n\\r\\nwhisper\\r\\n--b--\\r\\n'
+        >>> form_fields(body, 'multipart/form-data; boundary=b', ("model",))
+        {'model': 'whisper'}
+    """
+    if not content_type or not content_type.lower().startswith("multipart/form-data"):
+        raise InvalidRequest("Expected a multipart/form-data body (Content-Type: multipart/form-data; boundary=...).")
+    m = _BOUNDARY.search(content_type)
+    if m is None:
+        raise InvalidRequest("The multipart Content-Type has no boundary.")
+    delimiter = b"--" + m.group(1).encode("latin-1")
+    out: dict[str, str] = {}
+    for part in body.split(delimiter)[1:]:
+        head, sep, value = part.partition(b"\r\n\r\n")
+        if not sep or len(head) > 4096:
+            continue
+        disposition = next((line for line in head.split(b"\r\n") if line.lower().startswith(b"content-disposition")),
+                           b"")
+        name = _NAME.search(disposition)
+        if name is None or b"filename=" in disposition.lower():
+            continue
+        key = name.group(1).decode("utf-8", "replace")
+        if key in names and key not in out:
+            out[key] = value.removesuffix(b"\r\n")[:1024].decode("utf-8", "replace")
+    return out
+
+
+def _parse_form(body: bytes, content_type: str | None) -> Parsed:
+    fields = form_fields(body, content_type, ("model", "stream"))
+    model = fields.get("model", "").strip()
+    if not model:
+        raise InvalidRequest("Missing required form field: 'model'.", param="model")
+    return Parsed(model=model, stream=fields.get("stream", "").strip().lower() == "true")
+
+
+# -- the APIs ----------------------------------------------------------------------------------
+API: dict[str, Api] = {a.name: a for a in (
+    Api("chat", "/v1/chat/completions", "chat", required=("messages",), collect=True),
+    Api("completions", "/v1/completions", "chat", required=("prompt",), collect=True),
+    Api("embeddings", "/v1/embeddings", required=("input",), can_stream=False, generates=False),
+    # (Responses' `input` may be left out, e.g. with a stored prompt: the runtime decides)
+    Api("responses", "/v1/responses", "responses", collect=True, budget=("max_output_tokens",)),
+    Api("responses_input_tokens", "/v1/responses/input_tokens", scheduled=False, can_stream=False,
+        generates=False),
+    Api("messages", "/v1/messages", "messages", required=("messages",), errors=ANTHROPIC, collect=True),
+    Api("count_tokens", "/v1/messages/count_tokens", required=("messages",), scheduled=False, can_stream=False,
+        errors=ANTHROPIC, generates=False),
+    Api("rerank", "/v1/rerank", required=("query",), can_stream=False, generates=False),
+    Api("tokenize", "/tokenize", scheduled=False, can_stream=False, model_optional=True, generates=False),
+    Api("detokenize", "/detokenize", required=("tokens",), scheduled=False, can_stream=False, model_optional=True,
+        generates=False),
+    Api("apply_template", "/apply-template", required=("messages",), scheduled=False, can_stream=False,
+        model_optional=True, generates=False),
+    Api("infill", "/infill", "llama", required=("input_prefix", "input_suffix"), model_optional=True, collect=True,
+        budget=("n_predict", "max_tokens")),
+    Api("transcriptions", "/v1/audio/transcriptions", "transcription", form=True),
+)}
+
+
+def passthrough(path: str) -> Api:
+    """An operator-added route (``extra_routes``): forwarded as is, scheduled, any stream relayed."""
+    return Api(path, path, "generic")
+
+
+def api_for(endpoint: str) -> Api:
+    return API.get(endpoint) or passthrough(endpoint)
+
+
+# -- error shapes ------------------------------------------------------------------------------
+# Anthropic's error types by HTTP status (its SDKs pick the exception class by the status).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "api_error")
+
+
+def _message_of(err: GatewayError) -> str:
+    """The message to show: the runtime's own for an error it answered, else the gateway's."""
+    if isinstance(err, UpstreamStatus):
+        try:
+            obj = orjson.loads(err.raw)
+        except orjson.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            inner = obj.get("error")
+            msg = inner.get("message") if isinstance(inner, dict) else inner if isinstance(inner, str) else None
+            msg = msg or obj.get("message") or obj.get("detail")
+            if isinstance(msg, str) and msg:
+                return msg
+        return err.raw.decode("utf-8", "replace").strip()[:2000] or f"HTTP {err.status}"
+    return err.message
+
+
+def anthropic_body(err: GatewayError) -> bytes:
+    """``err`` in Anthropic's error shape; a runtime's answer already in that shape passes as is."""
+    if isinstance(err, UpstreamStatus) and re.match(rb'\s*\{\s*"type"\s*:\s*"error"', err.raw):
+        return err.raw
+    return orjson.dumps({"type": "error", "error": {"type": anthropic_type(err.status), "message": _message_of(err)}})
+
+
+def error_body(err: GatewayError, style: str) -> tuple[bytes, bytes]:
+    """The error response body for ``err`` and its content type, in the API's shape."""
+    if style == ANTHROPIC:
+        return anthropic_body(err), b"application/json"
+    ctype = err.content_type if isinstance(err, UpstreamStatus) and err.content_type else b"application/json"
+    return err.body(), ctype

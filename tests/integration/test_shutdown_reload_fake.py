@@ -1,0 +1,68 @@
+"""Stopping and reloading a real gateway subprocess without harming its clients: SIGTERM past
+``shutdown_grace_s`` ends each open request with an error a client can read (never a silent
+truncation), and a reload of an emptied configuration file is refused."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import orjson
+
+from tests.conftest import upstream_config, wait_until
+
+MODEL = "fake-model"
+
+
+def test_sigterm_past_the_grace_period_ends_streams_with_an_error_event(gateway, fake_backend):
+    fake = fake_backend(ttft_ms=5, itl_ms=100)
+    gw = gateway(upstream_config(fake.url, model=MODEL, kind="openai", slots=1)
+                 + "[server]\nshutdown_grace_s = 1\n")
+    got: dict[str, httpx.Response | str] = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=30, json={
+                "model": MODEL, "max_tokens": 1000, "stream": True,
+                "messages": [{"role": "user", "content": "x"}]}) as resp:
+            got["stream"] = resp.read().decode()
+
+    def queued() -> None:  # the backend's one slot is taken: this one waits in the queue
+        got["queued"] = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "y"}]})
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=queued)]
+    threads[0].start()
+    wait_until(lambda: httpx.get(fake.url + "/fake/stats", timeout=2).json()["requests"] == 1, 10,
+               what="the stream running")
+    threads[1].start()
+    wait_until(lambda: 'passerelle_requests_waiting{model="fake-model",priority="standard"} 1.0'
+               in httpx.get(gw.url + "/metrics", timeout=2).text, 10, what="the second request queued")
+    assert gw.stop(signal.SIGTERM, timeout=30) == 0
+    for t in threads:
+        t.join(10)
+    events = [line[6:] for line in got["stream"].splitlines() if line.startswith("data: ")]  # type: ignore[union-attr]
+    assert "[DONE]" not in events and len(events) > 2
+    assert orjson.loads(events[-1])["error"]["code"] == "shutting_down"
+    queued_resp = got["queued"]
+    assert isinstance(queued_resp, httpx.Response) and queued_resp.status_code == 503
+    assert queued_resp.json()["error"]["code"] == "shutting_down"
+    lines = [orjson.loads(line) for line in gw.log_text().splitlines() if line.startswith('{"ts"')]
+    assert sorted(line["cause"] for line in lines if line["endpoint"] == "chat") == ["shutdown", "shutdown"]
+
+
+def test_a_reload_of_an_emptied_file_is_refused_and_nothing_is_drained(gateway, fake_backend):
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    gw = gateway(upstream_config(fake.url, model=MODEL, kind="openai"))
+    gw.extra["config"].write_text("")  # what a truncating editor or a failed deploy leaves
+    gw.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "Reload refused" in gw.log_text(), 10, what="the refusal in the log")
+    cli = subprocess.run([sys.executable, "-m", "passerelle", "reload", "--url", gw.url, "--timeout", "10"],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 1 and "lists no [[backends]]" in cli.stderr and "--force" in cli.stderr
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=10, json={
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200
+    assert [m["id"] for m in httpx.get(gw.url + "/v1/models", timeout=5).json()["data"]] == [MODEL]
