@@ -88,7 +88,9 @@ class Preempting:
     preemption: PreemptionPolicy | None
     suspendable: set[Job]  # running jobs whose stream may be suspended now
     preempt_counts: dict[str, int]
-    _preempt_timer: asyncio.TimerHandle | None
+    _preempt_timer: asyncio.Handle | None
+    _preempt_at: float  # when it fires, on the loop's clock (uvloop's call_at with a time already
+    # past gives a plain Handle, without when())
 
     # -- the scheduler's ----------------------------------------------------------------------
     def _key(self, job: Job, now: float) -> tuple[float, float, int]:
@@ -135,10 +137,10 @@ class Preempting:
             return
         when = loop.time() + max(0.0, due - self.clock())
         if self._preempt_timer is not None:
-            if self._preempt_timer.when() <= when + 1e-4:
+            if self._preempt_at <= when + 1e-4:
                 return
             self._preempt_timer.cancel()
-        self._preempt_timer = loop.call_at(when, self._preempt_fired)
+        self._preempt_timer, self._preempt_at = loop.call_at(when, self._preempt_fired), when
 
     def _preempt_fired(self) -> None:
         self._preempt_timer = None
@@ -180,7 +182,8 @@ class Preempting:
             with contextlib.suppress(RuntimeError):
                 loop = asyncio.get_running_loop()
                 if self._preempt_timer is None:
-                    self._preempt_timer = loop.call_at(loop.time() + max(0.001, retry - now), self._preempt_fired)
+                    when = loop.time() + max(0.001, retry - now)
+                    self._preempt_timer, self._preempt_at = loop.call_at(when, self._preempt_fired), when
 
     def _suspend(self, job: Job, b: Backend, now: float) -> None:
         """Free ``job``'s slot now and queue it again (its stream is being cut upstream)."""

@@ -132,7 +132,8 @@ class Scheduler(Preempting):
         self.preemption = preemption
         self.suspendable: set[Job] = set()  # running jobs whose stream may be suspended now
         self.preempt_counts = {"suspended": 0, "resumed": 0}
-        self._preempt_timer: asyncio.TimerHandle | None = None
+        self._preempt_timer: asyncio.Handle | None = None
+        self._preempt_at = 0.0
         self._slots: dict[str, SlotMap] = {}  # backend -> its named slots (runtimes with slot ids)
 
     # -- public ----------------------------------------------------------------------------

@@ -283,3 +283,25 @@ async def test_a_check_that_comes_a_little_early_comes_back(clock):
     clock.now += 0.001
     s._preempt_fired()
     assert chat.backend is b
+
+
+def test_arming_again_under_uvloop_when_the_first_timer_was_already_due():
+    """uvloop's call_at with a time already past gives a plain Handle (no when()): arming the
+    check again must not depend on it."""
+    import uvloop
+
+    async def run() -> None:
+        clock = Clock()
+        b = FakeBackend(capacity=1)
+        s = make(clock)
+        bulk = job([b], "batch")
+        s.submit(bulk)
+        chat = job([b], "interactive")
+        s.submit(chat)  # nothing suspendable yet: no timer
+        clock.now += 1.0  # the interactive request is long due when the stream becomes suspendable
+        s.allow_suspend(bulk, stream := Stream())
+        s.submit(job([b], "interactive"))  # arms again while the first (already due) timer is pending
+        await asyncio.sleep(0.01)
+        assert stream.calls == 1 and chat.backend is b
+
+    uvloop.run(run())
