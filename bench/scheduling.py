@@ -156,6 +156,7 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--phase-s", type=float, default=40.0)
     ap.add_argument("--only", default="", help="comma-separated phases to run: alone, flood, fair (default: all)")
+    ap.add_argument("--keep", action="store_true", help="keep the access logs and the work folder (printed)")
     ap.add_argument("--toml", default="", help="extra gateway configuration, e.g. $'[scheduler]\\nhold_s = 0'")
     ap.add_argument("--also-batch-share", type=float, action="append", default=[],
                     help="also run the flood through a gateway whose batch class may hold this share of the "
@@ -174,7 +175,7 @@ def main() -> int:
         cfg = work / f"{tag}.toml"
         # no max_concurrency: llama-server reports its slots (/props total_slots)
         cfg.write_text(args.toml + "\n" + extra + '\n[auth]\nanonymous_max_priority = "interactive"\n'
-                       f'[server]\naccess_log = false\n'
+                       f'[server]\naccess_log = {"true" if args.keep else "false"}\n'
                        f'[[backends]]\nname = "b"\nkind = "llama-server"\nurl = "http://127.0.0.1:{lport}"\n'
                        f'models = ["{MODEL}"]\n')
         gateways.append(subprocess.Popen(
@@ -283,6 +284,8 @@ def main() -> int:
                   f"{p.get('resume_prompt_tokens_cached', 0) / resumes:.1f})")
     errors = {n: r[0].errors for n, r in results.items() if r[0].errors}
     print(f"\nerrors: {errors or 'none'}")
+    if args.keep:
+        print(f"logs (access logs, llama-server's): {work}")
     return 0
 
 

@@ -388,8 +388,8 @@ class Gateway:
             send: Any = splice.collector if collect and splice is not None else (_Collector() if collect else ex.send)
             sink = send
             if dialect and splice is not None:
-                send = splice.watch(resp, send, dialect)
-                self.scheduler.allow_suspend(job, splice.suspend)
+                sp = splice
+                send = sp.watch(resp, send, dialect, streaming=lambda: self.scheduler.allow_suspend(job, sp.suspend))
             if rec.stream:
                 relay = StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage,
                                     before_first=None if ex.started else lambda: ex.start(200, _SSE_HEADERS),

@@ -101,6 +101,7 @@ class Splice:
         self._dialect = ""
         self._resp: Response | None = None
         self._down: Send | None = None
+        self._streaming: Callable[[], None] | None = None
         self._strip = ""  # per-event counters passerelle asked for and the client did not
 
     # -- requests ------------------------------------------------------------------------------
@@ -154,10 +155,15 @@ class Splice:
         return None
 
     # -- an attempt ------------------------------------------------------------------------------
-    def watch(self, resp: Response, send: Send, dialect: str) -> Send:
-        """Start an attempt on ``resp``; the relay sends through what this returns."""
+    def watch(self, resp: Response, send: Send, dialect: str,
+              streaming: Callable[[], None] | None = None) -> Send:
+        """Start an attempt on ``resp``; the relay sends through what this returns.
+        ``streaming`` is called when the attempt's first token has gone to the client: from then
+        on it may be cut. (Not before: llama-server notices a closed connection only when it
+        writes to it, and a request cut during its prompt would hold its slot to the end.)"""
         self.attempts += 1
         self._resp, self._down, self._dialect = resp, send, dialect
+        self._streaming = streaming
         self.suspended = False
         self.attempt_tokens = self.attempt_events = 0
         self._counted = self._prompt_seen = False
@@ -299,6 +305,9 @@ class Splice:
             if new:
                 self.text.append(new)
                 self.attempt_events += 1
+                if self._streaming is not None:
+                    self._streaming()
+                    self._streaming = None
                 if "\ufffd" in new:  # bytes that are no text: what was sent cannot be given back as it was
                     self.unsafe = True
             content = new

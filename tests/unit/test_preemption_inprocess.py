@@ -118,3 +118,19 @@ async def test_a_client_that_leaves_while_suspended_is_let_go():
         await chat
         await until(lambda: settled(gw))
         assert gw.app.scheduler.preempt_counts == {"suspended": 1, "resumed": 0}
+
+
+async def test_a_stream_is_cut_only_once_its_first_token_went_out():
+    """llama-server notices a closed connection only when it writes to it: a request cut while its
+    prompt is processed would keep its slot to the end. So nothing is cut before its first token."""
+    async with fake_runtime(ttft_ms=300, itl_ms=10, slots=1) as fake, gateway(one_slot(fake), auth=AUTH) as gw:
+        batch = asyncio.create_task(gw.post("/v1/chat/completions", {**BATCH, "stream": True},
+                                            headers={"X-Priority": "batch"}))
+        await until(lambda: fake.runtime.counters.requests == 1)
+        assert not gw.app.scheduler.suspendable
+        chat = await gw.post("/v1/chat/completions", CHAT, headers={"X-Priority": "interactive"})
+        await batch
+        recs = {r.priority: r for r in gw.records}
+        assert chat.status == 200 and recs["batch"].suspensions == 1
+        first_token = recs["batch"].t_first
+        assert recs["interactive"].t_dispatch >= first_token  # it waited for the first token, then cut
