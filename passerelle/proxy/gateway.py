@@ -389,7 +389,8 @@ class Gateway:
             sink = send
             if dialect and splice is not None:
                 sp = splice
-                send = sp.watch(resp, send, dialect, streaming=lambda: self.scheduler.allow_suspend(job, sp.suspend))
+                send = sp.watch(resp, send, dialect,
+                                streaming=lambda: self.scheduler.allow_suspend(job, sp.suspend, lambda: sp.tokens))
             if rec.stream:
                 relay = StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage,
                                     before_first=None if ex.started else lambda: ex.start(200, _SSE_HEADERS),

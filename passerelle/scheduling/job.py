@@ -56,6 +56,7 @@ class Job:
     queued_at: float = 0.0  # when it last joined the queue (arrival or suspension)
     waited_s: float = 0.0  # time spent queued before its last suspension
     suspend: Callable[[], bool] | None = None  # set while its stream may be cut; False: not now
+    progress: Callable[[], int] | None = None  # tokens its stream has sent (what resuming costs)
     suspended_at: float = -math.inf
     suspensions: int = 0
     resume_slot: int | None = None  # the slot it held when suspended: its prompt cache is there

@@ -15,8 +15,9 @@ The rules, applied by the scheduler with its own clock:
   class already holds its share), a **victim** is a stream running there whose class is
   preemptible and worse than the request's (aging included), whose stream can be suspended now,
   and that was not suspended within ``min_run_s`` (churn is bounded: every stream makes progress);
-* among victims, the worst class first, then the stream that (re)started last: it has the
-  least to lose and older streams get to finish.
+* among victims, the worst class first, then the stream that has sent the fewest tokens: its
+  continuation's prompt grows by what it sent, and the runtime may have to compute that part
+  again (llama-server with a sliding-window model does); then the one that (re)started last.
 
 A suspended stream queues again with its place in its tenant's order and the time it already
 waited, so it ages like any queued request and cannot starve.
@@ -64,12 +65,11 @@ def may_suspend(victim: Job, rank: float, now: float, policy: PreemptionPolicy) 
 
 def pick_victim(running: Iterable[Job], rank: float, now: float, policy: PreemptionPolicy) -> Job | None:
     """The stream to suspend among ``running`` (one backend's), or None."""
-    best: Job | None = None
-    for v in running:
-        if may_suspend(v, rank, now, policy) and (
-                best is None or (v.cls.rank, v.started_at) > (best.cls.rank, best.started_at)):
-            best = v
-    return best
+    def order(v: Job) -> tuple[int, int, float]:
+        return (v.cls.rank, -(v.progress() if v.progress is not None else 0), v.started_at)
+
+    eligible = [v for v in running if may_suspend(v, rank, now, policy)]
+    return max(eligible, key=order) if eligible else None
 
 
 def next_eligible(running: Iterable[Job], policy: PreemptionPolicy) -> float:
@@ -109,12 +109,14 @@ class Preempting:
         raise NotImplementedError
 
     # -- preemption ---------------------------------------------------------------------------
-    def allow_suspend(self, job: Job, suspend: Callable[[], bool]) -> None:
+    def allow_suspend(self, job: Job, suspend: Callable[[], bool],
+                      progress: Callable[[], int] | None = None) -> None:
         """From now on ``job``'s stream may be suspended by calling ``suspend`` (which says
-        False when it cannot be after all): its relay runs and its request can be continued."""
+        False when it cannot be after all): its relay runs and its request can be continued.
+        ``progress``: the tokens it has sent, what resuming it costs."""
         if self.preemption is None or job.backend is None or not job.cls.preemptible:
             return
-        job.suspend = suspend
+        job.suspend, job.progress = suspend, progress
         self.suspendable.add(job)
         self._arm_preemption()
 

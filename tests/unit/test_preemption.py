@@ -305,3 +305,21 @@ def test_arming_again_under_uvloop_when_the_first_timer_was_already_due():
         assert stream.calls == 1 and chat.backend is b
 
     uvloop.run(run())
+
+
+async def test_of_one_class_the_stream_that_sent_least_is_cut(clock):
+    """Its continuation's prompt grows by what it sent, which the runtime may compute again."""
+    b = FakeBackend(capacity=2)
+    s = make(clock)
+    long_ago = job([b], "batch")
+    s.submit(long_ago)
+    s.allow_suspend(long_ago, few := Stream(), lambda: 3)
+    clock.now += 1
+    recent = job([b], "batch")
+    s.submit(recent)
+    s.allow_suspend(recent, many := Stream(), lambda: 40)
+    chat = job([b], "interactive")
+    s.submit(chat)
+    clock.now += 0.1
+    s.preempt_due()
+    assert (few.calls, many.calls) == (1, 0) and chat.backend is b
