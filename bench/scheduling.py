@@ -156,6 +156,8 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--phase-s", type=float, default=40.0)
     ap.add_argument("--only", default="", help="comma-separated phases to run: alone, flood, fair (default: all)")
+    ap.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                    help="one more llama-server argument (repeatable), e.g. --llama-arg=-t --llama-arg=2")
     ap.add_argument("--keep", action="store_true", help="keep the access logs and the work folder (printed)")
     ap.add_argument("--toml", default="", help="extra gateway configuration, e.g. $'[scheduler]\\nhold_s = 0'")
     ap.add_argument("--also-batch-share", type=float, action="append", default=[],
@@ -167,7 +169,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="passerelle-sched-"))
     llama = subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL, "--port", str(lport),
                               "-np", str(args.slots), "-c", str(args.slots * 2048), "--metrics", "--slots",
-                              "--no-webui"], stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+                              # --swa-full, as the embedded runtime: a continuation reuses its cache
+                              "--no-webui", "--swa-full", *args.llama_arg],
+                             stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     gateways: list[subprocess.Popen] = []
 
     def start_gateway(tag: str, extra: str) -> str:
