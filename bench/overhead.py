@@ -654,7 +654,7 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
         "benchmark": "overhead", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
         "loadavg_start": loadavg(), "cpu_pressure_start": cpu_pressure(),
         "fake": {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms, "tokens": args.tokens,
-                 "slots": max(levels) if args.upstream else "unlimited"},
+                 "slots": (args.fake_slots or max(levels)) if args.upstream else "unlimited"},
         "passerelle": (f"serve --upstream ({args.upstream})" if args.upstream
                        else "a configuration, max_concurrency 1024"),
         "rounds": args.rounds, "requests_per_level": counts, "levels": [], "loadavg": []}
@@ -677,7 +677,8 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
               f"streams; generator CPU {c['generator_cpu_pct']} %, fake CPU {c['fake_cpu_pct']} %", flush=True)
     services: list[Service] = []
     try:
-        fake = start_fake(work, args.ttft_ms, args.itl_ms, args.tokens, slots=max(levels) if args.upstream else 0)
+        fake = start_fake(work, args.ttft_ms, args.itl_ms, args.tokens,
+                          slots=(args.fake_slots or max(levels)) if args.upstream else 0)
         services.append(fake)
         gw = start_passerelle(work, fake.url, args.passerelle_toml, src=args.src, upstream=args.upstream)
         services.append(gw)
@@ -1065,6 +1066,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="passerelle as `serve --upstream URL` with no max_concurrency, in front of a fake that "
                         "runs as many streams at once as the highest level and queues the rest (its capacity "
                         "comes from the runtime: reported, or learned with KIND=openai)")
+    p.add_argument("--fake-slots", type=int, default=0, metavar="N",
+                   help="with --upstream: the fake runs N streams at once (default: the highest level)")
     p.add_argument("--src", type=Path, help="run passerelle from this source tree (default: the installed one)")
     p.add_argument("--also-src", type=Path, metavar="DIR",
                    help="A/B: also run passerelle from this source tree, as target passerelle-b")

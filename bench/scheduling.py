@@ -117,7 +117,7 @@ class Load:
 
 
 async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, int] | None = None,
-                interactive: bool = True) -> tuple[Load, float]:
+                interactive: bool = True, every_s: float = 1.0) -> tuple[Load, float]:
     connector = aiohttp.TCPConnector(force_close=True, limit=0)  # llama-server drops reused connections
     async with aiohttp.ClientSession(connector=connector) as session:
         load = Load(base, session)
@@ -128,7 +128,7 @@ async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, i
             jobs += [load.closed_loop(stop, tenant="tenant-a", cls="batch", max_tokens=64) for _ in range(fair[0])]
             jobs += [load.closed_loop(stop, tenant="tenant-b", cls="batch", max_tokens=64) for _ in range(fair[1])]
         if interactive:
-            jobs.append(load.interactive(stop))
+            jobs.append(load.interactive(stop, every_s))
         # At the end the clients leave (what is still streaming or queued is cut): only the phase's
         # window is measured, and a drain of queued 64-token requests on a slow CPU takes minutes.
         with contextlib.suppress(TimeoutError):
@@ -158,6 +158,8 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated phases to run: alone, flood, fair (default: all)")
     ap.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
                     help="one more llama-server argument (repeatable), e.g. --llama-arg=-t --llama-arg=2")
+    ap.add_argument("--interactive-every", type=float, default=1.0, metavar="S",
+                    help="an interactive request every S seconds (default 1)")
     ap.add_argument("--keep", action="store_true", help="keep the access logs and the work folder (printed)")
     ap.add_argument("--toml", default="", help="extra gateway configuration, e.g. $'[scheduler]\\nhold_s = 0'")
     ap.add_argument("--also-batch-share", type=float, action="append", default=[],
@@ -219,7 +221,7 @@ def main() -> int:
             print(f"running: {name} ({args.phase_s:g} s)", file=sys.stderr, flush=True)
             settle(direct)
             before = admin_stats(gateway)["preemption"] if base == gateway else None
-            results[name] = asyncio.run(phase(base, args.phase_s, **kw))
+            results[name] = asyncio.run(phase(base, args.phase_s, every_s=args.interactive_every, **kw))
             if before is not None:
                 after = admin_stats(gateway)["preemption"]
                 preempt[name] = {k: after[k] - before[k] for k in after if isinstance(after[k], int | float)
@@ -245,7 +247,8 @@ def main() -> int:
         return name in results
 
     print(f"\nGemma 3 270M on llama-server, {args.slots} slots; batch flood = {flood} closed-loop streams of 64 "
-          f"tokens; interactive = 1 request/s, 16 tokens; {args.phase_s:g} s per phase; fresh prompts.\n")
+          f"tokens; interactive = a request every {args.interactive_every:g} s, 16 tokens; {args.phase_s:g} s per "
+          f"phase; fresh prompts.\n")
     print("1. Interactive TTFT (ms)")
     print(f"   {'':20}{'n':>4}{'p50':>9}{'p95':>9}{'p95/alone':>11}{'p95/ref':>9}")
     reference = f"flood direct {args.slots - 1}"
