@@ -51,9 +51,22 @@ class TimeoutConfig:
     """Separate limits; each ends a request with its own cause and message."""
 
     connect_s: float = 5.0  # opening the TCP connection to the runtime
-    first_token_s: float = 300.0  # request sent -> first content chunk (prompt processing)
-    between_tokens_s: float = 60.0  # gap between two reads of a running stream
-    total_s: float = 900.0  # whole request, from arrival to the last byte
+    # request sent -> first content chunk (prompt processing); bounds the wait for the runtime's
+    # response head too, for streams and for answers the gateway assembles from a stream
+    first_token_s: float = 300.0
+    between_tokens_s: float = 60.0  # gap between two content chunks of a running stream
+    total_s: float = 900.0  # whole request, from arrival to the last byte (a non-streamed answer too)
+    client_write_s: float = 30.0  # a client that accepts no byte this long is cut (cause client_timeout)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Caps on what a runtime sends; past one the request ends with 502 ``upstream_error`` naming
+    the cap, and the connection to the runtime is closed (memory stays bounded whatever it sends)."""
+
+    max_answer_bytes: int = 64 * 1024 * 1024  # a non-streamed answer: the JSON body, or the stream it is assembled from
+    max_error_bytes: int = 256 * 1024  # the body of a runtime's 4xx/5xx answer
+    max_event_bytes: int = 1024 * 1024  # one SSE event of a stream (a line with no end counts as one)
 
 
 @dataclass(frozen=True)
@@ -172,6 +185,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     source: str = "<defaults>"
@@ -184,7 +198,7 @@ class Config:
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
                               "scheduler": SchedulerConfig, "routing": RoutingConfig,
-                              "runtimes": RuntimesConfig}
+                              "runtimes": RuntimesConfig, "limits": LimitsConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -329,6 +343,11 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         _check(getattr(timeouts, f.name) > 0, "expected a positive number of seconds", file=file,
                key=f"timeouts.{f.name}", text=text, header="timeouts", field_name=f.name)
 
+    limits: LimitsConfig = sections["limits"]
+    for f in dataclasses.fields(LimitsConfig):
+        _check(getattr(limits, f.name) >= 1024, "expected a size in bytes of at least 1024", file=file,
+               key=f"limits.{f.name}", text=text, header="limits", field_name=f.name)
+
     _check_admin(sections["admin"], server, file=file, text=text)
     metrics: MetricsConfig = sections["metrics"]
     _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
@@ -378,7 +397,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     backends.extend(upstreams)
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
-                  routing=sections["routing"], runtimes=sections["runtimes"],
+                  routing=sections["routing"], runtimes=sections["runtimes"], limits=limits,
                   backends=tuple(backends), source=file)
 
 

@@ -36,24 +36,31 @@ from passerelle.errors import (
     BodyTooLarge,
     Cause,
     ClientDisconnect,
+    ClientTimeout,
     GatewayError,
+    InternalError,
     InvalidRequest,
     Unauthorized,
     UnknownModel,
     UpstreamError,
     UpstreamStatus,
+    UpstreamTooLarge,
 )
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.assemble import assemble
+from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
-from passerelle.proxy.relay import StreamRelay, read_body
+from passerelle.proxy.relay import StreamRelay, finish_upstream, read_body, read_error
+from passerelle.proxy.retry import RetryBudget, may_retry
+from passerelle.runtimes.breaker import Outcome
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey, KeyRing
 from passerelle.tenants.limits import FailedAuthThrottle, Grant, KeyLimiter
+from passerelle.upstream.client import Response
 
 log = logging.getLogger("passerelle.proxy.gateway")
 
@@ -112,10 +119,12 @@ def parse_request(body: bytes, endpoint: str) -> dict[str, Any]:
         raise InvalidRequest(f"'{required}' must be a string or an array.", param=required)
     if "stream" in data and not isinstance(data["stream"], bool | None):
         raise InvalidRequest("'stream' must be a boolean.", param="stream")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
+    for key in ("max_tokens", "max_completion_tokens", "n", "best_of"):
         v = data.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "n" else 0)):
-            raise InvalidRequest(f"'{key}' must be a non-negative integer.", param=key)
+        least = 0 if key.startswith("max_") else 1
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+            raise InvalidRequest(f"'{key}' must be {'a non-negative' if least == 0 else 'a positive'} integer.",
+                                 param=key)
     so = data.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
@@ -123,6 +132,21 @@ def parse_request(body: bytes, endpoint: str) -> dict[str, Any]:
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("'user' must be a string.", param="user")
     return data
+
+
+def output_estimate(data: dict[str, Any], endpoint: str) -> int:
+    """Tokens the request may generate, for admission (tokens per minute) and fair share: the
+    length limit (``max_completion_tokens``, else ``max_tokens``, else 256) times the sequences
+    generated (``n``, and ``best_of`` which generates that many to return ``n``).
+
+    >>> output_estimate({"max_tokens": 500, "n": 1000}, "chat")
+    500000
+    """
+    if endpoint == "embeddings":
+        return 0
+    length = data.get("max_completion_tokens") or data.get("max_tokens") or 256
+    sequences = max(data.get("n") or 1, data.get("best_of") or 1)
+    return int(length) * int(sequences)
 
 
 def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
@@ -136,14 +160,33 @@ def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
 
 
 class _Collector:
-    """An ASGI ``send`` that keeps the body, for answers assembled from a stream."""
+    """An ASGI ``send`` that keeps the body, for answers assembled from a stream; at most ``limit``
+    bytes (``[limits] max_answer_bytes``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
         self.parts: list[bytes] = []
+        self.size = 0
+        self.limit = limit
 
     async def __call__(self, message: dict[str, Any]) -> None:
-        self.parts.append(message.get("body", b""))
+        body = message.get("body", b"")
+        self.size += len(body)
+        if self.size > self.limit:
+            raise UpstreamTooLarge("answer", self.limit, "max_answer_bytes")
+        self.parts.append(body)
 
+
+def outcome_of(err: BaseException | None) -> Outcome:
+    """What an attempt's end says about the runtime, for its circuit breaker: a failure when the
+    runtime could not answer properly, nothing at all when the client, its request, a cap or the
+    gateway ended it."""
+    if err is None:
+        return Outcome.SUCCESS
+    if isinstance(err, UpstreamStatus):
+        return Outcome.FAILURE if err.status >= 500 or err.status == 429 else Outcome.NEUTRAL
+    if isinstance(err, UpstreamTooLarge) or not isinstance(err, UpstreamError):
+        return Outcome.NEUTRAL
+    return Outcome.FAILURE
 
 
 class Gateway:
@@ -158,7 +201,10 @@ class Gateway:
         self.limiter = KeyLimiter()
         self.auth_throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
         self.classes = {c.name: c for c in cfg.classes}
-        self._retry_budget = 10.0  # retries allowed now; refilled by 0.2 per request
+        self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
+        # Requests in progress, for the watchdog that cuts clients which stopped reading.
+        self._live: set[Exchange] = set()
+        self._watchdog: asyncio.TimerHandle | None = None
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
         self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
@@ -223,110 +269,138 @@ class Gateway:
         rec = ex.rec
         job: Job | None = None
         grant: Grant | None = None
+        failure: GatewayError | None = None
+        self._live.add(ex)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(1.0, self._watch_writes)
         try:
-            body = await read_request_body(scope, receive, self.cfg.server.max_body_bytes)
-            ex.watch()
-            key = self.authenticate(scope, rec)
-            data = parse_request(body, endpoint)
-            rec.model = data["model"]
-            rec.stream = bool(data.get("stream")) and endpoint != "embeddings"
-            rec.max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
-            cls = self.priority_class(scope, key)
-            rec.priority = cls.name
-            if key is not None:
-                rec.tenant = key.tenant
-            elif data.get("user"):
-                rec.tenant = data["user"]
-            pool = self.registry.pool(rec.model, endpoint)
-            if pool is None:
-                raise UnknownModel(rec.model, self.registry.models)
-            if not pool:
-                raise InvalidRequest(f"The model '{rec.model}' is not served on /v1/{endpoint}.", param="model")
-            est_prompt = len(body) // 4  # about 4 bytes of JSON per token; corrected by usage
-            est_output = 0 if endpoint == "embeddings" else (rec.max_tokens or 256)
-            if key is not None:
-                grant = self.limiter.admit(key, est_prompt + est_output)
-            job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=rec.model, weight=key.weight if key else 1.0,
-                      est_prompt_tokens=est_prompt, est_output_tokens=est_output,
-                      can_wait_for_start=any(b.supervised for b in pool),
-                      affinity=self.affinity_key(scope, data, endpoint) if len(pool) > 1 else "")
-            if self.on_demand is not None and not any(b.stats.up for b in pool):
-                self.on_demand(pool)
-            await self._dispatch(ex, job, data, body, cls)
-            rec.finish(Cause.OK, 200)
+            try:
+                body = await read_request_body(scope, receive, self.cfg.server.max_body_bytes)
+                ex.watch()
+                key = self.authenticate(scope, rec)
+                data = parse_request(body, endpoint)
+                rec.model = data["model"]
+                rec.stream = bool(data.get("stream")) and endpoint != "embeddings"
+                rec.max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
+                cls = self.priority_class(scope, key)
+                rec.priority = cls.name
+                if key is not None:
+                    rec.tenant = key.tenant
+                elif data.get("user"):
+                    rec.tenant = data["user"]
+                pool = self.registry.pool(rec.model, endpoint)
+                if pool is None:
+                    raise UnknownModel(rec.model, self.registry.models)
+                if not pool:
+                    raise InvalidRequest(f"The model '{rec.model}' is not served on /v1/{endpoint}.", param="model")
+                est_prompt = len(body) // 4  # about 4 bytes of JSON per token; corrected by usage
+                est_output = output_estimate(data, endpoint)
+                if key is not None:
+                    grant = self.limiter.admit(key, est_prompt + est_output)
+                job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=rec.model,
+                          weight=key.weight if key else 1.0,
+                          est_prompt_tokens=est_prompt, est_output_tokens=est_output,
+                          can_wait_for_start=any(b.supervised for b in pool),
+                          affinity=self.affinity_key(scope, data, endpoint) if len(pool) > 1 else "")
+                if self.on_demand is not None and not any(b.stats.up for b in pool):
+                    self.on_demand(pool)
+                await self._dispatch(ex, job, data, body, cls)
+                rec.finish(Cause.OK, 200)
+            except asyncio.CancelledError:
+                if not ex.cancelled_by_client:
+                    raise
+                ex.task.uncancel()
+                failure = (ClientTimeout("The client took no bytes in time; its connection was cut.") if ex.stalled
+                           else ClientDisconnect("client disconnected"))
+            except GatewayError as err:
+                failure = err
+            except Exception:
+                log.exception("request %s failed inside the gateway", rec.id)
+                failure = InternalError("Internal error in the gateway; see its log.")
+            finally:
+                # The one place where a request gives back what it holds, whatever happened above (a
+                # cancel, a bug): before the client is told anything, so that no write to a client
+                # that does not read can keep a slot.
+                if failure is not None:
+                    rec.finish(failure.cause, failure.status, failure.message)
+                elif rec.cause is None:  # cancelled by the server itself (shutdown)
+                    rec.finish(Cause.INTERNAL_ERROR, 500, "cancelled by the gateway")
+                self._release(rec, job, grant)
+            if failure is not None and not isinstance(failure, ClientDisconnect | ClientTimeout):
+                await ex.report(failure)  # watched: a client that takes nothing is cut (watchdog)
         except asyncio.CancelledError:
-            if not ex.disconnected:
+            if not ex.cancelled_by_client:
                 raise
-            ex.task.uncancel()
-            rec.finish(Cause.CLIENT_DISCONNECT, 499, "client disconnected")
-        except GatewayError as err:
-            rec.finish(err.cause, err.status, err.message)
-            if not isinstance(err, ClientDisconnect):
-                await ex.report(err)
-        except Exception:
-            log.exception("request %s failed inside the gateway", rec.id)
-            rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
-            await ex.report(GatewayError("Internal error in the gateway; see its log."))
+            ex.task.uncancel()  # the client stopped reading our error: it is cut, and the cause stays
         finally:
+            self._live.discard(ex)
             ex.close()
-            if rec.cause is None:  # an unexpected exception: still one cause, one log line
-                rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
-            used = None if rec.completion_tokens is None else (rec.prompt_tokens or 0) + rec.completion_tokens
-            if job is not None:
-                self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
-            if grant is not None:
-                self.limiter.finish(grant, used)
             self.account(rec)
+
+    def _release(self, rec: RequestRecord, job: Job | None, grant: Grant | None) -> None:
+        used = None if rec.completion_tokens is None else (rec.prompt_tokens or 0) + rec.completion_tokens
+        if job is not None:
+            self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
+        if grant is not None:
+            self.limiter.finish(grant, used)
+
+    def _watch_writes(self) -> None:
+        """Once a second: cut every client that has taken no byte for ``client_write_s`` while a
+        write to it waited (one timer for all requests rather than one per write)."""
+        self._watchdog = None
+        if not self._live:
+            return
+        loop = asyncio.get_running_loop()
+        horizon = loop.time() - self.cfg.timeouts.client_write_s
+        for ex in [ex for ex in self._live if 0.0 < ex.writing_since <= horizon]:
+            log.warning("request %s: the client took no bytes for %g s; cutting its connection", ex.rec.id,
+                        self.cfg.timeouts.client_write_s)
+            ex.stall()
+        self._watchdog = loop.call_later(1.0, self._watch_writes)
 
     async def _dispatch(self, ex: Exchange, job: Job, data: dict[str, Any], body: bytes, cls: ClassConfig) -> None:
         """Queue for a replica and try it; before the client got a byte, a replica that could not
-        take the request is replaced by another (within the retry budget)."""
+        take the request is replaced by another (within the retry budget). Each attempt reports
+        its outcome to its replica's circuit breaker exactly once."""
         rec = ex.rec
         rec.t_queued = time.perf_counter()
         rec.to(State.QUEUED)
-        self._retry_budget = min(10.0, self._retry_budget + 0.2)
-        deadline = rec.t_arrival + self.cfg.timeouts.total_s
+        self.retry_budget.deposit()
+        deadline = Deadline(self.cfg.timeouts, rec.t_arrival)
         while True:
+            job.max_wait_s = deadline.left_s  # the queue wait is within the total time too
             backend = await self.scheduler.acquire(job)
             rec.backend = backend.name
             rec.t_dispatch = time.perf_counter()
             rec.to(State.DISPATCHED)
             running = self.metrics.running.labels(backend.name, rec.model)
             running.inc()
+            error: BaseException | None = None
             try:
                 await self._attempt(ex, backend, data, body, cls, deadline)
-                break
-            except UpstreamError as err:
-                if ex.started or not self._may_retry(err, job, rec, deadline):
+                return
+            except BaseException as err:
+                error = err
+                if not isinstance(err, UpstreamError) or not may_retry(
+                        retryable=err.retryable, started=ex.started, retries=rec.retries,
+                        others_left=any(b.name not in job.exclude and b is not backend for b in job.pool),
+                        time_left_s=deadline.left_s, budget=self.retry_budget):
                     raise
                 log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
-                backend.record_failure(time.monotonic())
                 job.exclude.add(backend.name)
                 rec.retries += 1
                 self.scheduler.release(job)
                 rec.to(State.QUEUED)
             finally:
                 running.dec()
-        if backend.failures:
-            backend.record_success()
-
-    def _may_retry(self, err: UpstreamError, job: Job, rec: RequestRecord, deadline: float) -> bool:
-        """Retry on another replica only before the client got a byte, for a runtime that could
-        not be reached or said 503/429, within the total timeout and the retry budget."""
-        if not err.retryable or rec.retries >= 2 or time.perf_counter() >= deadline - 0.5:
-            return False
-        if all(b.name in job.exclude or b.name == rec.backend for b in job.pool):
-            return False
-        if self._retry_budget < 1.0:  # a bounded share of the traffic, so retries never snowball
-            return False
-        self._retry_budget -= 1.0
-        return True
+                backend.breaker.record(outcome_of(error), probe=job.probe, now=self.scheduler.clock())
+                job.probe = False
 
     async def _attempt(self, ex: Exchange, backend: Backend, data: dict[str, Any], body: bytes,
-                       cls: ClassConfig, deadline: float) -> None:
+                       cls: ClassConfig, deadline: Deadline) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing."""
-        rec, endpoint = ex.rec, ex.rec.endpoint
+        rec, endpoint, limits = ex.rec, ex.rec.endpoint, self.cfg.limits
         strip_usage = False
         collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
         if collect:
@@ -334,33 +408,70 @@ class Gateway:
         elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
             body, strip_usage = with_usage_requested(body, data), True
         body = backend.prepare(body, cls.rank)
-        resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body,
-                                  request_id=rec.id)
+        streamed = rec.stream or collect
+        deadline.start_attempt()
+        head_at = deadline.head_at(streamed=streamed)
         try:
+            async with asyncio.timeout_at(head_at):
+                resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body,
+                                          request_id=rec.id)
+        except TimeoutError:
+            raise deadline.expired(head_at, detail=f"runtime '{backend.name}' sent no response head") from None
+        try:
+            self._check_head(resp, backend, streamed=streamed)
             if resp.status != 200:
-                raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
+                raw = await read_error(resp, rec, deadline, at=head_at, limit=limits.max_error_bytes)
                 raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
             if rec.stream:
                 relay = StreamRelay(rec, ex.send, self.cfg.timeouts, strip_usage=strip_usage,
-                                    before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing)
+                                    before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing,
+                                    max_event=limits.max_event_bytes)
                 await relay.run(resp, deadline)
                 ex.mark_finishing()
                 with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
                     await ex.send_body(b"", more=False)
+                await finish_upstream(resp)
                 return
             if collect:
-                sink = _Collector()
-                await StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False).run(resp, deadline)
+                sink = _Collector(limits.max_answer_bytes)
+                await StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False,
+                                  max_event=limits.max_event_bytes).run(resp, deadline)
+                await finish_upstream(resp)
                 raw = assemble(b"".join(sink.parts), endpoint)
+                sink.parts.clear()
                 ctype = b"application/json"
             else:
-                raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
+                raw = await read_body(resp, rec, deadline, at=deadline.total_at, limit=limits.max_answer_bytes)
+                if raw.lstrip()[:1] not in (b"{", b"["):
+                    raise UpstreamError(f"The model runtime '{backend.name}' answered with a body that is not JSON.")
                 ctype = resp.headers.get("Content-Type", "application/json").encode()
             await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
-            ex.mark_finishing()
-            await ex.send_body(raw, more=False)
+            await ex.send_whole(raw)
         finally:
             resp.close()  # drops the connection if unread: the runtime stops generating
+
+    @staticmethod
+    def _check_head(resp: Response, backend: Backend, *, streamed: bool) -> None:
+        """Refuse what is not an answer to relay: a redirect (never followed: it could point
+        anywhere), a status that is neither 200 nor an error, or a 200 whose type is not an event
+        stream (streams) or JSON (the rest), such as an HTML page from a proxy in front."""
+        status = resp.status
+        if status == 200:
+            ctype = resp.headers.get("Content-Type", "").lower()
+            if not ctype:
+                return
+            if streamed and "event-stream" not in ctype:
+                raise UpstreamError(f"The model runtime '{backend.name}' answered a streaming request with "
+                                    f"'{ctype[:80]}', not an event stream.")
+            if not streamed and "json" not in ctype:
+                raise UpstreamError(f"The model runtime '{backend.name}' answered with '{ctype[:80]}', not JSON.")
+            return
+        if 400 <= status < 600:
+            return  # the runtime's error: passed on by the caller
+        where = resp.headers.get("Location", "")
+        to = f" to '{where[:200]}'" if where else ""
+        raise UpstreamError(f"The model runtime '{backend.name}' answered HTTP {status}{to}; passerelle does not "
+                            "follow redirects or relay other statuses. Check the backend's url.")
 
     def account(self, rec: RequestRecord) -> None:
         m = self.metrics

@@ -7,7 +7,11 @@ arrives (a partial event is of no use to a client). The scan finds:
 * content chunks (``"content"``/``"text"``/``"reasoning_content"`` with a non-empty string, or
   ``tool_calls``): first-token time, inter-chunk gaps, a fallback token count;
 * the usage chunk: token counts; dropped again when the gateway asked for it and the client did not;
-* ``[DONE]``: a stream that ends without it was truncated, and the client gets an error event.
+* ``[DONE]``: the end; nothing after it is relayed or even read, and a stream that ends without
+  it was truncated (the client gets an error event).
+
+Caps and time: an event is at most ``[limits] max_event_bytes``; the scan is linear in the bytes
+received however they are cut; every wait is bounded by the request's :class:`Deadline`.
 
 Example::
 
@@ -27,9 +31,10 @@ from typing import Any
 import orjson
 
 from passerelle.config import TimeoutConfig
-from passerelle.errors import UpstreamError, UpstreamTimeout
+from passerelle.errors import ClientTimeout, UpstreamError, UpstreamTimeout, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
-from passerelle.upstream.client import HTTPClientError, Response
+from passerelle.proxy.deadline import Deadline
+from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -42,35 +47,62 @@ _DONE = re.compile(rb"^data:\s*\[DONE\]\s*$")
 
 
 class SSEScanner:
-    """Split a byte stream into complete SSE events (``\\n\\n`` or ``\\r\\n\\r\\n`` terminated)."""
+    """Split a byte stream into complete SSE events (``\\n\\n`` or ``\\r\\n\\r\\n`` terminated).
 
-    __slots__ = ("_tail",)
+    Linear in the bytes fed, however they are cut: an incomplete event is kept in a bytearray that
+    grows by what arrives, and only the new bytes (plus the 3 before them, for a terminator cut in
+    two) are searched. An event larger than ``max_event`` bytes, complete or still arriving, raises
+    UpstreamTooLarge, so a runtime that sends an endless line costs at most that much memory.
+    """
 
-    def __init__(self) -> None:
-        self._tail = b""
+    __slots__ = ("_tail", "max_event")
+
+    def __init__(self, max_event: int = 1 << 20) -> None:
+        self._tail = bytearray()
+        self.max_event = max_event
 
     def feed(self, data: bytes) -> list[bytes]:
-        buf = self._tail + data if self._tail else data
+        tail = self._tail
+        buf: bytes | bytearray
+        if tail:
+            search = max(0, len(tail) - 3)  # the tail holds no terminator; one may straddle the cut
+            tail += data
+            buf = tail
+        else:
+            search = 0
+            buf = data
         events: list[bytes] = []
         start = 0
         # Each terminator is searched again only once the split has passed it: a stream that
         # never uses one (most never send CRLF) costs one scan of the buffer, not one per event.
-        lf = buf.find(b"\n\n")
-        crlf = buf.find(b"\r\n\r\n")
+        lf = buf.find(b"\n\n", search)
+        crlf = buf.find(b"\r\n\r\n", search)
         while lf >= 0 or crlf >= 0:
             end = lf + 2 if crlf < 0 or (0 <= lf < crlf) else crlf + 4
-            events.append(buf[start:end])
+            if end - start > self.max_event:
+                self._too_large()
+            events.append(bytes(buf[start:end]))  # (bytes of bytes is the same object, no copy)
             start = end
             if 0 <= lf < start:
                 lf = buf.find(b"\n\n", start)
             if 0 <= crlf < start:
                 crlf = buf.find(b"\r\n\r\n", start)
-        self._tail = buf[start:] if start else buf
+        if buf is tail:
+            if start:
+                del tail[:start]
+        elif start < len(buf):
+            tail += buf[start:] if start else buf
+        if len(tail) > self.max_event:
+            self._too_large()
         return events
+
+    def _too_large(self) -> None:
+        self._tail = bytearray()
+        raise UpstreamTooLarge("single stream event", self.max_event, "max_event_bytes")
 
     @property
     def pending(self) -> bytes:
-        return self._tail
+        return bytes(self._tail)
 
 
 def parse_usage(obj: Any) -> tuple[int | None, int | None]:
@@ -86,7 +118,7 @@ class StreamRelay:
 
     def __init__(self, rec: RequestRecord, send: Send, timeouts: TimeoutConfig, *, strip_usage: bool,
                  before_first: Callable[[], Awaitable[None]] | None = None,
-                 on_done: Callable[[], None] | None = None) -> None:
+                 on_done: Callable[[], None] | None = None, max_event: int = 1 << 20) -> None:
         self.rec = rec
         # Called once [DONE] is about to go out: a client that hangs up right after reading it
         # (the openai SDK does) has its answer, and must not count as a disconnect.
@@ -95,11 +127,14 @@ class StreamRelay:
         self.before_first = before_first  # e.g. send the response headers with the first bytes
         self.timeouts = timeouts
         self.strip_usage = strip_usage
+        self.max_event = max_event
         self.done = False
         self.upstream_error = False
+        self.sending = False  # waiting for the client to take bytes (not the runtime's time)
 
     def _scan(self, events: list[bytes], now: float) -> bytes:
-        """Account for ``events``; return the bytes to send (all of them unless one is dropped)."""
+        """Account for ``events``; return the bytes to send (all of them unless one is dropped).
+        Nothing after ``[DONE]`` is sent: the stream is over there."""
         rec = self.rec
         out: list[bytes] | None = None
         for i, ev in enumerate(events):
@@ -124,6 +159,9 @@ class StreamRelay:
                     keep = False
             elif _DONE.match(ev):  # (anchored: fails within a few bytes on a content event)
                 self.done = True
+                if i + 1 < len(events):  # events after [DONE] are not relayed
+                    out = list(events[:i + 1]) if out is None else [*out, ev]
+                    break
             elif _ERROR.match(ev):
                 self.upstream_error = True
                 rec.error = "the runtime sent an error event"
@@ -135,72 +173,85 @@ class StreamRelay:
             return b"".join(events) if len(events) > 1 else events[0]
         return b"".join(out)
 
-    async def run(self, resp: Response, deadline_total: float) -> None:
-        """Relay until ``[DONE]``; raise UpstreamTimeout/UpstreamError on a broken stream.
+    async def run(self, resp: Response, deadline: Deadline) -> None:
+        """Relay until ``[DONE]``; raise UpstreamTimeout/UpstreamError on a broken stream, and
+        ClientTimeout when the deadline passed while the client was not taking bytes.
 
-        The response headers have already been sent to the client by the caller.
+        The first-token deadline is ``deadline.first_at`` (set when the attempt started); each
+        content chunk moves the between-tokens deadline; nothing goes past ``deadline.total_at``.
+        Reading stops at ``[DONE]``: what a runtime sends after it is never relayed, and a runtime
+        that idles after it has still answered in full.
         """
         rec, t = self.rec, self.timeouts
-        scanner = SSEScanner()
+        scanner = SSEScanner(self.max_event)
         held: list[bytes] | None = []  # events before the first content chunk
         read = resp.readany
         send = self.send
         loop = asyncio.get_running_loop()
-        # Deadlines on the loop's clock; perf_counter values are for the record.
-        now_loop = loop.time()
-        total_at = now_loop + (deadline_total - time.perf_counter())
-        first_at = min(total_at, now_loop + t.first_token_s)
-        slack = min(1.0, t.between_tokens_s / 10)
+        total_at = deadline.total_at
+        between = t.between_tokens_s
+        slack = min(1.0, between / 10)
+        seen = 0  # content chunks when the deadline last moved
         try:
-            async with asyncio.timeout_at(first_at) as budget:
-                while True:
+            async with asyncio.timeout_at(deadline.first_at) as budget:
+                while not self.done:
                     data = await read()
                     if not data:
                         break
                     events = scanner.feed(data)
-                    if events:
-                        payload = self._scan(events, time.perf_counter())
-                        if held is not None:
-                            # Before the first token nothing goes out (a role chunk is useless
-                            # alone): a runtime that fails or times out before then can still
-                            # be answered with a proper status, or replaced by another replica.
-                            held.append(payload)
-                            if not (rec.content_chunks or self.done or self.upstream_error):
-                                continue
-                            payload, held = b"".join(held), None
-                            if self.before_first is not None:
-                                await self.before_first()
-                                self.before_first = None
-                        if self.done and self.on_done is not None:
-                            self.on_done()
-                            self.on_done = None
-                        if payload:
-                            await send({"type": "http.response.body", "body": payload, "more_body": True})
-                    if rec.content_chunks:
-                        # Move the deadline only once per `slack`, not on every chunk: a timer
-                        # reschedule per token is a measurable share of the gateway's CPU. The
-                        # limit then fires between between_tokens_s and that plus slack.
+                    if not events:
+                        continue
+                    payload = self._scan(events, time.perf_counter())
+                    if rec.content_chunks != seen:
+                        # Only content moves the deadline (a runtime dripping comments or empty
+                        # events is not producing tokens), and only once per `slack`, not on every
+                        # chunk: a timer reschedule per token is a measurable share of the
+                        # gateway's CPU. The limit then fires between between_tokens_s and that
+                        # plus slack.
+                        seen = rec.content_chunks
                         now = loop.time()
                         left = budget.when() - now  # type: ignore[operator]
-                        if not t.between_tokens_s <= left <= t.between_tokens_s + slack:  # (also: first token)
-                            budget.reschedule(min(total_at, now + t.between_tokens_s + slack))
+                        if not between <= left <= between + slack:  # (also: the first token)
+                            budget.reschedule(min(total_at, now + between + slack))
+                    if held is not None:
+                        # Before the first token nothing goes out (a role chunk is useless
+                        # alone): a runtime that fails or times out before then can still
+                        # be answered with a proper status, or replaced by another replica.
+                        held.append(payload)
+                        if not (rec.content_chunks or self.done or self.upstream_error):
+                            continue
+                        payload, held = b"".join(held), None
+                        if self.before_first is not None:
+                            self.sending = True
+                            await self.before_first()
+                            self.before_first = None
+                    if self.done and self.on_done is not None:
+                        self.on_done()
+                        self.on_done = None
+                    if payload:
+                        self.sending = True
+                        await send({"type": "http.response.body", "body": payload, "more_body": True})
+                    self.sending = False
         except TimeoutError:
-            remaining_total = total_at - loop.time()
-            if remaining_total <= 0.001:
+            if loop.time() >= total_at - 0.001:
                 raise UpstreamTimeout("total", t.total_s) from None
+            if self.sending:  # the runtime was waiting for us: the client took nothing all that time
+                raise ClientTimeout(f"The client took no bytes for {between:g} s.") from None
             if rec.content_chunks:
-                raise UpstreamTimeout("between tokens", t.between_tokens_s) from None
+                raise UpstreamTimeout("between tokens", between) from None
             raise UpstreamTimeout("first token", t.first_token_s) from None
         except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "
                                 f"{exc.__class__.__name__}", retryable=True) from exc
-        tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n" if scanner.pending.strip() else b""
+        tail = b""
+        if not self.done and scanner.pending.strip():
+            # (a last event without its blank line is delivered rather than lost)
+            tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n"
         if held is not None and self.done:  # a stream with no content at all, e.g. max_tokens = 0
             tail = b"".join(held) + tail
         if self.done and self.on_done is not None:
             self.on_done()
         if tail and (held is None or self.done):
-            # (a last event without its blank line is delivered rather than lost)
             if self.before_first is not None:
                 await self.before_first()
                 self.before_first = None
@@ -212,18 +263,16 @@ class StreamRelay:
                                 retryable=True)
 
 
-async def read_body(resp: Response, rec: RequestRecord, timeouts: TimeoutConfig,
-                    deadline_total: float) -> bytes:
-    """Read a non-streaming answer within the first-token and total limits."""
-    remaining = deadline_total - time.perf_counter()
-    limit, phase = ((timeouts.first_token_s, "first token") if timeouts.first_token_s < remaining
-                    else (max(remaining, 0.0), "total"))
+async def read_body(resp: Response, rec: RequestRecord, deadline: Deadline, *, at: float, limit: int) -> bytes:
+    """Read a non-streaming answer by ``at`` (a deadline on the loop's clock), at most ``limit``
+    bytes, and take the token counts from its ``usage``."""
     try:
-        async with asyncio.timeout(limit):
-            body = await resp.read()
+        async with asyncio.timeout_at(at):
+            body = await resp.read(limit)
     except TimeoutError:
-        raise UpstreamTimeout(phase, timeouts.first_token_s if phase == "first token" else timeouts.total_s) \
-            from None
+        raise deadline.expired(at, detail="the answer was still arriving") from None
+    except BodyTooLarge:
+        raise UpstreamTooLarge("answer", limit, "max_answer_bytes") from None
     except (HTTPClientError, OSError) as exc:
         raise UpstreamError(f"The model runtime '{rec.backend}' broke the response: "
                             f"{exc.__class__.__name__}", retryable=True) from exc
@@ -236,3 +285,34 @@ async def read_body(resp: Response, rec: RequestRecord, timeouts: TimeoutConfig,
         if c is not None or p is not None:
             rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
     return body
+
+
+async def read_error(resp: Response, rec: RequestRecord, deadline: Deadline, *, at: float, limit: int) -> bytes:
+    """The body of a runtime's error answer, by ``at`` and at most ``limit`` bytes."""
+    try:
+        async with asyncio.timeout_at(at):
+            return await resp.read(limit)
+    except TimeoutError:
+        raise deadline.expired(at, detail=f"its HTTP {resp.status} answer was still arriving") from None
+    except BodyTooLarge:
+        raise UpstreamTooLarge(f"error answer (HTTP {resp.status})", limit, "max_error_bytes") from None
+    except (HTTPClientError, OSError) as exc:
+        raise UpstreamError(f"The model runtime '{rec.backend}' broke its HTTP {resp.status} answer: "
+                            f"{exc.__class__.__name__}", retryable=True) from exc
+
+
+async def finish_upstream(resp: Response, *, within_s: float = 0.1, limit: int = 1 << 16) -> None:
+    """After ``[DONE]``: read what is left of the body, relaying nothing, so that the connection can
+    go back to the pool; give up (the connection is then closed) after ``within_s`` or ``limit``
+    bytes. A well-behaved runtime's chunked terminator is already there or arrives at once."""
+    if resp.complete:
+        return
+    got = 0
+    try:
+        async with asyncio.timeout(within_s):
+            while data := await resp.readany():
+                got += len(data)
+                if got > limit:
+                    return
+    except (TimeoutError, HTTPClientError, OSError):
+        return

@@ -187,6 +187,7 @@ class App:
                                       (b"access-control-expose-headers", b"x-request-id, retry-after")]
             await send(message)
 
+        cors_send.__wrapped__ = send  # type: ignore[attr-defined]  # (the exchange finds the connection)
         return cors_send
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -276,7 +277,14 @@ class App:
         added = [n for n in wanted if n not in kept]
         for name in removed:
             current[name].draining = True
-            self._spawn(self._retire(current[name]), f"retire-{name}")
+            # The process is taken now: a backend changed under the same name gets a new one below,
+            # and the old one must still be found and stopped once its requests are done.
+            old = self.supervisor.get(name)
+            if old is not None and old.backend is current[name]:
+                self.supervisor.retiring.add(old)  # stopped at shutdown too, if still draining then
+            else:
+                old = None
+            self._spawn(self._retire(current[name], old), f"retire-{name}")
         backends = [current[n] for n in kept]
         for name in added:
             backend, proc = build_runtime(wanted[name], self.cfg.timeouts)
@@ -291,13 +299,11 @@ class App:
         log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
         return {"added": added, "removed": removed, "unchanged": kept}
 
-    async def _retire(self, backend: Backend) -> None:
+    async def _retire(self, backend: Backend, proc: RuntimeProcess | None) -> None:
         while backend.in_flight:
             await asyncio.sleep(0.2)
-        proc = self.supervisor.get(backend.name)
-        if proc is not None and proc.backend is backend:
-            await proc.stop()
-            del self.supervisor.processes[backend.name]
+        if proc is not None:
+            await self.supervisor.retire(proc)
         self.registry.set_backends([b for b in self.registry.backends if b is not backend])
         await backend.close()
 
