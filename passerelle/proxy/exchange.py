@@ -119,9 +119,14 @@ class Exchange:
         its connection, which frees what was waiting to be written, and end the request."""
         if self.stalled or self.disconnected:
             return
+        self.cut()
+        self._cancel()
+
+    def cut(self) -> None:
+        """Mark the client as not reading and drop its connection (no cancel: for a caller that
+        found out by itself, e.g. the relay's deadline passing while a write waited)."""
         self.stalled = True
         self.abort()
-        self._cancel()
 
     def abort(self) -> None:
         """Drop the client's connection at once, unsent bytes and all (a graceful close would wait

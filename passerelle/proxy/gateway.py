@@ -314,6 +314,8 @@ class Gateway:
                            else ClientDisconnect("client disconnected"))
             except GatewayError as err:
                 failure = err
+                if isinstance(err, ClientTimeout):
+                    ex.cut()
             except Exception:
                 log.exception("request %s failed inside the gateway", rec.id)
                 failure = InternalError("Internal error in the gateway; see its log.")

@@ -63,6 +63,8 @@ class SSEScanner:
 
     def feed(self, data: bytes) -> list[bytes]:
         tail = self._tail
+        if len(tail) > self.max_event:  # (over the cap since the last feed, which had events to return)
+            self._too_large()
         buf: bytes | bytearray
         if tail:
             search = max(0, len(tail) - 3)  # the tail holds no terminator; one may straddle the cut
@@ -92,8 +94,8 @@ class SSEScanner:
                 del tail[:start]
         elif start < len(buf):
             tail += buf[start:] if start else buf
-        if len(tail) > self.max_event:
-            self._too_large()
+        if len(tail) > self.max_event and not events:
+            self._too_large()  # (with events: they are returned, and the next feed raises)
         return events
 
     def _too_large(self) -> None:
@@ -102,6 +104,8 @@ class SSEScanner:
 
     @property
     def pending(self) -> bytes:
+        if len(self._tail) > self.max_event:
+            self._too_large()
         return bytes(self._tail)
 
 

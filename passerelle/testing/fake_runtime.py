@@ -5,8 +5,10 @@ chunk on a fixed schedule: the first content chunk X ms after the request gets a
 every Y ms, scheduled against the monotonic clock from that start so delays never accumulate.
 With ``--slots N`` at most N requests generate at once and the rest wait in FIFO order, like
 llama-server's slots. It also speaks enough of llama-server's side API (``/health``, ``/slots``,
-``/metrics``, ``/props``) to stand in for it, and can inject failures (HTTP 500) and mid-stream
-connection cuts. ``GET /fake/stats`` tells tests what it injected.
+``/metrics``, ``/props``) to stand in for it, and can inject failures (HTTP 500), mid-stream
+connection cuts and scripted misbehaviours (``--fault``, or ``"fake_fault"`` in a request's body:
+never answering, ``100 Continue`` forever, huge events and bodies, redirects, HTML, events after
+``[DONE]``…; see faults.py). ``GET /fake/stats`` tells tests what it injected.
 
 It has to outrun the benchmark client at hundreds of streams and zero delays, so chunks are
 assembled from pre-encoded byte templates and whatever is due is written in one call.
@@ -34,6 +36,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
+
+from passerelle.testing.faults import FAULTS, fault_of, misbehave
 
 # Tokens the fake "generates": ordinary words, so the text looks like text to whatever reads it.
 VOCAB = (
@@ -91,6 +95,10 @@ class FakeConfig:
     # like llama-server: drop the connection this long after each streamed answer, ignoring any
     # request already sent on it (None: keep it alive)
     close_after_stream_ms: float | None = None
+    fault: str = ""  # a scripted misbehaviour (testing/faults.py) for fault_rate of the requests
+    fault_rate: float = 1.0
+    fault_bytes: int = 200 * 1024 * 1024  # size of huge-event / huge-body / huge-error
+    drip_ms: float = 100.0  # pace of drip / continue-forever
 
 
 class Slots:
@@ -147,6 +155,7 @@ class Counters:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     connections: int = 0  # accepted: tells a keep-alive client's reuse from one connection per request
+    faults: int = 0  # requests answered with a scripted misbehaviour
 
 
 class BadRequest(Exception):
@@ -295,6 +304,14 @@ class Connection(asyncio.Protocol):
         if self.closed or self.transport is None:
             raise ConnectionResetError("client disconnected")
         self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        if self._paused:
+            await self._wait_drain()
+
+    async def write_raw(self, data: bytes) -> None:
+        """Bytes as they are (a fault script's own HTTP), waiting while the reader is behind."""
+        if self.closed or self.transport is None:
+            raise ConnectionResetError("client disconnected")
+        self.transport.write(data)
         if self._paused:
             await self._wait_drain()
 
@@ -447,6 +464,16 @@ class FakeBackend:
         # Draw both decisions for every request so one rate does not shift the other's sequence.
         fail = self.rng.random() < cfg.fail_rate
         abort = self.rng.random() < cfg.abort_rate
+        fault = fault_of(body) or (cfg.fault if cfg.fault and self.rng.random() < cfg.fault_rate else "")
+        if fault:
+            self.counters.faults += 1
+            try:
+                await misbehave(conn, fault, chat=chat, stream=bool(body.get("stream")),
+                                fault_bytes=cfg.fault_bytes, drip_ms=cfg.drip_ms)
+            except (asyncio.CancelledError, ConnectionResetError):
+                self.counters.disconnected += 1
+                raise
+            return
         if fail:
             self.counters.failed += 1
             conn.respond(500, _error_body("injected failure (fake-backend --fail-rate)", "server_error", 500),
@@ -634,6 +661,15 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--close-after-stream-ms", type=_non_negative, default=None, metavar="MS",
                         help="close the connection MS ms after each streamed answer, dropping requests "
                              "sent on it meanwhile (llama-server does so without notice)")
+    parser.add_argument("--fault", choices=FAULTS, default="",
+                        help="misbehave on purpose (see passerelle/testing/faults.py); a request can also "
+                             "ask with \"fake_fault\": NAME in its body")
+    parser.add_argument("--fault-rate", type=_fraction, default=1.0,
+                        help="fraction of requests that get --fault (default 1)")
+    parser.add_argument("--fault-bytes", type=int, default=200 * 1024 * 1024,
+                        help="size of huge-event, huge-body and huge-error (default 200 MiB)")
+    parser.add_argument("--drip-ms", type=_non_negative, default=100.0,
+                        help="pace of drip and continue-forever (default 100)")
 
 
 def config_from_args(args: argparse.Namespace) -> FakeConfig:
@@ -641,7 +677,8 @@ def config_from_args(args: argparse.Namespace) -> FakeConfig:
                       slots=max(args.slots, 0), tokens=args.tokens, model=args.model,
                       fail_rate=args.fail_rate, abort_rate=args.abort_rate, seed=args.seed,
                       usage=args.usage, embedding_dim=args.embedding_dim,
-                      close_after_stream_ms=args.close_after_stream_ms)
+                      close_after_stream_ms=args.close_after_stream_ms, fault=args.fault,
+                      fault_rate=args.fault_rate, fault_bytes=args.fault_bytes, drip_ms=args.drip_ms)
 
 
 def _main(args: argparse.Namespace) -> int:
