@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -65,8 +67,8 @@ def _transport_of(send: Send) -> Any:
 
 
 class Exchange:
-    __slots__ = ("_asgi_send", "_cancelled", "_loop", "_watcher", "disconnected", "finishing", "rec", "receive",
-                 "scope", "stalled", "started", "task", "writing_since")
+    __slots__ = ("_aborted", "_asgi_send", "_cancelled", "_loop", "_watcher", "disconnected", "finishing", "rec",
+                 "receive", "scope", "stalled", "started", "task", "writing_since")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         client = scope.get("client")
@@ -77,6 +79,7 @@ class Exchange:
         self.disconnected = False
         self.stalled = False  # the client took no byte for too long; its connection is cut
         self._cancelled = False  # this exchange cancelled its task (once at most: see ``_cancel``)
+        self._aborted = False  # the client's connection was dropped
         self.writing_since = 0.0  # loop time a write to the client began and has not returned; 0: none
         task = asyncio.current_task()
         assert task is not None
@@ -129,11 +132,20 @@ class Exchange:
         self.abort()
 
     def abort(self) -> None:
-        """Drop the client's connection at once, unsent bytes and all (a graceful close would wait
-        for a client that does not read)."""
+        """Drop the client's connection at once, unsent bytes and all: a reset (SO_LINGER 0), since
+        even an abort's close would leave the kernel holding the queued bytes (megabytes, for a
+        while) for a client that does not read, and that client would never learn it was cut."""
+        if self._aborted:
+            return
+        self._aborted = True
         transport = _transport_of(self._asgi_send)
-        if transport is not None:
-            transport.abort()  # (also when closing: a graceful close may still be flushing)
+        if transport is None:
+            return
+        sock = transport.get_extra_info("socket") if hasattr(transport, "get_extra_info") else None
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):  # (ValueError: uvloop, a socket already closed)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()  # (also when closing: a graceful close may still be flushing)
 
     def close(self) -> None:
         if self._watcher is not None:

@@ -336,8 +336,10 @@ class Gateway:
             ex.task.uncancel()  # the client stopped reading our error: it is cut, and the cause stays
         finally:
             self._live.discard(ex)
-            ex.close()
-            self.account(rec)
+            try:
+                ex.close()
+            finally:
+                self.account(rec)  # one line, one cause, one usage row: whatever happened above
 
     def _release(self, rec: RequestRecord, job: Job | None, grant: Grant | None) -> None:
         used = None if rec.completion_tokens is None else (rec.prompt_tokens or 0) + rec.completion_tokens

@@ -270,32 +270,38 @@ class App:
             new = expand(await asyncio.to_thread(self.loader))
         except ConfigError as exc:
             raise InvalidRequest(f"Reload refused, the running configuration stays: {exc}") from None
-        current = {b.name: b for b in self.registry.backends}
+        current = {b.name: b for b in self.registry.backends if not b.draining}
+        still_draining = [b for b in self.registry.backends if b.draining]  # from an earlier reload
         wanted = {bc.name: bc for bc in new.backends}
         kept = [n for n, b in current.items() if n in wanted and wanted[n] == b.cfg]
         removed = [n for n in current if n not in kept]
         added = [n for n in wanted if n not in kept]
-        for name in removed:
-            current[name].draining = True
-            # The process is taken now: a backend changed under the same name gets a new one below,
-            # and the old one must still be found and stopped once its requests are done.
-            old = self.supervisor.get(name)
-            if old is not None and old.backend is current[name]:
-                self.supervisor.retiring.add(old)  # stopped at shutdown too, if still draining then
-            else:
-                old = None
-            self._spawn(self._retire(current[name], old), f"retire-{name}")
+        # The processes are taken first: a backend changed under the same name gets a new one below,
+        # and the old one must still be found and stopped once its requests are done.
+        olds = {n: p for n in removed if (p := self.supervisor.get(n)) is not None and p.backend is current[n]}
         backends = [current[n] for n in kept]
+        fresh: list[Backend] = []
         for name in added:
             backend, proc = build_runtime(wanted[name], self.cfg.timeouts)
             await backend.start()
             backends.append(backend)
-            if proc is not None:
+            if proc is None:
+                fresh.append(backend)
+            else:
                 proc.on_ready = self.scheduler.dispatch
                 self.supervisor.processes[name] = proc
                 if not backend.cfg.on_demand:
                     self._spawn(self.supervisor.start(name), f"start-{name}")
-        self.registry.set_backends(backends + [current[n] for n in removed])
+        # Health-check the new runtimes now, not at the poller's next pass, and only then let the old
+        # ones drain: a model whose backend is replaced must never look unserved (503) meanwhile.
+        await asyncio.gather(*(b.scrape() for b in fresh))
+        for name in removed:
+            current[name].draining = True
+            old = olds.get(name)
+            if old is not None:
+                self.supervisor.retiring.add(old)  # stopped at shutdown too, if still draining then
+            self._spawn(self._retire(current[name], old), f"retire-{name}")
+        self.registry.set_backends(backends + [current[n] for n in removed] + still_draining)
         log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
         return {"added": added, "removed": removed, "unchanged": kept}
 

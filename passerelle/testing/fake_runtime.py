@@ -500,8 +500,12 @@ class FakeBackend:
                 self.counters.completion_tokens += n_tokens
                 conn.respond(200, self._full_body(chat, rid, model, n_tokens, prompt_tokens, finish), keep_alive)
                 return
+            # A request may ask for its own pace ("fake_itl_ms"), e.g. a fast long answer in a soak.
+            itl_ms = body.get("fake_itl_ms")
+            if isinstance(itl_ms, bool) or not isinstance(itl_ms, int | float) or itl_ms < 0:
+                itl_ms = cfg.itl_ms
             await self._stream(conn, chat, rid, model, n_tokens, prompt_tokens, finish, include_usage, abort,
-                               start, keep_alive)
+                               start, keep_alive, itl_ms)
         except (asyncio.CancelledError, ConnectionResetError):
             self.counters.disconnected += 1
             raise
@@ -510,7 +514,7 @@ class FakeBackend:
 
     async def _stream(self, conn: Connection, chat: bool, rid: str, model: str, n_tokens: int,
                       prompt_tokens: int, finish: str, include_usage: bool, abort: bool, start: float,
-                      keep_alive: bool) -> None:
+                      keep_alive: bool, itl_ms: float) -> None:
         cfg = self.config
         conn.start_stream()
         head = (b'data: {"id":"' + rid.encode() + b'","object":"'
@@ -521,7 +525,7 @@ class FakeBackend:
         if chat:  # OpenAI's first chunk: the role, empty content; never a token
             await conn.write_chunk(prefix + _ROLE_MID)
         cut_at = max(1, n_tokens // 2) if abort else -1
-        ttft, itl = cfg.ttft_ms / 1000, cfg.itl_ms / 1000
+        ttft, itl = cfg.ttft_ms / 1000, itl_ms / 1000
         sent = 0
         while sent < n_tokens:
             due = start + ttft + sent * itl

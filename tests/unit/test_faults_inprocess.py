@@ -14,7 +14,7 @@ import time
 import orjson
 import pytest
 
-from passerelle.config import LimitsConfig, TimeoutConfig
+from passerelle.config import Config, LimitsConfig, TimeoutConfig
 from passerelle.errors import Cause
 from passerelle.runtimes.breaker import BreakerState, Outcome
 from passerelle.scheduling.scheduler import Job
@@ -213,3 +213,35 @@ async def test_a_queue_wait_is_bounded_by_the_total_timeout():
         assert "total timeout" in queued.json()["error"]["message"] and time.monotonic() - start < 1.5
         s.release(holder)
         assert settled(gw) and fake.runtime.counters.requests == 0
+
+
+async def test_a_reload_that_replaces_a_backend_never_leaves_its_model_unserved():
+    # Found by the soak: the new backend looked down until the health poller's next pass, so for up
+    # to 2 s every request for its model got 503 no_backend; and a second reload while the first
+    # old backend still drained took that one for the current backend.
+    async with fake_runtime(itl_ms=5) as fake, gateway(fake.backend_config(max_concurrency=8)) as gw:
+        configs = [Config(backends=(fake.backend_config(max_concurrency=c),)) for c in (7, 6)]
+        gw.app.loader = lambda: configs[0]
+        stop = asyncio.Event()
+
+        async def load():
+            out = []
+            while not stop.is_set():
+                out.append((await gw.post("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 20})).status)
+                await asyncio.sleep(0)  # (a refusal never waits: let the test go on)
+            return out
+
+        users = [asyncio.create_task(load()) for _ in range(4)]
+        await asyncio.sleep(0.1)
+        assert (await gw.app.reload())["added"] == ["fake"]
+        await asyncio.sleep(0.02)
+        gw.app.loader = lambda: configs[1]
+        assert (await gw.app.reload())["removed"] == ["fake"]
+        await asyncio.sleep(0.1)
+        stop.set()
+        statuses = [s for u in users for s in await u]
+        assert statuses and set(statuses) == {200}
+        async with asyncio.timeout(5):  # the old ones drained and left
+            while len(gw.app.registry.backends) > 1:
+                await asyncio.sleep(0.02)
+        assert [b.capacity for b in gw.app.registry.backends] == [6] and settled(gw)
