@@ -158,10 +158,8 @@ class Exchange:
         """The ASGI send, watched: while it waits for the client to take bytes, ``writing_since``
         says since when (the gateway's watchdog cuts a client stuck past ``client_write_s``)."""
         self.writing_since = self._loop.time()
-        try:
-            await self._asgi_send(message)
-        finally:
-            self.writing_since = 0.0
+        await self._asgi_send(message)
+        self.writing_since = 0.0  # (left set when the send was cancelled or failed: the next one resets it)
 
     def mark_finishing(self) -> None:
         """Call before the last send: see ``finishing`` above."""

@@ -404,7 +404,7 @@ class Gateway:
                        cls: ClassConfig, deadline: Deadline) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing."""
-        rec, endpoint, limits = ex.rec, ex.rec.endpoint, self.cfg.limits
+        rec, endpoint = ex.rec, ex.rec.endpoint
         strip_usage = False
         collect = not rec.stream and backend.stream_always and endpoint != "embeddings"
         if collect:
@@ -412,47 +412,71 @@ class Gateway:
         elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
             body, strip_usage = with_usage_requested(body, data), True
         body = backend.prepare(body, cls.rank)
+        answer = await self._fetch(ex, backend, body, deadline, collect=collect, strip_usage=strip_usage)
+        if answer is None:
+            return  # streamed to the client
+        raw, ctype = answer
+        # The client's writes are the watchdog's (client_write_s), no longer the runtime's deadline.
+        await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
+        await ex.send_whole(raw)
+
+    async def _fetch(self, ex: Exchange, backend: Backend, body: bytes, deadline: Deadline, *, collect: bool,
+                     strip_usage: bool) -> tuple[bytes, bytes] | None:
+        """Send the request and take the runtime's answer within the attempt's one timer (the
+        response head, then the stream it moves): a stream is relayed to the client (None); a
+        non-streamed answer is returned whole, with its content type, for the caller to send."""
+        rec, endpoint, limits = ex.rec, ex.rec.endpoint, self.cfg.limits
         streamed = rec.stream or collect
         deadline.start_attempt()
         head_at = deadline.head_at(streamed=streamed)
+        resp: Response | None = None
+        relay: StreamRelay | None = None
+        sink = _Collector(limits.max_answer_bytes) if collect else None
+        finishing = False  # the answer is whole; only what follows [DONE] is being read
         try:
-            async with asyncio.timeout_at(head_at):
+            async with asyncio.timeout_at(head_at) as budget:
                 resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body,
                                           request_id=rec.id)
+                self._check_head(resp, backend, streamed=streamed)
+                if resp.status != 200:
+                    raw = await read_error(resp, rec, limit=limits.max_error_bytes)
+                    raise UpstreamStatus(resp.status, raw, resp.header(b"content-type") or b"")
+                if not streamed:
+                    raw = await read_body(resp, rec, limit=limits.max_answer_bytes)
+                    if raw.lstrip()[:1] not in (b"{", b"["):
+                        raise UpstreamError(f"The model runtime '{backend.name}' answered with a body that is not "
+                                            "JSON.")
+                    return raw, resp.header(b"content-type") or b"application/json"
+                if sink is not None:
+                    relay = StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False,
+                                        max_event=limits.max_event_bytes)
+                    await relay.run(resp, deadline, budget)
+                else:
+                    relay = StreamRelay(rec, ex.send, self.cfg.timeouts, strip_usage=strip_usage,
+                                        before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing,
+                                        max_event=limits.max_event_bytes)
+                    await relay.run(resp, deadline, budget)
+                    ex.mark_finishing()
+                    with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
+                        await ex.send_body(b"", more=False)
+                finishing = True
+                await finish_upstream(resp, budget)
         except TimeoutError:
-            raise deadline.expired(head_at, detail=f"runtime '{backend.name}' sent no response head") from None
-        try:
-            self._check_head(resp, backend, streamed=streamed)
-            if resp.status != 200:
-                raw = await read_error(resp, rec, deadline, at=head_at, limit=limits.max_error_bytes)
-                raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
-            if rec.stream:
-                relay = StreamRelay(rec, ex.send, self.cfg.timeouts, strip_usage=strip_usage,
-                                    before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing,
-                                    max_event=limits.max_event_bytes)
-                await relay.run(resp, deadline)
-                ex.mark_finishing()
-                with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
-                    await ex.send_body(b"", more=False)
-                await finish_upstream(resp)
-                return
-            if collect:
-                sink = _Collector(limits.max_answer_bytes)
-                await StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False,
-                                  max_event=limits.max_event_bytes).run(resp, deadline)
-                await finish_upstream(resp)
-                raw = assemble(b"".join(sink.parts), endpoint)
-                sink.parts.clear()
-                ctype = b"application/json"
-            else:
-                raw = await read_body(resp, rec, deadline, at=deadline.total_at, limit=limits.max_answer_bytes)
-                if raw.lstrip()[:1] not in (b"{", b"["):
-                    raise UpstreamError(f"The model runtime '{backend.name}' answered with a body that is not JSON.")
-                ctype = resp.headers.get("Content-Type", "application/json").encode()
-            await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
-            await ex.send_whole(raw)
+            if not finishing:
+                if resp is None:
+                    raise deadline.expired(head_at, detail=f"runtime '{backend.name}' sent no response head") \
+                        from None
+                if relay is not None:
+                    raise relay.timed_out(deadline) from None
+                raise deadline.expired(head_at, detail=f"its HTTP {resp.status} answer was still arriving") from None
         finally:
-            resp.close()  # drops the connection if unread: the runtime stops generating
+            if resp is not None:
+                resp.close()  # drops the connection if unread: the runtime stops generating
+        if sink is None:
+            return None
+        raw = assemble(b"".join(sink.parts), endpoint)
+        sink.parts.clear()
+        return raw, b"application/json"
 
     @staticmethod
     def _check_head(resp: Response, backend: Backend, *, streamed: bool) -> None:
@@ -461,9 +485,10 @@ class Gateway:
         stream (streams) or JSON (the rest), such as an HTML page from a proxy in front."""
         status = resp.status
         if status == 200:
-            ctype = resp.headers.get("Content-Type", "").lower()
-            if not ctype:
+            raw = resp.header(b"content-type")
+            if not raw:
                 return
+            ctype = raw.decode("latin-1").lower()
             if streamed and "event-stream" not in ctype:
                 raise UpstreamError(f"The model runtime '{backend.name}' answered a streaming request with "
                                     f"'{ctype[:80]}', not an event stream.")

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -31,7 +32,7 @@ from typing import Any
 import orjson
 
 from passerelle.config import TimeoutConfig
-from passerelle.errors import ClientTimeout, UpstreamError, UpstreamTimeout, UpstreamTooLarge
+from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, UpstreamTimeout, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
 from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
@@ -63,39 +64,44 @@ class SSEScanner:
 
     def feed(self, data: bytes) -> list[bytes]:
         tail = self._tail
-        if len(tail) > self.max_event:  # (over the cap since the last feed, which had events to return)
-            self._too_large()
-        buf: bytes | bytearray
         if tail:
-            search = max(0, len(tail) - 3)  # the tail holds no terminator; one may straddle the cut
+            if len(tail) > self.max_event:  # (over the cap since the last feed, which had events to return)
+                self._too_large()
+            # The tail holds no terminator: search only the new bytes (and the 3 before them, for a
+            # terminator cut in two). Without one, the bytes are kept and nothing else is touched.
+            search = max(0, len(tail) - 3)
             tail += data
-            buf = tail
+            lf = tail.find(b"\n\n", search)
+            crlf = tail.find(b"\r\n\r\n", search)
+            if lf < 0 and crlf < 0:
+                if len(tail) > self.max_event:
+                    self._too_large()
+                return []
+            buf = bytes(tail)  # once per completed event: linear overall
+            tail.clear()
         else:
-            search = 0
             buf = data
+            lf = buf.find(b"\n\n")
+            crlf = buf.find(b"\r\n\r\n")
         events: list[bytes] = []
         start = 0
+        limit = self.max_event
         # Each terminator is searched again only once the split has passed it: a stream that
         # never uses one (most never send CRLF) costs one scan of the buffer, not one per event.
-        lf = buf.find(b"\n\n", search)
-        crlf = buf.find(b"\r\n\r\n", search)
         while lf >= 0 or crlf >= 0:
             end = lf + 2 if crlf < 0 or (0 <= lf < crlf) else crlf + 4
-            if end - start > self.max_event:
+            if end - start > limit:
                 self._too_large()
-            events.append(bytes(buf[start:end]))  # (bytes of bytes is the same object, no copy)
+            events.append(buf[start:end])
             start = end
             if 0 <= lf < start:
                 lf = buf.find(b"\n\n", start)
             if 0 <= crlf < start:
                 crlf = buf.find(b"\r\n\r\n", start)
-        if buf is tail:
-            if start:
-                del tail[:start]
-        elif start < len(buf):
+        if start < len(buf):
             tail += buf[start:] if start else buf
-        if len(tail) > self.max_event and not events:
-            self._too_large()  # (with events: they are returned, and the next feed raises)
+            if len(tail) > limit and not events:
+                self._too_large()  # (with events: they are returned, and the next feed raises)
         return events
 
     def _too_large(self) -> None:
@@ -177,15 +183,40 @@ class StreamRelay:
             return b"".join(events) if len(events) > 1 else events[0]
         return b"".join(out)
 
-    async def run(self, resp: Response, deadline: Deadline) -> None:
+    async def run(self, resp: Response, deadline: Deadline, budget: asyncio.Timeout | None = None) -> None:
         """Relay until ``[DONE]``; raise UpstreamTimeout/UpstreamError on a broken stream, and
         ClientTimeout when the deadline passed while the client was not taking bytes.
 
-        The first-token deadline is ``deadline.first_at`` (set when the attempt started); each
-        content chunk moves the between-tokens deadline; nothing goes past ``deadline.total_at``.
+        ``budget`` is the attempt's one timeout, entered by the caller before it sent the request
+        (one timer per request covers the response head and the stream); without one, the relay
+        makes its own. Either way it fires at ``deadline.first_at`` until the first content chunk,
+        then each content chunk moves it ``between_tokens_s`` ahead, never past ``total_at``. A
+        caller that gives a budget turns its expiry into an error with :meth:`timed_out`.
         Reading stops at ``[DONE]``: what a runtime sends after it is never relayed, and a runtime
         that idles after it has still answered in full.
         """
+        if budget is not None:
+            await self._relay(resp, deadline, budget)
+            return
+        try:
+            async with asyncio.timeout_at(deadline.first_at) as own:
+                await self._relay(resp, deadline, own)
+        except TimeoutError:
+            raise self.timed_out(deadline) from None
+
+    def timed_out(self, deadline: Deadline) -> GatewayError:
+        """The error for the budget running out during :meth:`run`: which deadline it was, and
+        whose turn it was (a client that takes nothing is not the runtime's fault)."""
+        t = self.timeouts
+        if deadline.left_s <= 0.001:
+            return UpstreamTimeout("total", t.total_s)
+        if self.sending:  # the runtime was waiting for us: the client took nothing all that time
+            return ClientTimeout(f"The client took no bytes for {t.between_tokens_s:g} s.")
+        if self.rec.content_chunks:
+            return UpstreamTimeout("between tokens", t.between_tokens_s)
+        return UpstreamTimeout("first token", t.first_token_s)
+
+    async def _relay(self, resp: Response, deadline: Deadline, budget: asyncio.Timeout) -> None:
         rec, t = self.rec, self.timeouts
         scanner = SSEScanner(self.max_event)
         held: list[bytes] | None = []  # events before the first content chunk
@@ -197,53 +228,43 @@ class StreamRelay:
         slack = min(1.0, between / 10)
         seen = 0  # content chunks when the deadline last moved
         try:
-            async with asyncio.timeout_at(deadline.first_at) as budget:
-                while not self.done:
-                    data = await read()
-                    if not data:
-                        break
-                    events = scanner.feed(data)
-                    if not events:
+            while not self.done:
+                data = await read()
+                if not data:
+                    break
+                events = scanner.feed(data)
+                if not events:
+                    continue
+                payload = self._scan(events, time.perf_counter())
+                if rec.content_chunks != seen:
+                    # Only content moves the deadline (a runtime dripping comments or empty events
+                    # is not producing tokens), and only once per `slack`, not on every chunk: a
+                    # timer reschedule per token is a measurable share of the gateway's CPU. The
+                    # limit then fires between between_tokens_s and that plus slack.
+                    seen = rec.content_chunks
+                    now = loop.time()
+                    left = budget.when() - now  # type: ignore[operator]
+                    if not between <= left <= between + slack:  # (also: the first token)
+                        budget.reschedule(min(total_at, now + between + slack))
+                if held is not None:
+                    # Before the first token nothing goes out (a role chunk is useless alone): a
+                    # runtime that fails or times out before then can still be answered with a
+                    # proper status, or replaced by another replica.
+                    held.append(payload)
+                    if not (rec.content_chunks or self.done or self.upstream_error):
                         continue
-                    payload = self._scan(events, time.perf_counter())
-                    if rec.content_chunks != seen:
-                        # Only content moves the deadline (a runtime dripping comments or empty
-                        # events is not producing tokens), and only once per `slack`, not on every
-                        # chunk: a timer reschedule per token is a measurable share of the
-                        # gateway's CPU. The limit then fires between between_tokens_s and that
-                        # plus slack.
-                        seen = rec.content_chunks
-                        now = loop.time()
-                        left = budget.when() - now  # type: ignore[operator]
-                        if not between <= left <= between + slack:  # (also: the first token)
-                            budget.reschedule(min(total_at, now + between + slack))
-                    if held is not None:
-                        # Before the first token nothing goes out (a role chunk is useless
-                        # alone): a runtime that fails or times out before then can still
-                        # be answered with a proper status, or replaced by another replica.
-                        held.append(payload)
-                        if not (rec.content_chunks or self.done or self.upstream_error):
-                            continue
-                        payload, held = b"".join(held), None
-                        if self.before_first is not None:
-                            self.sending = True
-                            await self.before_first()
-                            self.before_first = None
-                    if self.done and self.on_done is not None:
-                        self.on_done()
-                        self.on_done = None
-                    if payload:
+                    payload, held = b"".join(held), None
+                    if self.before_first is not None:
                         self.sending = True
-                        await send({"type": "http.response.body", "body": payload, "more_body": True})
-                    self.sending = False
-        except TimeoutError:
-            if loop.time() >= total_at - 0.001:
-                raise UpstreamTimeout("total", t.total_s) from None
-            if self.sending:  # the runtime was waiting for us: the client took nothing all that time
-                raise ClientTimeout(f"The client took no bytes for {between:g} s.") from None
-            if rec.content_chunks:
-                raise UpstreamTimeout("between tokens", between) from None
-            raise UpstreamTimeout("first token", t.first_token_s) from None
+                        await self.before_first()
+                        self.before_first = None
+                if self.done and self.on_done is not None:
+                    self.on_done()
+                    self.on_done = None
+                if payload:
+                    self.sending = True
+                    await send({"type": "http.response.body", "body": payload, "more_body": True})
+                self.sending = False
         except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "
                                 f"{exc.__class__.__name__}", retryable=True) from exc
@@ -256,10 +277,12 @@ class StreamRelay:
         if self.done and self.on_done is not None:
             self.on_done()
         if tail and (held is None or self.done):
+            self.sending = True
             if self.before_first is not None:
                 await self.before_first()
                 self.before_first = None
             await send({"type": "http.response.body", "body": tail, "more_body": True})
+            self.sending = False
         if self.upstream_error:
             raise UpstreamError("The model runtime reported an error in the stream.")
         if not self.done:
@@ -267,14 +290,11 @@ class StreamRelay:
                                 retryable=True)
 
 
-async def read_body(resp: Response, rec: RequestRecord, deadline: Deadline, *, at: float, limit: int) -> bytes:
-    """Read a non-streaming answer by ``at`` (a deadline on the loop's clock), at most ``limit``
-    bytes, and take the token counts from its ``usage``."""
+async def read_body(resp: Response, rec: RequestRecord, *, limit: int) -> bytes:
+    """Read a non-streaming answer, at most ``limit`` bytes, and take the token counts from its
+    ``usage``. (The caller's budget bounds the time.)"""
     try:
-        async with asyncio.timeout_at(at):
-            body = await resp.read(limit)
-    except TimeoutError:
-        raise deadline.expired(at, detail="the answer was still arriving") from None
+        body = await resp.read(limit)
     except BodyTooLarge:
         raise UpstreamTooLarge("answer", limit, "max_answer_bytes") from None
     except (HTTPClientError, OSError) as exc:
@@ -291,13 +311,10 @@ async def read_body(resp: Response, rec: RequestRecord, deadline: Deadline, *, a
     return body
 
 
-async def read_error(resp: Response, rec: RequestRecord, deadline: Deadline, *, at: float, limit: int) -> bytes:
-    """The body of a runtime's error answer, by ``at`` and at most ``limit`` bytes."""
+async def read_error(resp: Response, rec: RequestRecord, *, limit: int) -> bytes:
+    """The body of a runtime's error answer, at most ``limit`` bytes."""
     try:
-        async with asyncio.timeout_at(at):
-            return await resp.read(limit)
-    except TimeoutError:
-        raise deadline.expired(at, detail=f"its HTTP {resp.status} answer was still arriving") from None
+        return await resp.read(limit)
     except BodyTooLarge:
         raise UpstreamTooLarge(f"error answer (HTTP {resp.status})", limit, "max_error_bytes") from None
     except (HTTPClientError, OSError) as exc:
@@ -305,18 +322,18 @@ async def read_error(resp: Response, rec: RequestRecord, deadline: Deadline, *, 
                             f"{exc.__class__.__name__}", retryable=True) from exc
 
 
-async def finish_upstream(resp: Response, *, within_s: float = 0.1, limit: int = 1 << 16) -> None:
+async def finish_upstream(resp: Response, budget: asyncio.Timeout, *, within_s: float = 0.1,
+                          limit: int = 1 << 16) -> None:
     """After ``[DONE]``: read what is left of the body, relaying nothing, so that the connection can
-    go back to the pool; give up (the connection is then closed) after ``within_s`` or ``limit``
-    bytes. A well-behaved runtime's chunked terminator is already there or arrives at once."""
+    go back to the pool; give up (the connection is then closed) after ``limit`` bytes, or when
+    ``budget``, moved ``within_s`` ahead, runs out (the caller treats that expiry as the end). A
+    well-behaved runtime's chunked terminator is already there or arrives at once."""
     if resp.complete:
         return
+    budget.reschedule(asyncio.get_running_loop().time() + within_s)
     got = 0
-    try:
-        async with asyncio.timeout(within_s):
-            while data := await resp.readany():
-                got += len(data)
-                if got > limit:
-                    return
-    except (TimeoutError, HTTPClientError, OSError):
-        return
+    with contextlib.suppress(HTTPClientError, OSError):
+        while data := await resp.readany():
+            got += len(data)
+            if got > limit:
+                return

@@ -21,10 +21,11 @@ from typing import Any
 
 from passerelle.config import BackendConfig, TimeoutConfig
 from passerelle.errors import UpstreamError, UpstreamTimeout
-from passerelle.runtimes.breaker import CircuitBreaker
+from passerelle.runtimes.breaker import BreakerState, CircuitBreaker
 from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, UpstreamClient
 
 _JSON = b"Content-Type: application/json\r\n"
+CLOSED = BreakerState.CLOSED
 
 
 @dataclass
@@ -74,7 +75,8 @@ class Backend:
 
     def routable(self, now: float) -> bool:
         """May this replica take a new request now (up, not draining, its breaker lets it through)?"""
-        return self.stats.up and not self.draining and self.breaker.allows(now)
+        breaker = self.breaker
+        return self.stats.up and not self.draining and (breaker.state is CLOSED or breaker.allows(now))
 
     # -- lifecycle -------------------------------------------------------------------------
     def set_url(self, url: str) -> None:

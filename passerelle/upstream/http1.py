@@ -121,6 +121,13 @@ class Response:
             self._headers = Headers(self._raw_headers)
         return self._headers
 
+    def header(self, name: bytes) -> bytes | None:
+        """One header's raw value (``name`` in lower case), without building :attr:`headers`."""
+        for key, value in self._raw_headers:
+            if key.lower() == name:
+                return value
+        return None
+
     @property
     def complete(self) -> bool:
         """Has the whole body arrived (read or not)?"""
