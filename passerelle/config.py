@@ -92,9 +92,12 @@ class TimeoutConfig:
     """Separate limits; each ends a request with its own cause and message."""
 
     connect_s: float = 5.0  # opening the TCP connection to the runtime
-    first_token_s: float = 300.0  # request sent -> first content chunk (prompt processing)
-    between_tokens_s: float = 60.0  # gap between two reads of a running stream
-    total_s: float = 900.0  # whole request, from arrival to the last byte
+    # request sent -> first content chunk (prompt processing); bounds the wait for the runtime's
+    # response head too, for streams and for answers the gateway assembles from a stream
+    first_token_s: float = 300.0
+    between_tokens_s: float = 60.0  # gap between two content chunks of a running stream
+    total_s: float = 900.0  # whole request, from arrival to the last byte (a non-streamed answer too)
+    client_write_s: float = 30.0  # a client that accepts no byte this long is cut (cause client_timeout)
 
 
 @dataclass(frozen=True)
@@ -172,14 +175,20 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """How a request's prompt is estimated at admission (tokens/minute, quotas, fair share), before
-    the runtime's own count replaces the estimate at the end.
+    """Caps on what a runtime sends, and how a request's prompt is estimated at admission.
 
-    Text is counted at about 4 characters a token; an image or audio part costs a fixed number of
+    Past a cap the request ends with 502 ``upstream_error`` naming it, and the connection to the
+    runtime is closed (memory stays bounded whatever it sends).
+
+    The estimate (tokens/minute, quotas, fair share) stands until the runtime's own count replaces
+    it at the end: text at about 4 characters a token; an image or audio part a fixed number of
     tokens whatever its size in bytes (a base64 image of 1 MB is still one image). These are the
-    gateway-wide values; a per-model value can come from the model catalogue when it has one.
+    gateway-wide values; a per-model value can come from a model catalogue.
     """
 
+    max_answer_bytes: int = 64 * 1024 * 1024  # a non-streamed answer, or the stream it is assembled from
+    max_error_bytes: int = 256 * 1024  # the body of a runtime's 4xx/5xx answer
+    max_event_bytes: int = 1024 * 1024  # one SSE event of a stream (a line with no end counts as one)
     image_tokens: int = 768  # per image part (image_url, input_image, a data:image/... URL)
     audio_tokens: int = 1500  # per audio part (input_audio, a data:audio/... URL)
 
@@ -429,6 +438,11 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         _check(getattr(timeouts, f.name) > 0, "expected a positive number of seconds", file=file,
                key=f"timeouts.{f.name}", text=text, header="timeouts", field_name=f.name)
 
+    limits: LimitsConfig = sections["limits"]
+    for name in ("max_answer_bytes", "max_error_bytes", "max_event_bytes"):
+        _check(getattr(limits, name) >= 1024, "expected a size in bytes of at least 1024", file=file,
+               key=f"limits.{name}", text=text, header="limits", field_name=name)
+
     _check_admin(sections["admin"], server, file=file, text=text)
     metrics: MetricsConfig = sections["metrics"]
     _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
@@ -490,7 +504,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     backends.extend(upstreams)
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
-                  routing=sections["routing"], runtimes=sections["runtimes"], limits=sections["limits"],
+                  routing=sections["routing"], runtimes=sections["runtimes"], limits=limits,
                   backends=tuple(backends), source=file)
 
 

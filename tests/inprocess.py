@@ -58,11 +58,23 @@ async def fake_runtime(**options: Any) -> AsyncIterator[Fake]:
         await server.wait_closed()
 
 
+class _Bound:
+    """A callable with ``__self__``, as a bound method has (the gateway looks for the connection there)."""
+
+    def __init__(self, owner: Any, fn: Any) -> None:
+        self.__self__ = owner
+        self._fn = fn
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        await self._fn(message)
+
+
 @dataclass
 class Response:
     status: int = 0
     headers: dict[bytes, bytes] = field(default_factory=dict)
     chunks: list[bytes] = field(default_factory=list)
+    aborted: bool = False  # the gateway dropped the connection
 
     @property
     def body(self) -> bytes:
@@ -83,9 +95,11 @@ class InProcessGateway:
 
     async def request(self, method: str, path: str, body: bytes = b"", *, headers: dict[str, str] | None = None,
                       client: str = "127.0.0.1", leave_after_chunks: int | None = None,
-                      timeout: float = 10.0) -> Response:
+                      stop_reading_after_chunks: int | None = None, timeout: float = 10.0) -> Response:
         """One request through the app. ``leave_after_chunks``: the client hangs up after that many
-        body chunks (0: right after the response head)."""
+        body chunks (0: right after the response head). ``stop_reading_after_chunks``: after that
+        many, every send blocks as on a full socket, until the gateway aborts the connection
+        (``Response.aborted``)."""
         hdrs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         if body:
             hdrs.append((b"content-length", str(len(body)).encode()))
@@ -108,6 +122,10 @@ class InProcessGateway:
         async def send(message: dict[str, Any]) -> None:
             if gone.is_set():
                 raise OSError("client gone")
+            if stop_reading_after_chunks is not None and len(resp.chunks) >= stop_reading_after_chunks \
+                    and resp.status:
+                await gone.wait()  # flow control: nothing is taken until the connection is dropped
+                return
             if message["type"] == "http.response.start":
                 resp.status = message["status"]
                 resp.headers = dict(message.get("headers", []))
@@ -118,6 +136,18 @@ class InProcessGateway:
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 gone.set()  # uvicorn answers receive() with a disconnect once the response is complete
 
+        class Transport:  # what the gateway finds under a uvicorn send (send.__self__.transport)
+            def abort(self) -> None:
+                resp.aborted = True
+                gone.set()
+
+            def is_closing(self) -> bool:
+                return gone.is_set()
+
+        class Cycle:  # uvicorn's per-request object keeps the transport
+            transport = Transport()
+
+        send.__wrapped__ = _Bound(Cycle(), send)  # type: ignore[attr-defined]
         async with asyncio.timeout(timeout):
             await self.app(scope, receive, send)
         return resp

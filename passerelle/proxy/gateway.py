@@ -38,11 +38,14 @@ from passerelle.errors import (
     BodyTooLarge,
     Cause,
     ClientDisconnect,
+    ClientTimeout,
     GatewayError,
+    InternalError,
     InvalidRequest,
     UnknownModel,
     UpstreamError,
     UpstreamStatus,
+    UpstreamTooLarge,
 )
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
@@ -50,15 +53,19 @@ from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy import grammars
 from passerelle.proxy.assemble import assemble
 from passerelle.proxy.assemble_events import assemble_events
+from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.protocols import Api, Parsed, api_for
-from passerelle.proxy.relay import StreamRelay, read_body
+from passerelle.proxy.relay import StreamRelay, finish_upstream, read_body, read_error
+from passerelle.proxy.retry import RetryBudget, may_retry
+from passerelle.runtimes.breaker import Outcome
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey, KeyRing
 from passerelle.tenants.names import user_tenant
 from passerelle.tenants.policy import KeyPolicy, Ticket
+from passerelle.upstream.client import Response
 
 log = logging.getLogger("passerelle.proxy.gateway")
 
@@ -90,6 +97,22 @@ async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes
             return b"".join(chunks)
 
 
+def output_estimate(data: dict[str, Any] | None, length: int | None) -> int:
+    """Tokens the request may generate, for admission (tokens per minute, quotas) and fair share:
+    its length limit (else 256) times the sequences generated (``n``, and ``best_of``, which
+    generates that many to return ``n``).
+
+    >>> output_estimate({"max_tokens": 500, "n": 1000}, 500)
+    500000
+    """
+    sequences = 1
+    for name in ("n", "best_of"):
+        v = (data or {}).get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > sequences:
+            sequences = v
+    return (length or 256) * sequences
+
+
 def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
     """``body`` with ``stream_options.include_usage = true`` (spliced in when absent, so the
     rest of the body keeps its exact bytes)."""
@@ -101,14 +124,33 @@ def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
 
 
 class _Collector:
-    """An ASGI ``send`` that keeps the body, for answers assembled from a stream."""
+    """An ASGI ``send`` that keeps the body, for answers assembled from a stream; at most ``limit``
+    bytes (``[limits] max_answer_bytes``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
         self.parts: list[bytes] = []
+        self.size = 0
+        self.limit = limit
 
     async def __call__(self, message: dict[str, Any]) -> None:
-        self.parts.append(message.get("body", b""))
+        body = message.get("body", b"")
+        self.size += len(body)
+        if self.size > self.limit:
+            raise UpstreamTooLarge("answer", self.limit, "max_answer_bytes")
+        self.parts.append(body)
 
+
+def outcome_of(err: BaseException | None) -> Outcome:
+    """What an attempt's end says about the runtime, for its circuit breaker: a failure when the
+    runtime could not answer properly, nothing at all when the client, its request, a cap or the
+    gateway ended it."""
+    if err is None:
+        return Outcome.SUCCESS
+    if isinstance(err, UpstreamStatus):
+        return Outcome.FAILURE if err.status >= 500 or err.status == 429 else Outcome.NEUTRAL
+    if isinstance(err, UpstreamTooLarge) or not isinstance(err, UpstreamError):
+        return Outcome.NEUTRAL
+    return Outcome.FAILURE
 
 
 class Gateway:
@@ -122,7 +164,10 @@ class Gateway:
         self.keyring = keyring
         self.keys = KeyPolicy(cfg, keyring)  # keys: who, which models, quotas, limits (tenants/policy.py)
         self.classes = {c.name: c for c in cfg.classes}
-        self._retry_budget = 10.0  # retries allowed now; refilled by 0.2 per request
+        self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
+        # Requests in progress, for the watchdog that cuts clients which stopped reading.
+        self._live: set[Exchange] = set()
+        self._watchdog: asyncio.TimerHandle | None = None
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
         self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
@@ -194,66 +239,102 @@ class Gateway:
         rec = ex.rec
         job: Job | None = None
         grant: Ticket | None = None
+        failure: GatewayError | None = None
         self.open.add(ex)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(1.0, self._watch_writes)
         try:
-            key = self.authenticate(scope, rec)  # before the body: a stranger's body is never read
-            limit = self.cfg.server.max_upload_bytes if api.form else self.cfg.server.max_body_bytes
-            body = await read_request_body(scope, receive, limit)
-            ex.watch()
-            req = self._read(api, body, scope)
-            rec.model = model = req.model or ""
-            rec.stream = req.stream
-            rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
-            cls = self.priority_class(scope, key)
-            rec.priority = cls.name
-            if key is not None:
-                rec.tenant = key.tenant
-            elif req.user:
-                rec.tenant = user_tenant(req.user, self.cfg.auth.max_user_chars)
-            pool = self.registry.pool(model, endpoint)
-            if pool is None:
-                raise UnknownModel(model, self.registry.models)
-            if not pool:
-                raise InvalidRequest(f"The model '{model}' is not served on {scope['path']}: no backend of it "
-                                     f"serves that route. It is served on: {self._routes_of(model)}.", param="model")
-            # prompt: its text, media at a constant (corrected by usage); an upload is not text, and
-            # tokenizing or counting tokens is not the model's work
-            est_prompt = (self.keys.estimate_prompt(req.data, model)
-                          if api.scheduled and not api.form and req.data is not None else 0)
-            est_output = (rec.max_tokens or 256) if api.generates else 0
-            if key is not None:  # allow-list, quota, rpm/tpm, then a turn among the key's concurrent slots
-                grant = await self.keys.admit(key, rec, cls, est_prompt + est_output)
-            job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
-                      est_prompt_tokens=est_prompt, est_output_tokens=est_output,
-                      can_wait_for_start=any(b.supervised for b in pool),
-                      affinity=self.affinity_key(scope, req.data, endpoint) if len(pool) > 1 else "")
-            if self.on_demand is not None and not any(b.stats.up for b in pool):
-                self.on_demand(pool)
-            await self._dispatch(ex, api, job, req.data, body, cls)
-            rec.finish(Cause.OK, 200)
+            try:
+                key = self.authenticate(scope, rec)  # before the body: a stranger's body is never read
+                limit = self.cfg.server.max_upload_bytes if api.form else self.cfg.server.max_body_bytes
+                body = await read_request_body(scope, receive, limit)
+                ex.watch()
+                req = self._read(api, body, scope)
+                rec.model = model = req.model or ""
+                rec.stream = req.stream
+                rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
+                cls = self.priority_class(scope, key)
+                rec.priority = cls.name
+                if key is not None:
+                    rec.tenant = key.tenant
+                elif req.user:
+                    rec.tenant = user_tenant(req.user, self.cfg.auth.max_user_chars)
+                pool = self.registry.pool(model, endpoint)
+                if pool is None:
+                    raise UnknownModel(model, self.registry.models)
+                if not pool:
+                    raise InvalidRequest(f"The model '{model}' is not served on {scope['path']}: no backend of "
+                                         f"it serves that route. It is served on: {self._routes_of(model)}.",
+                                         param="model")
+                # prompt: its text, media at a constant (corrected by usage); an upload is not text, and
+                # tokenizing or counting tokens is not the model's work
+                est_prompt = (self.keys.estimate_prompt(req.data, model)
+                              if api.scheduled and not api.form and req.data is not None else 0)
+                est_output = output_estimate(req.data, rec.max_tokens) if api.generates else 0
+                if key is not None:  # allow-list, quota, rpm/tpm, then a turn among the key's concurrent slots
+                    grant = await self.keys.admit(key, rec, cls, est_prompt + est_output)
+                job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
+                          est_prompt_tokens=est_prompt, est_output_tokens=est_output,
+                          can_wait_for_start=any(b.supervised for b in pool),
+                          affinity=self.affinity_key(scope, req.data, endpoint) if len(pool) > 1 else "")
+                if self.on_demand is not None and not any(b.stats.up for b in pool):
+                    self.on_demand(pool)
+                await self._dispatch(ex, api, job, req.data, body, cls)
+                rec.finish(Cause.OK, 200)
+            except asyncio.CancelledError:
+                if not ex.cancelled_by_client:
+                    raise
+                ex.task.uncancel()
+                failure = (ClientTimeout("The client took no bytes in time; its connection was cut.") if ex.stalled
+                           else ClientDisconnect("client disconnected"))
+            except GatewayError as err:
+                failure = err
+                if isinstance(err, ClientTimeout):
+                    ex.cut()
+            except Exception:
+                log.exception("request %s failed inside the gateway", rec.id)
+                failure = InternalError("Internal error in the gateway; see its log.")
+            finally:
+                # The one place where a request gives back what it holds, whatever happened above (a
+                # cancel, a bug): before the client is told anything, so that no write to a client
+                # that does not read can keep a slot.
+                if failure is not None:
+                    rec.finish(failure.cause, failure.status, failure.message)
+                elif rec.cause is None:  # cancelled by the server itself (shutdown)
+                    rec.finish(Cause.INTERNAL_ERROR, 500, "cancelled by the gateway")
+                self._release(rec, job, grant)
+            if failure is not None and not isinstance(failure, ClientDisconnect | ClientTimeout):
+                await ex.report(failure)  # watched: a client that takes nothing is cut (watchdog)
         except asyncio.CancelledError:
-            if not ex.disconnected:
+            if not ex.cancelled_by_client:
                 raise
-            ex.task.uncancel()
-            rec.finish(Cause.CLIENT_DISCONNECT, 499, "client disconnected")
-        except GatewayError as err:
-            rec.finish(err.cause, err.status, err.message)
-            if not isinstance(err, ClientDisconnect):
-                await ex.report(err)
-        except Exception:
-            log.exception("request %s failed inside the gateway", rec.id)
-            rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
-            await ex.report(GatewayError("Internal error in the gateway; see its log."))
+            ex.task.uncancel()  # the client stopped reading our error: it is cut, and the cause stays
         finally:
-            ex.close()
             self.open.discard(ex)
-            if rec.cause is None:  # an unexpected exception: still one cause, one log line
-                rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
-            if job is not None:
-                self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
-            if grant is not None:
-                self.keys.finish(grant, rec)
-            self.account(rec)
+            try:
+                ex.close()
+            finally:
+                self.account(rec)  # one line, one cause, one usage row: whatever happened above
+
+    def _release(self, rec: RequestRecord, job: Job | None, grant: Ticket | None) -> None:
+        if job is not None:
+            self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
+        if grant is not None:
+            self.keys.finish(grant, rec)
+
+    def _watch_writes(self) -> None:
+        """Once a second: cut every client that has taken no byte for ``client_write_s`` while a
+        write to it waited (one timer for all requests rather than one per write)."""
+        self._watchdog = None
+        if not self.open:
+            return
+        loop = asyncio.get_running_loop()
+        horizon = loop.time() - self.cfg.timeouts.client_write_s
+        for ex in [ex for ex in self.open if 0.0 < ex.writing_since <= horizon]:
+            log.warning("request %s: the client took no bytes for %g s; cutting its connection", ex.rec.id,
+                        self.cfg.timeouts.client_write_s)
+            ex.stall()
+        self._watchdog = loop.call_later(1.0, self._watch_writes)
 
     def _routes_of(self, model: str) -> str:
         names = sorted({e for b in self.registry.backends_of(model) for e in b.endpoints})
@@ -269,13 +350,15 @@ class Gateway:
     async def _dispatch(self, ex: Exchange, api: Api, job: Job, data: dict[str, Any] | None, body: bytes,
                         cls: ClassConfig) -> None:
         """Queue for a replica and try it; before the client got a byte, a replica that could not
-        take the request is replaced by another (within the retry budget)."""
+        take the request is replaced by another (within the retry budget). Each attempt reports
+        its outcome to its replica's circuit breaker exactly once."""
         rec = ex.rec
         rec.t_queued = rec.t_queued or time.perf_counter()  # set already if it waited in its key's queue
         rec.to(State.QUEUED)
-        self._retry_budget = min(10.0, self._retry_budget + 0.2)
-        deadline = rec.t_arrival + self.cfg.timeouts.total_s
+        self.retry_budget.deposit()
+        deadline = Deadline(self.cfg.timeouts, rec.t_arrival)
         while True:
+            job.max_wait_s = deadline.left_s  # the queue wait is within the total time too
             backend = None if api.scheduled else self._direct(job)
             if backend is None:
                 backend = await self.scheduler.acquire(job)
@@ -284,37 +367,29 @@ class Gateway:
             rec.to(State.DISPATCHED)
             running = self.metrics.running.labels(backend.name, rec.model)
             running.inc()
+            error: BaseException | None = None
             try:
                 await self._attempt(ex, api, backend, data, body, cls, deadline)
-                break
-            except UpstreamError as err:
-                if ex.started or not self._may_retry(err, job, rec, deadline):
+                return
+            except BaseException as err:
+                error = err
+                if not isinstance(err, UpstreamError) or not may_retry(
+                        retryable=err.retryable, started=ex.started, retries=rec.retries,
+                        others_left=any(b.name not in job.exclude and b is not backend for b in job.pool),
+                        time_left_s=deadline.left_s, budget=self.retry_budget):
                     raise
                 log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
-                backend.record_failure(time.monotonic())
                 job.exclude.add(backend.name)
                 rec.retries += 1
                 self.scheduler.release(job)
                 rec.to(State.QUEUED)
             finally:
                 running.dec()
-        if backend.failures:
-            backend.record_success()
-
-    def _may_retry(self, err: UpstreamError, job: Job, rec: RequestRecord, deadline: float) -> bool:
-        """Retry on another replica only before the client got a byte, for a runtime that could
-        not be reached or said 503/429, within the total timeout and the retry budget."""
-        if not err.retryable or rec.retries >= 2 or time.perf_counter() >= deadline - 0.5:
-            return False
-        if all(b.name in job.exclude or b.name == rec.backend for b in job.pool):
-            return False
-        if self._retry_budget < 1.0:  # a bounded share of the traffic, so retries never snowball
-            return False
-        self._retry_budget -= 1.0
-        return True
+                backend.breaker.record(outcome_of(error), probe=job.probe, now=self.scheduler.clock())
+                job.probe = False
 
     async def _attempt(self, ex: Exchange, api: Api, backend: Backend, data: dict[str, Any] | None, body: bytes,
-                       cls: ClassConfig, deadline: float) -> None:
+                       cls: ClassConfig, deadline: Deadline) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing."""
         rec = ex.rec
@@ -333,40 +408,100 @@ class Gateway:
             ctype = (header(ex.scope, b"content-type") or "").encode("latin-1")
         elif api.scheduled:  # (vLLM's priority: for requests that queue in the runtime)
             body = backend.prepare(body, cls.rank)
-        resp = await backend.post(api.upstream, body, request_id=rec.id, content_type=ctype)
+        answer = await self._fetch(ex, api, backend, body, ctype, deadline, collect=collect, strip_usage=strip_usage)
+        if answer is None:
+            return  # streamed to the client
+        raw, ctype = answer
+        # The client's writes are the watchdog's (client_write_s), no longer the runtime's deadline.
+        await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
+        await ex.send_whole(raw)
+
+    async def _fetch(self, ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: bytes, deadline: Deadline,
+                     *, collect: bool, strip_usage: bool) -> tuple[bytes, bytes] | None:
+        """Send the request and take the runtime's answer within the attempt's one timer (the
+        response head, then the stream it moves): a stream is relayed to the client (None); a
+        non-streamed answer is returned whole, with its content type, for the caller to send."""
+        rec, limits = ex.rec, self.cfg.limits
+        streamed = rec.stream or collect
+        deadline.start_attempt()
+        head_at = deadline.head_at(streamed=streamed)
+        resp: Response | None = None
+        relay: StreamRelay | None = None
+        sink = _Collector(limits.max_answer_bytes) if collect else None
+        finishing = False  # the answer is whole; only what follows [DONE] is being read
         try:
-            if resp.status != 200:
-                raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
-                raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
-            if rec.stream:
-                relay = StreamRelay(rec, ex.send, self.cfg.timeouts, strip_usage=strip_usage,
-                                    before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing,
-                                    grammar=grammars.make(api.grammar))
-                await relay.run(resp, deadline)
-                ex.mark_finishing()
-                with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
-                    await ex.send_body(b"", more=False)
-                return
-            if collect:
-                sink = _Collector()
-                await StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False,
-                                  grammar=grammars.make(api.grammar)).run(resp, deadline)
-                sse = b"".join(sink.parts)
-                raw = assemble(sse, api.name) if chat_like else assemble_events(sse, api.grammar)
-                ctype = b"application/json"
-            else:
-                raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
-                ctype = resp.headers.get("Content-Type", "application/json").encode()
-                if not rec.usage_from_server and b"_tokens" in raw:  # Responses', Anthropic's, llama-server's names
-                    with contextlib.suppress(orjson.JSONDecodeError):
-                        p, c = grammars.usage_of(orjson.loads(raw))
-                        if p is not None or c is not None:
-                            rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
-            await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
-            ex.mark_finishing()
-            await ex.send_body(raw, more=False)
+            async with asyncio.timeout_at(head_at) as budget:
+                resp = await backend.post(api.upstream, body, request_id=rec.id, content_type=ctype)
+                self._check_head(resp, backend, streamed=streamed, json=not api.form)
+                if resp.status != 200:
+                    raw = await read_error(resp, rec, limit=limits.max_error_bytes)
+                    raise UpstreamStatus(resp.status, raw, resp.header(b"content-type") or b"")
+                if not streamed:
+                    raw = await read_body(resp, rec, limit=limits.max_answer_bytes)
+                    if not api.form and raw.lstrip()[:1] not in (b"{", b"["):
+                        raise UpstreamError(f"The model runtime '{backend.name}' answered with a body that is not "
+                                            "JSON.")
+                    if not rec.usage_from_server and b"_tokens" in raw:  # Responses', Anthropic's, llama-server's
+                        with contextlib.suppress(orjson.JSONDecodeError):
+                            p, c = grammars.usage_of(orjson.loads(raw))
+                            if p is not None or c is not None:
+                                rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
+                    return raw, resp.header(b"content-type") or b"application/json"
+                if sink is not None:
+                    relay = StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False,
+                                        grammar=grammars.make(api.grammar), max_event=limits.max_event_bytes)
+                    await relay.run(resp, deadline, budget)
+                else:
+                    relay = StreamRelay(rec, ex.send, self.cfg.timeouts, strip_usage=strip_usage,
+                                        before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing,
+                                        grammar=grammars.make(api.grammar), max_event=limits.max_event_bytes)
+                    await relay.run(resp, deadline, budget)
+                    ex.mark_finishing()
+                    with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
+                        await ex.send_body(b"", more=False)
+                finishing = True
+                await finish_upstream(resp, budget)
+        except TimeoutError:
+            if not finishing:
+                if resp is None:
+                    raise deadline.expired(head_at, detail=f"runtime '{backend.name}' sent no response head") \
+                        from None
+                if relay is not None:
+                    raise relay.timed_out(deadline) from None
+                raise deadline.expired(head_at, detail=f"its HTTP {resp.status} answer was still arriving") from None
         finally:
-            resp.close()  # drops the connection if unread: the runtime stops generating
+            if resp is not None:
+                resp.close()  # drops the connection if unread: the runtime stops generating
+        if sink is None:
+            return None
+        sse = b"".join(sink.parts)
+        sink.parts.clear()
+        raw = assemble(sse, api.name) if api.grammar == "chat" else assemble_events(sse, api.grammar)
+        return raw, b"application/json"
+
+    @staticmethod
+    def _check_head(resp: Response, backend: Backend, *, streamed: bool, json: bool = True) -> None:
+        """Refuse what is not an answer to relay: a redirect (never followed: it could point
+        anywhere), a status that is neither 200 nor an error, or a 200 whose type is not an event
+        stream (streams) or JSON (the rest), such as an HTML page from a proxy in front."""
+        status = resp.status
+        if status == 200:
+            raw = resp.header(b"content-type")
+            if not raw:
+                return
+            ctype = raw.decode("latin-1").lower()
+            if streamed and "event-stream" not in ctype:
+                raise UpstreamError(f"The model runtime '{backend.name}' answered a streaming request with "
+                                    f"'{ctype[:80]}', not an event stream.")
+            if not streamed and json and "json" not in ctype:
+                raise UpstreamError(f"The model runtime '{backend.name}' answered with '{ctype[:80]}', not JSON.")
+            return
+        if 400 <= status < 600:
+            return  # the runtime's error: passed on by the caller
+        where = resp.headers.get("Location", "")
+        to = f" to '{where[:200]}'" if where else ""
+        raise UpstreamError(f"The model runtime '{backend.name}' answered HTTP {status}{to}; passerelle does not "
+                            "follow redirects or relay other statuses. Check the backend's url.")
 
     def account(self, rec: RequestRecord) -> None:
         m = self.metrics

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from passerelle.config import BackendConfig, TimeoutConfig
-from passerelle.errors import UpstreamError
+from passerelle.errors import UpstreamError, UpstreamTimeout
+from passerelle.runtimes.breaker import BreakerState, CircuitBreaker
 from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, UpstreamClient
 
 _JSON = b"application/json"
+CLOSED = BreakerState.CLOSED
 
 
 @dataclass
@@ -65,11 +67,9 @@ class Backend:
         self.draining = False  # removed by a reload: finishes its requests, takes no new one
         self.last_used = time.monotonic()  # last dispatch, for idle stop and LRU eviction
         self.stats = BackendStats()
-        # Passive ejection: after EJECT_AFTER failures in a row the replica gets no requests for a
-        # while; then one request probes it (half-open) and its outcome decides.
-        self.failures = 0
-        self.ejected_until = 0.0
-        self.probing = False
+        # Passive ejection: after a few failures in a row the replica gets no requests for a while;
+        # then one request probes it (half-open) and its outcome decides (breaker.py).
+        self.breaker = CircuitBreaker()
         self._missed_health = False
         self._client: UpstreamClient | None = None
         self._started = False
@@ -80,24 +80,10 @@ class Backend:
         # the routes the operator added for every backend ([server] extra_routes) or for this one
         self.endpoints: tuple[str, ...] = (*(cfg.endpoints or self.serves), *cfg.extra_routes)
 
-    EJECT_AFTER = 3
-
     def routable(self, now: float) -> bool:
-        """May this replica take a new request now (up, not draining, not ejected)?"""
-        if not self.stats.up or self.draining:
-            return False
-        if self.ejected_until:
-            return now >= self.ejected_until and not self.probing
-        return True
-
-    def record_failure(self, now: float) -> None:
-        self.failures += 1
-        self.probing = False
-        if self.failures >= self.EJECT_AFTER:
-            self.ejected_until = now + min(60.0, 5.0 * 2 ** (self.failures - self.EJECT_AFTER))
-
-    def record_success(self) -> None:
-        self.failures, self.ejected_until, self.probing = 0, 0.0, False
+        """May this replica take a new request now (up, not draining, its breaker lets it through)?"""
+        breaker = self.breaker
+        return self.stats.up and not self.draining and (breaker.state is CLOSED or breaker.allows(now))
 
     # -- lifecycle -------------------------------------------------------------------------
     def set_url(self, url: str) -> None:
@@ -153,6 +139,9 @@ class Backend:
         try:
             return await self.client.request(b"POST", path, body, headers=headers)
         except ConnectFailed as exc:
+            if exc.timed_out:
+                raise UpstreamTimeout("connect", self.timeouts.connect_s, detail=f"runtime '{self.name}'",
+                                      retryable=True) from exc
             raise UpstreamError(f"The model runtime '{self.name}' is not reachable ({exc}).", retryable=True) from exc
         except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{self.name}' failed: {exc.__class__.__name__}: {exc}",
@@ -205,7 +194,7 @@ class Backend:
             "name": self.name, "kind": self.kind, "url": self.url, "models": list(self.models),
             "up": s.up, "slots_busy": s.slots_busy, "slots_total": s.slots_total,
             "kv_cache_usage_ratio": s.kv_cache_usage_ratio, "queue_depth": s.queue_depth,
-            "in_flight": self.in_flight, "capacity": self.capacity,
+            "in_flight": self.in_flight, "capacity": self.capacity, "breaker": self.breaker.state.value,
             "checked_ago_s": round(time.time() - s.scraped_at, 1) if s.scraped_at else None,
             "error": s.error,
         }

@@ -1,8 +1,14 @@
 """Runtime processes that passerelle launches itself, each with an explicit state machine.
 
-    STOPPED ──start──► STARTING ──health ok──► READY ──stop──► DRAINING ──► STOPPED
-                          │                      │
-                          └──exit / no health────┴──crash──► FAILED ──backoff──► STARTING
+    STOPPED ──start──► STARTING ──health ok──► READY ──stop──► STOPPING ──► STOPPED
+                          │    ▲                 │                 ▲
+                          │    └──backoff──┐     │                 │
+                          └──exit / no health──► FAILED ◄──crash───┘──stop (from STARTING, FAILED)
+
+Every transition is checked against ``_ALLOWED``: one that is not there is a bug and raises.
+STOPPING is the process being stopped (SIGTERM, then SIGKILL after the grace); it is not the
+*draining* of a backend removed by a reload (``Backend.draining``: it finishes its requests first,
+then its process is stopped).
 
 A child runs in its own process group, so stopping it also stops anything it spawned, and on
 Linux asks the kernel to kill it if passerelle dies (``PR_SET_PDEATHSIG``), so that not even a
@@ -43,8 +49,17 @@ class ProcState(enum.Enum):
     STOPPED = "stopped"
     STARTING = "starting"
     READY = "ready"
-    DRAINING = "draining"
+    STOPPING = "stopping"
     FAILED = "failed"
+
+
+_ALLOWED = {
+    ProcState.STOPPED: {ProcState.STARTING},
+    ProcState.STARTING: {ProcState.READY, ProcState.FAILED, ProcState.STOPPING},
+    ProcState.READY: {ProcState.STOPPING, ProcState.FAILED},
+    ProcState.FAILED: {ProcState.STARTING, ProcState.STOPPING},
+    ProcState.STOPPING: {ProcState.STOPPED},
+}
 
 
 class RuntimeFailed(PasserelleError):
@@ -83,6 +98,7 @@ class RuntimeProcess:
         self.command: list[str] = []
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
+        self._stopped: asyncio.Future[None] | None = None  # while a stop() runs: done when it ends
         self.on_ready: Callable[[], None] | None = None  # after a restart: queued requests may go
 
     @property
@@ -90,18 +106,35 @@ class RuntimeProcess:
         return self.proc.pid if self.proc else None
 
     def _set(self, state: ProcState) -> None:
-        if state is not self.state:
-            log.info("runtime %s: %s -> %s", self.backend.name, self.state.value, state.value)
-            self.state = state
+        if state is self.state:
+            return
+        if state not in _ALLOWED[self.state]:
+            raise RuntimeError(f"runtime {self.backend.name}: illegal transition {self.state.name} -> {state.name}")
+        log.info("runtime %s: %s -> %s", self.backend.name, self.state.value, state.value)
+        self.state = state
 
     async def start(self) -> None:
-        """Launch and wait until the runtime's health endpoint answers; raise RuntimeFailed."""
+        """Launch and wait until the runtime's health endpoint answers; raise RuntimeFailed.
+        A stop still in progress is waited for first."""
+        if self._stopped is not None:
+            await asyncio.shield(self._stopped)
+        if self.state is ProcState.READY:
+            return
         self._stopping = False
         await self._launch()
         self._monitor = asyncio.create_task(self._watch(), name=f"supervise-{self.backend.name}")
 
     async def _launch(self) -> None:
+        """One launch; the process is killed again if the launch does not end READY (failed,
+        stopped or cancelled meanwhile), so no attempt leaves a process behind."""
         self._set(ProcState.STARTING)
+        try:
+            await self._spawn_and_wait()
+        except BaseException:
+            await asyncio.shield(self._kill(grace=2.0))
+            raise
+
+    async def _spawn_and_wait(self) -> None:
         self.port = free_port()
         self.command = [part.replace("{port}", str(self.port)) for part in self.template]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,16 +154,21 @@ class RuntimeProcess:
         await self.backend.start()
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
+            if self._stopping:
+                raise RuntimeFailed(f"runtime {self.backend.name} was stopped while starting")
             if self.proc.returncode is not None:
                 self._set(ProcState.FAILED)
                 raise RuntimeFailed(f"runtime {self.backend.name} exited with code {self.proc.returncode} "
                                     f"while starting; last lines of {self.log_path}:\n{self.log_tail()}")
             if await self.backend.check_health(timeout=1.0):
                 await self.backend.scrape()
-                self._set(ProcState.READY)
-                return
+                if not self._stopping:  # (else: raised at the top of the loop)
+                    self._set(ProcState.READY)
+                    return
+                continue
             await asyncio.sleep(0.1)
-        await self._kill()
+        if self._stopping:
+            raise RuntimeFailed(f"runtime {self.backend.name} was stopped while starting")
         self._set(ProcState.FAILED)
         raise RuntimeFailed(f"runtime {self.backend.name} was not ready after {self.ready_timeout_s:g} s")
 
@@ -180,16 +218,27 @@ class RuntimeProcess:
             await proc.wait()
 
     async def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``grace``; STOPPED once it is gone. A second
+        call while one runs waits for it."""
+        if self._stopped is not None:
+            await asyncio.shield(self._stopped)
+            return
         self._stopping = True
-        if self.state is ProcState.READY:
-            self._set(ProcState.DRAINING)
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-        await self._kill(grace)
-        self.backend.stats.up = False
-        self._set(ProcState.STOPPED)
+        if self.state is ProcState.STOPPED:
+            return
+        self._stopped = asyncio.get_running_loop().create_future()
+        try:
+            self._set(ProcState.STOPPING)
+            if self._monitor is not None:
+                self._monitor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._monitor
+            await self._kill(grace)
+            self.backend.stats.up = False
+            self._set(ProcState.STOPPED)
+        finally:
+            self._stopped.set_result(None)
+            self._stopped = None
 
 
 def estimate_gib(command: tuple[str, ...]) -> float:
@@ -213,6 +262,8 @@ class Supervisor:
     def __init__(self, processes: list[RuntimeProcess], *, max_loaded_gib: float = 0.0,
                  on_ready: Callable[[], None] | None = None) -> None:
         self.processes = {p.backend.name: p for p in processes}
+        # Processes of backends a reload removed or replaced: no longer under their name, still to stop.
+        self.retiring: set[RuntimeProcess] = set()
         self.max_loaded_gib = max_loaded_gib
         self.on_ready = on_ready  # a runtime became ready: queued requests may go
         self._lock = asyncio.Lock()  # one start decision at a time (budget, no double start)
@@ -231,7 +282,19 @@ class Supervisor:
             self._reaper.cancel()
         for task in self._starting.values():
             task.cancel()
-        await asyncio.gather(*(p.stop() for p in self.processes.values()), return_exceptions=True)
+        await asyncio.gather(*(p.stop() for p in [*self.processes.values(), *self.retiring]), return_exceptions=True)
+
+    async def retire(self, proc: RuntimeProcess) -> None:
+        """Stop ``proc`` for good (its backend left the configuration, or was replaced by a new
+        process under the same name): it is not restarted, and it leaves ``processes`` unless its
+        name now belongs to its replacement."""
+        self.retiring.add(proc)
+        try:
+            await proc.stop()
+        finally:
+            self.retiring.discard(proc)
+            if self.processes.get(proc.backend.name) is proc:
+                del self.processes[proc.backend.name]
 
     def need_gib(self, proc: RuntimeProcess) -> float:
         return proc.backend.cfg.memory_gib or estimate_gib(proc.template)

@@ -74,6 +74,8 @@ class Job:
     enqueued_at: float = 0.0
     backend: Backend | None = None
     charged: float = 0.0
+    probe: bool = False  # dispatched as its replica's half-open probe (breaker.py)
+    max_wait_s: float | None = None  # longest wait in the queue; None: the class's max_queue_wait_s
     future: asyncio.Future[Backend] | None = None
     timer: asyncio.TimerHandle | None = None
 
@@ -152,6 +154,9 @@ class Scheduler:
         self.hold_s = hold_s
         self.holds: list[_Hold] = []
         self.hold_counts = {"kept": 0, "lapsed": 0}  # holds used by their tenant / given up
+        self._wake_at = math.inf  # the earliest open breaker seen by the last dispatch
+        self._wake_timer: asyncio.TimerHandle | None = None
+        self._wake_timer_at = math.inf
 
     # -- public ----------------------------------------------------------------------------
     def waiting_by_class(self) -> dict[str, int]:
@@ -172,10 +177,11 @@ class Scheduler:
         """Admit ``job`` (raise QueueFull/NoBackend) and dispatch what can go now."""
         if not any(b.stats.up and not b.draining for b in job.pool) and not job.can_wait_for_start:
             raise NoBackend("No backend serving this model is up right now.", retry_after=self.retry_after())
-        queued = sum(1 for j in self.waiting if j.cls is job.cls)
+        # The limit is per model and class: one model's full queue must not refuse another's requests.
+        queued = sum(1 for j in self.waiting if j.cls is job.cls and j.model == job.model)
         if queued >= job.cls.max_queue:
-            raise QueueFull(f"The '{job.cls.name}' queue is full ({job.cls.max_queue} waiting); retry later.",
-                            retry_after=self.retry_after(queued))
+            raise QueueFull(f"The '{job.cls.name}' queue for model '{job.model}' is full ({job.cls.max_queue} "
+                            "waiting); retry later.", retry_after=self.retry_after(queued))
         now = self.clock()
         job.seq, job.enqueued_at = next(self._seq), now
         t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
@@ -205,7 +211,8 @@ class Scheduler:
         self.submit(job)
         if job.backend is not None:
             return job.backend
-        job.timer = loop.call_later(job.cls.max_queue_wait_s, self._expire, job)
+        wait = job.cls.max_queue_wait_s if job.max_wait_s is None else min(job.cls.max_queue_wait_s, job.max_wait_s)
+        job.timer = loop.call_later(max(0.0, wait), self._expire, job)
         try:
             return await job.future
         except BaseException:
@@ -240,7 +247,8 @@ class Scheduler:
         """Fail every job whose queue wait is over, end every hold past its time (the loop's
         timers do this in production)."""
         now = self.clock()
-        for job in [j for j in self.waiting if now - j.enqueued_at >= j.cls.max_queue_wait_s]:
+        for job in [j for j in self.waiting if now - j.enqueued_at >= min(j.cls.max_queue_wait_s,
+                                                                        j.max_wait_s or math.inf)]:
             self._expire(job)
         for hold in [h for h in self.holds if h.until <= now]:
             self._hold_expired(hold)
@@ -275,8 +283,10 @@ class Scheduler:
         self._remove(job)
         if job.future is not None and not job.future.done():
             ahead = sum(1 for j in self.waiting if j.seq < job.seq)
+            waited = self.clock() - job.enqueued_at
             job.future.set_exception(QueueTimeout(
-                f"Waited {job.cls.max_queue_wait_s:g} s in the '{job.cls.name}' queue without a free slot.",
+                f"Waited {waited:.3g} s in the '{job.cls.name}' queue without a free slot"
+                + ("." if waited >= job.cls.max_queue_wait_s - 0.01 else " (the request's total timeout ran out)."),
                 retry_after=self.retry_after(ahead)))
 
     # -- holds -----------------------------------------------------------------------------
@@ -326,7 +336,14 @@ class Scheduler:
         skew). Other jobs go to the least loaded replica, or the next in turn (``round_robin``).
         """
         now = self.clock()
-        usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
+        usable = []
+        for b in job.pool:
+            if b.name in job.exclude:
+                continue
+            if b.routable(now):
+                usable.append(b)
+            elif (at := b.breaker.retry_at) is not None and at < self._wake_at:
+                self._wake_at = at  # an open breaker: look again when it lets a probe through
         rank = self._key(job, now)[0] if self.holds else 0.0
         free = []
         for b in usable:
@@ -382,8 +399,30 @@ class Scheduler:
                 break
             self._start(best, best_backend, now)
             changed = True
+        if self._wake_at != math.inf:
+            self._wake_later()
         if changed and self.on_change:
             self.on_change()
+
+    def _wake_later(self) -> None:
+        """Dispatch again when the earliest open breaker that kept a job waiting lets a probe through
+        (nothing else may happen meanwhile to call :meth:`dispatch`)."""
+        at, self._wake_at = self._wake_at, math.inf
+        if not self.waiting or (self._wake_timer is not None and self._wake_timer_at <= at):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): it calls dispatch() itself
+            return
+        if self._wake_timer is not None:
+            self._wake_timer.cancel()
+        self._wake_timer_at = at
+        self._wake_timer = loop.call_later(max(0.0, at - self.clock()) + 0.001, self._woken)
+
+    def _woken(self) -> None:
+        self._wake_timer = None
+        self._wake_timer_at = math.inf
+        self.dispatch()
 
     def _start(self, job: Job, backend: Backend, now: float) -> None:
         self.waiting.remove(job)
@@ -409,16 +448,18 @@ class Scheduler:
                 if h.timer is not None:
                     h.timer.cancel()
         backend.last_used = time.monotonic()
-        if backend.ejected_until:
-            backend.probing = True  # half-open: this request decides whether it comes back
+        job.probe = backend.breaker.dispatched(now)  # half-open: this request decides whether it comes back
         if job.affinity:
             self.affinity[job.affinity] = backend.name
             self.affinity.move_to_end(job.affinity)
             if len(self.affinity) > self.affinity_max_entries:
                 self.affinity.popitem(last=False)
         self.running[(backend.name, job.cls.name)] = self.running.get((backend.name, job.cls.name), 0) + 1
-        job.charged = job.estimate
-        self._charge(job.tenant, job.estimate / job.weight, job.estimate)
+        # Charged once per request: a retry on another replica is the same request, not a new one.
+        extra = job.estimate - job.charged
+        if extra:
+            job.charged = job.estimate
+            self._charge(job.tenant, extra / job.weight, extra)
         self._vtime = t.counter
         self._drain.add(now)
         if job.future is not None and not job.future.done():

@@ -261,6 +261,7 @@ class App:
                                       (b"access-control-expose-headers", b"x-request-id, retry-after")]
             await send(message)
 
+        cors_send.__wrapped__ = send  # type: ignore[attr-defined]  # (the exchange finds the connection)
         return cors_send
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -362,37 +363,48 @@ class App:
             new = expand(raw)
         except ConfigError as exc:
             raise InvalidRequest(f"Reload refused, the running configuration stays: {exc}") from None
-        current = {b.name: b for b in self.registry.backends}
+        current = {b.name: b for b in self.registry.backends if not b.draining}
+        still_draining = [b for b in self.registry.backends if b.draining]  # from an earlier reload
         wanted = {bc.name: bc for bc in new.backends}
         kept = [n for n, b in current.items() if n in wanted and wanted[n] == b.cfg]
         removed = [n for n in current if n not in kept]
         added = [n for n in wanted if n not in kept]
-        for name in removed:
-            current[name].draining = True
-            self._spawn(self._retire(current[name]), f"retire-{name}")
+        # The processes are taken first: a backend changed under the same name gets a new one below,
+        # and the old one must still be found and stopped once its requests are done.
+        olds = {n: p for n in removed if (p := self.supervisor.get(n)) is not None and p.backend is current[n]}
         backends = [current[n] for n in kept]
+        fresh: list[Backend] = []
         for name in added:
             backend, proc = build_runtime(wanted[name], self.cfg.timeouts)
             await backend.start()
             backends.append(backend)
-            if proc is not None:
+            if proc is None:
+                fresh.append(backend)
+            else:
                 proc.on_ready = self.scheduler.dispatch
                 self.supervisor.processes[name] = proc
                 if not backend.cfg.on_demand:
                     self._spawn(self.supervisor.start(name), f"start-{name}")
-        self.registry.set_backends(backends + [current[n] for n in removed])
+        # Health-check the new runtimes now, not at the poller's next pass, and only then let the old
+        # ones drain: a model whose backend is replaced must never look unserved (503) meanwhile.
+        await asyncio.gather(*(b.scrape() for b in fresh))
+        for name in removed:
+            current[name].draining = True
+            old = olds.get(name)
+            if old is not None:
+                self.supervisor.retiring.add(old)  # stopped at shutdown too, if still draining then
+            self._spawn(self._retire(current[name], old), f"retire-{name}")
+        self.registry.set_backends(backends + [current[n] for n in removed] + still_draining)
         self.backends_configured = not raw.uses_embedded
         self._extra_routes_changed()
         log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
         return {"added": added, "removed": removed, "unchanged": kept}
 
-    async def _retire(self, backend: Backend) -> None:
+    async def _retire(self, backend: Backend, proc: RuntimeProcess | None) -> None:
         while backend.in_flight:
             await asyncio.sleep(0.2)
-        proc = self.supervisor.get(backend.name)
-        if proc is not None and proc.backend is backend:
-            await proc.stop()
-            del self.supervisor.processes[backend.name]
+        if proc is not None:
+            await self.supervisor.retire(proc)
         self.registry.set_backends([b for b in self.registry.backends if b is not backend])
         self._extra_routes_changed()
         await backend.close()

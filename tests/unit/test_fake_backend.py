@@ -143,6 +143,18 @@ def test_abort_rate_cuts_the_stream_without_done():
         assert fake.stats()["aborted"] == 1
 
 
+def test_a_server_wide_fault_at_a_rate_and_a_request_paced_on_its_own():
+    # --fault for a fraction of the requests (what bench/soak.py uses), seeded like the other draws
+    with start_fake_backend(ttft_ms=0, itl_ms=1, fault="redirect", fault_rate=0.5, seed=3) as fake:
+        statuses = [httpx.post(fake.url + "/v1/chat/completions", json=chat(stream=False)).status_code
+                    for _ in range(20)]
+        assert set(statuses) == {200, 302} and fake.stats()["faults"] == statuses.count(302)
+    with start_fake_backend(ttft_ms=0, itl_ms=1000) as fake:
+        start = time.monotonic()
+        r = httpx.post(fake.url + "/v1/chat/completions", json=chat(max_tokens=50, fake_itl_ms=0), timeout=10)
+        assert "[DONE]" in r.text and time.monotonic() - start < 5  # not 50 s at its 1 s pace
+
+
 def test_schedule_does_not_drift():
     """100 chunks 5 ms apart stay on the grid start + TTFT + k × ITL: no accumulated delay.
 
