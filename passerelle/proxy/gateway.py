@@ -307,7 +307,7 @@ class Gateway:
                 await self._dispatch(ex, job, data, body, cls)
                 rec.finish(Cause.OK, 200)
             except asyncio.CancelledError:
-                if not ex.cancelled_by_client:
+                if not ex.take_cancel():
                     raise
                 ex.task.uncancel()
                 failure = (ClientTimeout("The client took no bytes in time; its connection was cut.") if ex.stalled
@@ -331,11 +331,14 @@ class Gateway:
             if failure is not None and not isinstance(failure, ClientDisconnect | ClientTimeout):
                 await ex.report(failure)  # watched: a client that takes nothing is cut (watchdog)
         except asyncio.CancelledError:
-            if not ex.cancelled_by_client:
+            if not ex.take_cancel():
                 raise
-            ex.task.uncancel()  # the client stopped reading our error: it is cut, and the cause stays
+            ex.task.uncancel()  # the client left or stopped reading during our error: the cause stays
         finally:
             self._live.discard(ex)
+            # (an exception kept in a local would keep this frame, and all it holds, in a reference
+            # cycle through its traceback until the cyclic collector runs)
+            failure = None
             try:
                 ex.close()
             finally:
@@ -399,6 +402,7 @@ class Gateway:
                 running.dec()
                 backend.breaker.record(outcome_of(error), probe=job.probe, now=self.scheduler.clock())
                 job.probe = False
+                error = None  # (no reference cycle through the exception's traceback: see handle)
 
     async def _attempt(self, ex: Exchange, backend: Backend, data: dict[str, Any], body: bytes,
                        cls: ClassConfig, deadline: Deadline) -> None:
