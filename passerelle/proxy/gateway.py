@@ -1,7 +1,10 @@
 """The life of one inference request, start to end, in one place.
 
-    read body (capped) → parse the few fields the gateway needs → pick a backend
-    → send upstream → relay (stream or body) → account: metrics, usage, one access-log line
+    read body (capped) → parse the few fields the gateway needs → admit → queue for a replica
+    → one attempt (attempt.py: send upstream, relay the stream or take the body, within the
+      request's deadline, deadline.py) → retry elsewhere before the first byte (retry.py)
+    → release the slot and the key's concurrency → report an error → account: metrics, usage,
+      one access-log line (all in ``handle``'s finally: nothing a client or runtime does skips it)
 
 The body passes through untouched, except that a streaming request that did not ask for
 ``stream_options.include_usage`` gets it added (so token counts come from the runtime), and the
@@ -17,12 +20,13 @@ Races worth knowing:
 * Response headers go out only once the runtime's status is known, so a runtime error before
   the first byte reaches the client with the runtime's status; after that, only an SSE error
   event can report it.
+* A client may also stop reading. Every write to it is watched (``Exchange.send``); once a
+  second ``_watch_writes`` cuts the clients that took nothing for ``client_write_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -43,31 +47,23 @@ from passerelle.errors import (
     Unauthorized,
     UnknownModel,
     UpstreamError,
-    UpstreamStatus,
-    UpstreamTooLarge,
 )
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
 from passerelle.observe.record import RequestRecord, State
-from passerelle.proxy.assemble import assemble
+from passerelle.proxy.attempt import fetch, outcome_of
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
-from passerelle.proxy.relay import StreamRelay, finish_upstream, read_body, read_error
 from passerelle.proxy.retry import RetryBudget, may_retry
-from passerelle.runtimes.breaker import Outcome
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey, KeyRing
 from passerelle.tenants.limits import FailedAuthThrottle, Grant, KeyLimiter
-from passerelle.upstream.client import Response
 
 log = logging.getLogger("passerelle.proxy.gateway")
 
 _REQUIRED = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
-_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]
-
 
 async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole body, refused as soon as it is known to exceed ``limit`` bytes."""
@@ -157,36 +153,6 @@ def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
         return body[: i + 1] + b'"stream_options":{"include_usage":true},' + body[i + 1 :]
     data = dict(data, stream_options=dict(data["stream_options"], include_usage=True))
     return orjson.dumps(data)
-
-
-class _Collector:
-    """An ASGI ``send`` that keeps the body, for answers assembled from a stream; at most ``limit``
-    bytes (``[limits] max_answer_bytes``)."""
-
-    def __init__(self, limit: int) -> None:
-        self.parts: list[bytes] = []
-        self.size = 0
-        self.limit = limit
-
-    async def __call__(self, message: dict[str, Any]) -> None:
-        body = message.get("body", b"")
-        self.size += len(body)
-        if self.size > self.limit:
-            raise UpstreamTooLarge("answer", self.limit, "max_answer_bytes")
-        self.parts.append(body)
-
-
-def outcome_of(err: BaseException | None) -> Outcome:
-    """What an attempt's end says about the runtime, for its circuit breaker: a failure when the
-    runtime could not answer properly, nothing at all when the client, its request, a cap or the
-    gateway ended it."""
-    if err is None:
-        return Outcome.SUCCESS
-    if isinstance(err, UpstreamStatus):
-        return Outcome.FAILURE if err.status >= 500 or err.status == 429 else Outcome.NEUTRAL
-    if isinstance(err, UpstreamTooLarge) or not isinstance(err, UpstreamError):
-        return Outcome.NEUTRAL
-    return Outcome.FAILURE
 
 
 class Gateway:
@@ -416,95 +382,13 @@ class Gateway:
         elif rec.stream and not (data.get("stream_options") or {}).get("include_usage"):
             body, strip_usage = with_usage_requested(body, data), True
         body = backend.prepare(body, cls.rank)
-        answer = await self._fetch(ex, backend, body, deadline, collect=collect, strip_usage=strip_usage)
+        answer = await fetch(ex, backend, body, deadline, self.cfg, collect=collect, strip_usage=strip_usage)
         if answer is None:
             return  # streamed to the client
         raw, ctype = answer
         # The client's writes are the watchdog's (client_write_s), no longer the runtime's deadline.
         await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
         await ex.send_whole(raw)
-
-    async def _fetch(self, ex: Exchange, backend: Backend, body: bytes, deadline: Deadline, *, collect: bool,
-                     strip_usage: bool) -> tuple[bytes, bytes] | None:
-        """Send the request and take the runtime's answer within the attempt's one timer (the
-        response head, then the stream it moves): a stream is relayed to the client (None); a
-        non-streamed answer is returned whole, with its content type, for the caller to send."""
-        rec, endpoint, limits = ex.rec, ex.rec.endpoint, self.cfg.limits
-        streamed = rec.stream or collect
-        deadline.start_attempt()
-        head_at = deadline.head_at(streamed=streamed)
-        resp: Response | None = None
-        relay: StreamRelay | None = None
-        sink = _Collector(limits.max_answer_bytes) if collect else None
-        finishing = False  # the answer is whole; only what follows [DONE] is being read
-        try:
-            async with asyncio.timeout_at(head_at) as budget:
-                resp = await backend.post(f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", body,
-                                          request_id=rec.id)
-                self._check_head(resp, backend, streamed=streamed)
-                if resp.status != 200:
-                    raw = await read_error(resp, rec, limit=limits.max_error_bytes)
-                    raise UpstreamStatus(resp.status, raw, resp.header(b"content-type") or b"")
-                if not streamed:
-                    raw = await read_body(resp, rec, limit=limits.max_answer_bytes)
-                    if raw.lstrip()[:1] not in (b"{", b"["):
-                        raise UpstreamError(f"The model runtime '{backend.name}' answered with a body that is not "
-                                            "JSON.")
-                    return raw, resp.header(b"content-type") or b"application/json"
-                if sink is not None:
-                    relay = StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False,
-                                        max_event=limits.max_event_bytes)
-                    await relay.run(resp, deadline, budget)
-                else:
-                    relay = StreamRelay(rec, ex.send, self.cfg.timeouts, strip_usage=strip_usage,
-                                        before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing,
-                                        max_event=limits.max_event_bytes)
-                    await relay.run(resp, deadline, budget)
-                    ex.mark_finishing()
-                    with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
-                        await ex.send_body(b"", more=False)
-                finishing = True
-                await finish_upstream(resp, budget)
-        except TimeoutError:
-            if not finishing:
-                if resp is None:
-                    raise deadline.expired(head_at, detail=f"runtime '{backend.name}' sent no response head") \
-                        from None
-                if relay is not None:
-                    raise relay.timed_out(deadline) from None
-                raise deadline.expired(head_at, detail=f"its HTTP {resp.status} answer was still arriving") from None
-        finally:
-            if resp is not None:
-                resp.close()  # drops the connection if unread: the runtime stops generating
-        if sink is None:
-            return None
-        raw = assemble(b"".join(sink.parts), endpoint)
-        sink.parts.clear()
-        return raw, b"application/json"
-
-    @staticmethod
-    def _check_head(resp: Response, backend: Backend, *, streamed: bool) -> None:
-        """Refuse what is not an answer to relay: a redirect (never followed: it could point
-        anywhere), a status that is neither 200 nor an error, or a 200 whose type is not an event
-        stream (streams) or JSON (the rest), such as an HTML page from a proxy in front."""
-        status = resp.status
-        if status == 200:
-            raw = resp.header(b"content-type")
-            if not raw:
-                return
-            ctype = raw.decode("latin-1").lower()
-            if streamed and "event-stream" not in ctype:
-                raise UpstreamError(f"The model runtime '{backend.name}' answered a streaming request with "
-                                    f"'{ctype[:80]}', not an event stream.")
-            if not streamed and "json" not in ctype:
-                raise UpstreamError(f"The model runtime '{backend.name}' answered with '{ctype[:80]}', not JSON.")
-            return
-        if 400 <= status < 600:
-            return  # the runtime's error: passed on by the caller
-        where = resp.headers.get("Location", "")
-        to = f" to '{where[:200]}'" if where else ""
-        raise UpstreamError(f"The model runtime '{backend.name}' answered HTTP {status}{to}; passerelle does not "
-                            "follow redirects or relay other statuses. Check the backend's url.")
 
     def account(self, rec: RequestRecord) -> None:
         m = self.metrics
