@@ -68,6 +68,7 @@ class Tally:
     sent: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)  # what the client saw
     ids: set[str] = field(default_factory=set)  # X-Request-Id of every response head seen
+    kind_of: dict[str, str] = field(default_factory=dict)  # request id -> what its client did
     no_head: int = 0  # requests whose response head never came (the connection failed first)
     never_cut: int = 0  # non-reading clients the gateway did not cut within the wait
 
@@ -133,31 +134,35 @@ async def user(host: str, port: int, stop_at: float, tally: Tally, rng: random.R
     conn: Conn | None = None
     while time.monotonic() < stop_at:
         roll = rng.random()
-        kind = "disconnect" if roll < args.disconnect_rate else \
-            "stop-reading" if roll < args.disconnect_rate + args.stop_reading_rate else "normal"
+        kind = "left" if roll < args.disconnect_rate else \
+            "stopped reading" if roll < args.disconnect_rate + args.stop_reading_rate else "read"
         tally.sent += 1
-        if kind == "stop-reading":
+        if kind == "stopped reading":
             r, w = await _connect(host, port, rcvbuf=4096)
             try:
                 w.write(long)
                 head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 30)
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"x-request-id:"):
-                        tally.ids.add(line.split(b":", 1)[1].strip().decode())
+                        rid = line.split(b":", 1)[1].strip().decode()
+                        tally.ids.add(rid)
+                        tally.kind_of[rid] = kind
                 if not head.startswith(b"HTTP/1.1 200"):
-                    tally.outcomes[f"stop-reading: refused ({head[9:12].decode()})"] += 1
+                    tally.outcomes[f"stopped reading: refused ({head[9:12].decode()})"] += 1
                     continue
                 sock = w.get_extra_info("socket")
                 w.transport.pause_reading()  # nothing more is read
                 deadline = time.monotonic() + wait_cut_s
                 while not _cut(sock) and time.monotonic() < deadline:
                     await asyncio.sleep(0.25)
-                tally.outcomes["stop-reading: cut by the gateway" if _cut(sock) else "stop-reading: NOT cut"] += 1
+                # (not cut: its request ended first, e.g. the runtime reset it and the client got an
+                # error event it did not read; the gateway's cause for it says which)
+                tally.outcomes["stopped reading: cut by the gateway" if _cut(sock) else "stopped reading: not cut"] += 1
                 if not _cut(sock):
                     tally.never_cut += 1
             except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
                 tally.no_head += 1
-                tally.outcomes[f"stop-reading: {exc.__class__.__name__}"] += 1
+                tally.outcomes[f"stopped reading: {exc.__class__.__name__}"] += 1
             finally:
                 w.transport.abort()
             continue
@@ -176,17 +181,19 @@ async def user(host: str, port: int, stop_at: float, tally: Tally, rng: random.R
                     raise ConnectionResetError("the gateway closed the connection")
                 reader.parser.feed_data(data)
                 if reader.head_done and b"x-request-id" in reader.headers:
-                    tally.ids.add(reader.headers[b"x-request-id"].decode())
-                if kind == "disconnect" and _CONTENT.search(reader.body):
+                    rid = reader.headers[b"x-request-id"].decode()
+                    tally.ids.add(rid)
+                    tally.kind_of[rid] = kind
+                if kind == "left" and _CONTENT.search(reader.body):
                     break
-            if kind == "disconnect" and not reader.done:
+            if kind == "left" and not reader.done:
                 w.transport.abort()
                 conn = None
-                tally.outcomes["disconnect: left after the first token"] += 1
+                tally.outcomes["left after the first token"] += 1
                 continue
             text = bytes(reader.body)
             ok = b"data: [DONE]" in text
-            tally.outcomes[f"{kind}: " + ("complete" if ok else "error event" if b'"error"' in text else "other")] += 1
+            tally.outcomes[f"{kind}: " + ("[DONE]" if ok else "error event" if b'"error"' in text else "other")] += 1
             if not reader.keep_alive:
                 w.transport.abort()
                 conn = None
@@ -331,6 +338,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fake.stop()
     lines = [json.loads(ln) for ln in gw.log.read_text().splitlines() if ln.startswith("{") and '"request_id"' in ln]
     causes = Counter(ln["cause"] for ln in lines)
+    by_kind: dict[str, Counter[str]] = {}
+    for ln in lines:  # what the gateway recorded, by what the client did
+        kind = tally.kind_of.get(ln["request_id"], "no response head")
+        by_kind.setdefault(kind, Counter())[ln["cause"]] += 1
     logged = {ln["request_id"] for ln in lines}
     with contextlib.closing(sqlite3.connect(db)) as conn:
         usage_rows = conn.execute("SELECT COUNT(*) FROM usage").fetchone()[0]
@@ -341,7 +352,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "client_stops_reading": args.stop_reading_rate},
         "reloads_at_s": reloads, "requests_sent": tally.sent, "runtime_resets_injected": injected["faults"],
         "client_outcomes": dict(tally.outcomes),
-        "access_log_lines": len(lines), "causes": dict(causes), "usage_rows": usage_rows,
+        "access_log_lines": len(lines), "causes": dict(causes),
+        "causes_by_client_behaviour": {k: dict(v) for k, v in by_kind.items()}, "usage_rows": usage_rows,
         "usage_by_cause": usage_causes, "ids_seen_by_clients": len(tally.ids),
         "ids_without_a_log_line": len(tally.ids - logged), "requests_without_a_head": tally.no_head,
         "non_reading_never_cut": tally.never_cut,
@@ -361,9 +373,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"requests sent {tally.sent}; access-log lines {len(lines)}; usage rows {usage_rows}; "
           f"resets injected by the runtime {injected['faults']}")
     print(f"causes: {dict(causes)}")
+    for kind, counts in sorted(by_kind.items()):
+        print(f"  clients that {kind}: {dict(counts)}")
     print(f"client outcomes: {dict(tally.outcomes)}")
     print(f"request ids seen by clients without a log line: {len(tally.ids - logged)}; "
-          f"requests without a response head: {tally.no_head}; non-reading clients never cut: {tally.never_cut}")
+          f"requests without a response head: {tally.no_head}; non-reading clients not cut: {tally.never_cut}")
     print(f"in flight after the load: /admin/stats {settled[0]}, passerelle_requests_running {settled[1]:g}")
     print(f"idle before: RSS {idle_before[0]:.1f} MiB, {idle_before[1]} fds; idle after: RSS {idle_after[0]:.1f} "
           f"MiB, {idle_after[1]} fds")

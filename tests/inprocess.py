@@ -58,8 +58,30 @@ async def fake_runtime(**options: Any) -> AsyncIterator[Fake]:
         await server.wait_closed()
 
 
+class _Transport:
+    """What the gateway finds under a uvicorn send (``send.__self__.transport``)."""
+
+    def __init__(self, resp: Response, gone: asyncio.Event) -> None:
+        self.resp, self.gone = resp, gone
+
+    def abort(self) -> None:
+        self.resp.aborted = True
+        self.gone.set()
+
+    def is_closing(self) -> bool:
+        return self.gone.is_set()
+
+
+class _Cycle:
+    """uvicorn's per-request object keeps the transport."""
+
+    def __init__(self, transport: _Transport) -> None:
+        self.transport = transport
+
+
 class _Bound:
-    """A callable with ``__self__``, as a bound method has (the gateway looks for the connection there)."""
+    """The ASGI send: a callable with ``__self__``, as uvicorn's bound method has (the gateway looks
+    for the connection there)."""
 
     def __init__(self, owner: Any, fn: Any) -> None:
         self.__self__ = owner
@@ -136,20 +158,8 @@ class InProcessGateway:
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 gone.set()  # uvicorn answers receive() with a disconnect once the response is complete
 
-        class Transport:  # what the gateway finds under a uvicorn send (send.__self__.transport)
-            def abort(self) -> None:
-                resp.aborted = True
-                gone.set()
-
-            def is_closing(self) -> bool:
-                return gone.is_set()
-
-        class Cycle:  # uvicorn's per-request object keeps the transport
-            transport = Transport()
-
-        send.__wrapped__ = _Bound(Cycle(), send)  # type: ignore[attr-defined]
         async with asyncio.timeout(timeout):
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, _Bound(_Cycle(_Transport(resp, gone)), send))
         return resp
 
     async def post(self, path: str, obj: Any, **kw: Any) -> Response:

@@ -14,8 +14,8 @@ lives here, on one object, rather than in closures and ``nonlocal`` flags:
   (one timer for all requests, not one per write) calls :meth:`Exchange.stall`.
 
 Race worth knowing: the watcher task waits on ASGI ``receive()`` and cancels the request's task on
-``http.disconnect``. The request task tells a disconnect-cancel from any other cancellation by
-``cancelled_by_client``, and ``uncancel()``s only the former.
+``http.disconnect``. The request task tells a disconnect-cancel from any other cancellation with
+``take_cancel()``, and ``uncancel()``s only the former.
 
 Example::
 
@@ -69,8 +69,9 @@ def _transport_of(send: Send) -> Any:
 
 
 class Exchange:
-    __slots__ = ("_aborted", "_asgi_send", "_cancelled", "_loop", "_watcher", "disconnected", "errors", "finishing",
-                 "grammar", "rec", "receive", "scope", "stalled", "started", "task", "writing_since")
+    __slots__ = ("_aborted", "_asgi_send", "_cancel_pending", "_cancelled", "_loop", "_watcher", "disconnected",
+                 "errors", "finishing", "grammar", "rec", "receive", "scope", "stalled", "started", "task",
+                 "writing_since")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         client = scope.get("client")
@@ -81,6 +82,7 @@ class Exchange:
         self.disconnected = False
         self.stalled = False  # the client took no byte for too long; its connection is cut
         self._cancelled = False  # this exchange cancelled its task (once at most: see ``_cancel``)
+        self._cancel_pending = False  # ... and the request's task has not caught it yet
         self._aborted = False  # the client's connection was dropped
         self.writing_since = 0.0  # loop time a write to the client began and has not returned; 0: none
         task = asyncio.current_task()
@@ -112,9 +114,10 @@ class Exchange:
 
     def _cancel(self) -> None:
         # One cancel per exchange, so that one uncancel() in the gateway balances it (a leftover
-        # cancel request would turn the task's later timeouts into cancellations).
+        # cancel request would turn the task's later timeouts into cancellations). After it, a
+        # client stuck again is released by abort() alone.
         if not self._cancelled:
-            self._cancelled = True
+            self._cancelled = self._cancel_pending = True
             self.task.cancel()
 
     def end_now(self) -> None:
@@ -128,10 +131,13 @@ class Exchange:
         """The server's own send, under the watched one (for a shutdown that must write past it)."""
         return self._asgi_send
 
-    @property
-    def cancelled_by_client(self) -> bool:
-        """Was this request's task cancelled because its client left or stopped reading?"""
-        return self._cancelled
+    def take_cancel(self) -> bool:
+        """For the request's task, catching a CancelledError: was it this exchange's cancel (the
+        client left or stopped reading)? True once; any other cancellation must propagate."""
+        if self._cancel_pending:
+            self._cancel_pending = False
+            return True
+        return False
 
     def stall(self) -> None:
         """The client has not taken a byte for too long (the gateway's watchdog calls this): cut
@@ -166,6 +172,9 @@ class Exchange:
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
+            # Forget it: the cancelled task keeps its frames (and through them this exchange) in its
+            # CancelledError's traceback, a reference cycle per request left to the cyclic collector.
+            self._watcher = None
         if self.stalled:
             self.abort()
 

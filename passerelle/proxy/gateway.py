@@ -1,7 +1,10 @@
 """The life of one inference request, start to end, in one place.
 
-    read body (capped) → parse the few fields the gateway needs → pick a backend
-    → send upstream → relay (stream or body) → account: metrics, usage, one access-log line
+    read body (capped) → parse the few fields the gateway needs → admit → queue for a replica
+    → one attempt (attempt.py: send upstream, relay the stream or take the body, within the
+      request's deadline, deadline.py) → retry elsewhere before the first byte (retry.py)
+    → release the slot and the key's concurrency → report an error → account: metrics, usage,
+      one access-log line (all in ``handle``'s finally: nothing a client or runtime does skips it)
 
 Every inference API goes through this life (protocols.py says what differs: the fields read, the
 runtime's path, the stream's grammar, whether it queues for a slot, the error shape). The body
@@ -19,12 +22,13 @@ Races worth knowing:
 * Response headers go out only once the runtime's status is known, so a runtime error before
   the first byte reaches the client with the runtime's status; after that, only an SSE error
   event can report it.
+* A client may also stop reading. Every write to it is watched (``Exchange.send``); once a
+  second ``_watch_writes`` cuts the clients that took nothing for ``client_write_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -44,33 +48,23 @@ from passerelle.errors import (
     InvalidRequest,
     UnknownModel,
     UpstreamError,
-    UpstreamStatus,
-    UpstreamTooLarge,
 )
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
 from passerelle.observe.record import RequestRecord, State
-from passerelle.proxy import grammars
-from passerelle.proxy.assemble import assemble
-from passerelle.proxy.assemble_events import assemble_events
+from passerelle.proxy.attempt import fetch, outcome_of
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.protocols import Api, Parsed, api_for
-from passerelle.proxy.relay import StreamRelay, finish_upstream, read_body, read_error
 from passerelle.proxy.retry import RetryBudget, may_retry
-from passerelle.runtimes.breaker import Outcome
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey, KeyRing
 from passerelle.tenants.names import user_tenant
 from passerelle.tenants.policy import KeyPolicy, Ticket
-from passerelle.upstream.client import Response
 
 log = logging.getLogger("passerelle.proxy.gateway")
-
-_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]
 
 
 async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes:
@@ -123,36 +117,6 @@ def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
     return orjson.dumps(data)
 
 
-class _Collector:
-    """An ASGI ``send`` that keeps the body, for answers assembled from a stream; at most ``limit``
-    bytes (``[limits] max_answer_bytes``)."""
-
-    def __init__(self, limit: int) -> None:
-        self.parts: list[bytes] = []
-        self.size = 0
-        self.limit = limit
-
-    async def __call__(self, message: dict[str, Any]) -> None:
-        body = message.get("body", b"")
-        self.size += len(body)
-        if self.size > self.limit:
-            raise UpstreamTooLarge("answer", self.limit, "max_answer_bytes")
-        self.parts.append(body)
-
-
-def outcome_of(err: BaseException | None) -> Outcome:
-    """What an attempt's end says about the runtime, for its circuit breaker: a failure when the
-    runtime could not answer properly, nothing at all when the client, its request, a cap or the
-    gateway ended it."""
-    if err is None:
-        return Outcome.SUCCESS
-    if isinstance(err, UpstreamStatus):
-        return Outcome.FAILURE if err.status >= 500 or err.status == 429 else Outcome.NEUTRAL
-    if isinstance(err, UpstreamTooLarge) or not isinstance(err, UpstreamError):
-        return Outcome.NEUTRAL
-    return Outcome.FAILURE
-
-
 class Gateway:
     def __init__(self, cfg: Config, registry: Registry, metrics: Metrics, access_log: AccessLog,
                  scheduler: Scheduler, keyring: KeyRing | None = None) -> None:
@@ -165,14 +129,13 @@ class Gateway:
         self.keys = KeyPolicy(cfg, keyring)  # keys: who, which models, quotas, limits (tenants/policy.py)
         self.classes = {c.name: c for c in cfg.classes}
         self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
-        # Requests in progress, for the watchdog that cuts clients which stopped reading.
-        self._live: set[Exchange] = set()
         self._watchdog: asyncio.TimerHandle | None = None
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
         self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
         self.listeners: list[Callable[[RequestRecord], None]] = []
-        # Requests in progress; the server's shutdown ends those still running (server/shutdown.py).
+        # Requests in progress: the watchdog cuts clients that stopped reading, the shutdown ends those
+        # still running past its grace (server/shutdown.py).
         self.open: set[Exchange] = set()
 
     # -- who is asking, and how urgent ---------------------------------------------------------
@@ -282,7 +245,7 @@ class Gateway:
                 await self._dispatch(ex, api, job, req.data, body, cls)
                 rec.finish(Cause.OK, 200)
             except asyncio.CancelledError:
-                if not ex.cancelled_by_client:
+                if not ex.take_cancel():
                     raise
                 ex.task.uncancel()
                 failure = (ClientTimeout("The client took no bytes in time; its connection was cut.") if ex.stalled
@@ -306,11 +269,14 @@ class Gateway:
             if failure is not None and not isinstance(failure, ClientDisconnect | ClientTimeout):
                 await ex.report(failure)  # watched: a client that takes nothing is cut (watchdog)
         except asyncio.CancelledError:
-            if not ex.cancelled_by_client:
+            if not ex.take_cancel():
                 raise
-            ex.task.uncancel()  # the client stopped reading our error: it is cut, and the cause stays
+            ex.task.uncancel()  # the client left or stopped reading during our error: the cause stays
         finally:
             self.open.discard(ex)
+            # (an exception kept in a local would keep this frame, and all it holds, in a reference
+            # cycle through its traceback until the cyclic collector runs)
+            failure = None
             try:
                 ex.close()
             finally:
@@ -387,6 +353,7 @@ class Gateway:
                 running.dec()
                 backend.breaker.record(outcome_of(error), probe=job.probe, now=self.scheduler.clock())
                 job.probe = False
+                error = None  # (no reference cycle through the exception's traceback: see handle)
 
     async def _attempt(self, ex: Exchange, api: Api, backend: Backend, data: dict[str, Any] | None, body: bytes,
                        cls: ClassConfig, deadline: Deadline) -> None:
@@ -408,100 +375,14 @@ class Gateway:
             ctype = (header(ex.scope, b"content-type") or "").encode("latin-1")
         elif api.scheduled:  # (vLLM's priority: for requests that queue in the runtime)
             body = backend.prepare(body, cls.rank)
-        answer = await self._fetch(ex, api, backend, body, ctype, deadline, collect=collect, strip_usage=strip_usage)
+        answer = await fetch(ex, api, backend, body, ctype, deadline, self.cfg, collect=collect,
+                             strip_usage=strip_usage)
         if answer is None:
             return  # streamed to the client
         raw, ctype = answer
         # The client's writes are the watchdog's (client_write_s), no longer the runtime's deadline.
         await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
         await ex.send_whole(raw)
-
-    async def _fetch(self, ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: bytes, deadline: Deadline,
-                     *, collect: bool, strip_usage: bool) -> tuple[bytes, bytes] | None:
-        """Send the request and take the runtime's answer within the attempt's one timer (the
-        response head, then the stream it moves): a stream is relayed to the client (None); a
-        non-streamed answer is returned whole, with its content type, for the caller to send."""
-        rec, limits = ex.rec, self.cfg.limits
-        streamed = rec.stream or collect
-        deadline.start_attempt()
-        head_at = deadline.head_at(streamed=streamed)
-        resp: Response | None = None
-        relay: StreamRelay | None = None
-        sink = _Collector(limits.max_answer_bytes) if collect else None
-        finishing = False  # the answer is whole; only what follows [DONE] is being read
-        try:
-            async with asyncio.timeout_at(head_at) as budget:
-                resp = await backend.post(api.upstream, body, request_id=rec.id, content_type=ctype)
-                self._check_head(resp, backend, streamed=streamed, json=not api.form)
-                if resp.status != 200:
-                    raw = await read_error(resp, rec, limit=limits.max_error_bytes)
-                    raise UpstreamStatus(resp.status, raw, resp.header(b"content-type") or b"")
-                if not streamed:
-                    raw = await read_body(resp, rec, limit=limits.max_answer_bytes)
-                    if not api.form and raw.lstrip()[:1] not in (b"{", b"["):
-                        raise UpstreamError(f"The model runtime '{backend.name}' answered with a body that is not "
-                                            "JSON.")
-                    if not rec.usage_from_server and b"_tokens" in raw:  # Responses', Anthropic's, llama-server's
-                        with contextlib.suppress(orjson.JSONDecodeError):
-                            p, c = grammars.usage_of(orjson.loads(raw))
-                            if p is not None or c is not None:
-                                rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
-                    return raw, resp.header(b"content-type") or b"application/json"
-                if sink is not None:
-                    relay = StreamRelay(rec, sink, self.cfg.timeouts, strip_usage=False,
-                                        grammar=grammars.make(api.grammar), max_event=limits.max_event_bytes)
-                    await relay.run(resp, deadline, budget)
-                else:
-                    relay = StreamRelay(rec, ex.send, self.cfg.timeouts, strip_usage=strip_usage,
-                                        before_first=lambda: ex.start(200, _SSE_HEADERS), on_done=ex.mark_finishing,
-                                        grammar=grammars.make(api.grammar), max_event=limits.max_event_bytes)
-                    await relay.run(resp, deadline, budget)
-                    ex.mark_finishing()
-                    with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
-                        await ex.send_body(b"", more=False)
-                finishing = True
-                await finish_upstream(resp, budget)
-        except TimeoutError:
-            if not finishing:
-                if resp is None:
-                    raise deadline.expired(head_at, detail=f"runtime '{backend.name}' sent no response head") \
-                        from None
-                if relay is not None:
-                    raise relay.timed_out(deadline) from None
-                raise deadline.expired(head_at, detail=f"its HTTP {resp.status} answer was still arriving") from None
-        finally:
-            if resp is not None:
-                resp.close()  # drops the connection if unread: the runtime stops generating
-        if sink is None:
-            return None
-        sse = b"".join(sink.parts)
-        sink.parts.clear()
-        raw = assemble(sse, api.name) if api.grammar == "chat" else assemble_events(sse, api.grammar)
-        return raw, b"application/json"
-
-    @staticmethod
-    def _check_head(resp: Response, backend: Backend, *, streamed: bool, json: bool = True) -> None:
-        """Refuse what is not an answer to relay: a redirect (never followed: it could point
-        anywhere), a status that is neither 200 nor an error, or a 200 whose type is not an event
-        stream (streams) or JSON (the rest), such as an HTML page from a proxy in front."""
-        status = resp.status
-        if status == 200:
-            raw = resp.header(b"content-type")
-            if not raw:
-                return
-            ctype = raw.decode("latin-1").lower()
-            if streamed and "event-stream" not in ctype:
-                raise UpstreamError(f"The model runtime '{backend.name}' answered a streaming request with "
-                                    f"'{ctype[:80]}', not an event stream.")
-            if not streamed and json and "json" not in ctype:
-                raise UpstreamError(f"The model runtime '{backend.name}' answered with '{ctype[:80]}', not JSON.")
-            return
-        if 400 <= status < 600:
-            return  # the runtime's error: passed on by the caller
-        where = resp.headers.get("Location", "")
-        to = f" to '{where[:200]}'" if where else ""
-        raise UpstreamError(f"The model runtime '{backend.name}' answered HTTP {status}{to}; passerelle does not "
-                            "follow redirects or relay other statuses. Check the backend's url.")
 
     def account(self, rec: RequestRecord) -> None:
         m = self.metrics

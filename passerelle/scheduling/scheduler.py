@@ -337,13 +337,21 @@ class Scheduler:
         """
         now = self.clock()
         usable = []
+        held_back = []  # up, but their circuit breaker keeps them out for now
         for b in job.pool:
             if b.name in job.exclude:
                 continue
             if b.routable(now):
                 usable.append(b)
-            elif (at := b.breaker.retry_at) is not None and at < self._wake_at:
-                self._wake_at = at  # an open breaker: look again when it lets a probe through
+            elif b.stats.up and not b.draining:
+                held_back.append(b)
+                if (at := b.breaker.retry_at) is not None and at < self._wake_at:
+                    self._wake_at = at  # an open breaker: look again when it lets a probe through
+        if not usable:
+            # The breaker chooses among replicas; it never leaves a model without one. With every
+            # replica held back, a runtime that failed is still better than a queue that waits for
+            # nothing (its own error reaches the client, rather than a queue timeout).
+            usable = held_back
         rank = self._key(job, now)[0] if self.holds else 0.0
         free = []
         for b in usable:

@@ -195,6 +195,22 @@ class Response:
         self._wake()
 
 
+class _ClosedParser:
+    """Stands in for the parser of a connection that is gone (no cycle, and a late call is harmless)."""
+
+    def feed_data(self, data: bytes) -> None:
+        raise httptools.HttpParserError("the connection is closed")
+
+    def get_status_code(self) -> int:
+        return 0
+
+    def should_keep_alive(self) -> bool:
+        return False
+
+
+_CLOSED_PARSER = _ClosedParser()
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection; the httptools parser calls back into it."""
 
@@ -204,7 +220,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
         self.loop = loop
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: httptools.HttpResponseParser | _ClosedParser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set before any use
         self.resp: Response | None = None  # the response being received or read
         self.headers_ready: asyncio.Future[None] | None = None
@@ -263,6 +279,9 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        # The parser holds this protocol's callbacks and this protocol the parser: a reference cycle
+        # that would keep every closed connection (and its transport) for the cyclic collector.
+        self.parser = _CLOSED_PARSER
         self.pool.lost(self)
         resp = self.resp
         if resp is None or resp._done:

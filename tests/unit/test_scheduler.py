@@ -385,17 +385,36 @@ async def test_a_probe_that_ends_without_success_never_leaves_the_replica_waitin
 
 
 async def test_requests_queued_behind_an_open_breaker_go_when_it_lets_a_probe_through():
-    b = FakeBackend("b1", capacity=2)
+    b1, b2 = FakeBackend("b1", capacity=2), FakeBackend("b2", capacity=1)
     s = Scheduler()
     for _ in range(3):
-        b.breaker.record(Outcome.FAILURE, probe=False, now=s.clock())
-    b.breaker.open_until = s.clock() + 0.05  # (a short backoff, so the test is quick)
+        b1.breaker.record(Outcome.FAILURE, probe=False, now=s.clock())
+    b1.breaker.open_until = s.clock() + 0.05  # (a short backoff, so the test is quick)
+    busy = job([b2])
+    s.submit(busy)
+    j = job([b1, b2])
+    s.submit(j)
+    assert busy.backend is b2 and j.backend is None  # b2 is full, b1 held back by its breaker
+    async with asyncio.timeout(5):  # nothing else happens: only the scheduler's own timer can start it
+        assert await j.future is b1
+    assert j.probe
+
+
+async def test_a_model_whose_replicas_are_all_held_back_is_still_served(clock):
+    # The breaker chooses among replicas: a lone runtime that failed three times still gets the next
+    # request (its own error then reaches the client at once, not a queue timeout a minute later).
+    b = FakeBackend("b1", capacity=2)
+    s = make(clock)
+    fail(b, clock, 3)
+    assert not b.routable(clock())
     j = job([b])
     s.submit(j)
-    assert j.backend is None  # nothing else happens: only the scheduler's own timer can start it
-    async with asyncio.timeout(5):
-        assert await j.future is b
-    assert j.probe
+    assert j.backend is b and not j.probe
+    b2 = FakeBackend("b2", capacity=2)
+    fail(b2, clock, 3)
+    k = job([b, b2])
+    s.submit(k)
+    assert k.backend in (b, b2)
 
 
 async def test_a_full_queue_for_one_model_does_not_refuse_another_model(clock):
