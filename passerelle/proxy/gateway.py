@@ -39,7 +39,6 @@ from passerelle.errors import (
     GatewayError,
     InvalidRequest,
     Unauthorized,
-    UnknownModel,
     UpstreamError,
     UpstreamStatus,
 )
@@ -48,6 +47,7 @@ from passerelle.observe.metrics import Metrics, observe_many
 from passerelle.observe.record import RequestRecord, State, new_request_id
 from passerelle.proxy.assemble import assemble
 from passerelle.proxy.relay import StreamRelay, read_body
+from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
@@ -173,6 +173,7 @@ class Gateway:
         self.auth_throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
         self.classes = {c.name: c for c in cfg.classes}
         self._retry_budget = 10.0  # retries allowed now; refilled by 0.2 per request
+        self.catalogue = Catalogue((), registry)  # model names -> pools; the app sets the configured one
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
         self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
@@ -271,18 +272,17 @@ class Gateway:
             data = parse_request(body, endpoint)
             rec.model = data["model"]
             rec.stream = bool(data.get("stream")) and endpoint != "embeddings"
-            rec.max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
             cls = self.priority_class(scope, key)
             rec.priority = cls.name
             if key is not None:
                 rec.tenant = key.tenant
             elif data.get("user"):
                 rec.tenant = data["user"]
-            pool = self.registry.pool(rec.model, endpoint)
-            if pool is None:
-                raise UnknownModel(rec.model, self.registry.models)
-            if not pool:
-                raise InvalidRequest(f"The model '{rec.model}' is not served on /v1/{endpoint}.", param="model")
+            # Model catalogue (runtimes/catalogue.py): name or alias -> public name, pool, served name;
+            # parameter defaults/overrides applied; a fallback model when the pool cannot serve in time.
+            route = self.catalogue.resolve(rec.model, endpoint, data, body, wait_s=cls.max_queue_wait_s)
+            rec.model, pool, data, body = route.name, route.pool, route.data, route.body
+            rec.max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
             est_prompt = len(body) // 4  # about 4 bytes of JSON per token; corrected by usage
             est_output = 0 if endpoint == "embeddings" else (rec.max_tokens or 256)
             if key is not None:
@@ -421,7 +421,7 @@ class Gateway:
 
     def account(self, rec: RequestRecord) -> None:
         m = self.metrics
-        model = rec.model if self.registry.serves(rec.model) else "unknown"
+        model = rec.model if self.catalogue.serves(rec.model) else "unknown"
         m.count_request(model, rec.priority, rec.cause.value, rec.tenant)  # type: ignore[union-attr]
         if rec.t_queued and m.enabled:
             if m.tenant_label:

@@ -59,7 +59,9 @@ class Backend:
         self.in_flight = 0  # requests dispatched and not finished; the scheduler keeps it
         self.supervised = False  # launched by passerelle: may come back after a crash
         self.draining = False  # removed by a reload: finishes its requests, takes no new one
-        self.last_used = time.monotonic()  # last dispatch, for idle stop and LRU eviction
+        self.fenced = False  # being swapped out: finishes its requests, takes no new one
+        self.context_length: int | None = None  # tokens per request, where the runtime says
+        self.last_used = time.monotonic()  # last dispatch or release, for idle stop and LRU eviction
         self.stats = BackendStats()
         # Passive ejection: after EJECT_AFTER failures in a row the replica gets no requests for a
         # while; then one request probes it (half-open) and its outcome decides.
@@ -77,7 +79,7 @@ class Backend:
 
     def routable(self, now: float) -> bool:
         """May this replica take a new request now (up, not draining, not ejected)?"""
-        if not self.stats.up or self.draining:
+        if not self.stats.up or self.draining or self.fenced:
             return False
         if self.ejected_until:
             return now >= self.ejected_until and not self.probing

@@ -145,6 +145,9 @@ class Scheduler:
         self.hold_s = hold_s
         self.holds: list[_Hold] = []
         self.hold_counts = {"kept": 0, "lapsed": 0}  # holds used by their tenant / given up
+        # Called when a request is left waiting and whenever a slot is released: the swapper
+        # (swapper.py) decides then whether a model must be loaded or unloaded.
+        self.on_need: Callable[[], None] | None = None
 
     # -- public ----------------------------------------------------------------------------
     def waiting_by_class(self) -> dict[str, int]:
@@ -185,8 +188,11 @@ class Scheduler:
         t.waiting += 1
         self.waiting.append(job)
         self.dispatch()
-        if job.backend is None and self.on_change:
-            self.on_change()
+        if job.backend is None:
+            if self.on_change:
+                self.on_change()
+            if self.on_need:
+                self.on_need()
 
     async def acquire(self, job: Job) -> Backend:
         """Wait for a slot; the backend it is on. Cancelling the caller removes the job at once."""
@@ -214,6 +220,7 @@ class Scheduler:
             return
         job.backend = None
         b.in_flight -= 1
+        b.last_used = time.monotonic()  # idle time counts from the end of the last request
         self.tenants[job.tenant].running -= 1
         key = (b.name, job.cls.name)
         self.running[key] -= 1
@@ -225,6 +232,23 @@ class Scheduler:
         if self.hold_s > 0 and t.waiting == 0 and t.anticipate and self._contested(b, job.cls, t, now):
             self._hold(_Hold(b, job.cls, job.tenant, now + self.hold_s))
         self.dispatch()
+        if self.on_need:
+            self.on_need()
+
+    def key(self, job: Job) -> tuple[float, float, int]:
+        """``job``'s place in the order now (smaller goes first): see the module docstring."""
+        return self._key(job, self.clock())
+
+    def fail_waiting(self, which: Callable[[Job], bool], error: Callable[[], Exception]) -> int:
+        """End every waiting job for which ``which(job)`` is true with a new ``error()`` (e.g. the
+        only runtime that could serve them failed to start); how many."""
+        failed = 0
+        for job in [j for j in self.waiting if which(j)]:
+            self._remove(job)
+            if job.future is not None and not job.future.done():
+                job.future.set_exception(error())
+                failed += 1
+        return failed
 
     def expire_due(self) -> None:
         """Fail every job whose queue wait is over, end every hold past its time (the loop's

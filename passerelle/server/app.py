@@ -16,22 +16,28 @@ import time
 from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
+from urllib.parse import unquote
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from passerelle.config import Config
-from passerelle.errors import ConfigError, GatewayError, InvalidRequest
+from passerelle.config import Config, RuntimesConfig, budget_share
+from passerelle.errors import ConfigError, GatewayError, InvalidRequest, UnknownModel
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
 from passerelle.observe.record import new_request_id
+from passerelle.observe.runtime_metrics import RuntimeMetrics
+from passerelle.paths import state_dir
 from passerelle.proxy.gateway import ENDPOINTS, Gateway, Receive, Scope, Send, header
+from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.factory import build_runtime, expand
 from passerelle.runtimes.kinds import Backend
+from passerelle.runtimes.memory import MemoryBook, machine_gib
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
 from passerelle.scheduling.scheduler import Scheduler
+from passerelle.scheduling.swapper import Swapper
 from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener, is_admin_path
 from passerelle.server.control import is_control_path
@@ -49,6 +55,16 @@ class MethodNotAllowed(InvalidRequest):
     status, code = 405, "method_not_allowed"
 
 
+def budget_gib(rt: RuntimesConfig) -> float:
+    """The memory budget in GiB: ``max_loaded_gib``, or ``max_loaded`` (a share) of the machine."""
+    share = budget_share(rt.max_loaded) if rt.max_loaded else None
+    if share is None:
+        return rt.max_loaded_gib
+    total = machine_gib(rt.memory)
+    log.info("memory budget: %s of %.1f GiB (%s) = %.1f GiB", rt.max_loaded, total, rt.memory, share * total)
+    return share * total
+
+
 class App:
     """``App(cfg, backends, processes)`` is an ASGI 3 application; ``processes`` are the runtimes
     it launches, ``loader`` re-reads the configuration for a reload."""
@@ -64,14 +80,21 @@ class App:
         self.scheduler = Scheduler(cfg.classes, aging_s=cfg.scheduler.aging_s, on_change=self._queue_changed,
                                    policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack,
                                    hold_s=cfg.scheduler.hold_s)
-        self.supervisor = Supervisor(processes or [], max_loaded_gib=cfg.runtimes.max_loaded_gib,
+        self.supervisor = Supervisor(processes or [], max_loaded_gib=budget_gib(cfg.runtimes),
+                                     memory_kind=cfg.runtimes.memory,
+                                     book=MemoryBook(state_dir() / "runtime-memory.json"),
                                      on_ready=self.scheduler.dispatch)
         for proc in self.supervisor.processes.values():
             proc.on_ready = self.scheduler.dispatch
+        # Loading and unloading models as the queue asks (scheduling/swapper.py)
+        self.runtime_metrics = RuntimeMetrics(self.metrics.registry)
+        self.swapper = Swapper(self.scheduler, self.supervisor, cfg.runtimes, self.runtime_metrics)
+        self.scheduler.on_need = self.supervisor.on_change = self.swapper.poke
         self.keystore = KeyStore(cfg.auth.db or None)
         self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler,
                                KeyRing(self.keystore))
-        self.gateway.on_demand = self.supervisor.request_start
+        self.gateway.on_demand = self.swapper.poke
+        self.gateway.catalogue = self._catalogue(cfg)
         self.usage = UsageRecorder(self.keystore.conn)
         self.gateway.listeners.append(self.usage.record)
         self.started_at = time.time()
@@ -86,6 +109,9 @@ class App:
         self.admin_listener = (AdminListener(self.admin_app, cfg.admin.host, cfg.admin.port)
                                if cfg.admin.port else None)
         self._ui_page: bytes | None = None
+
+    def _catalogue(self, cfg: Config) -> Catalogue:
+        return Catalogue(cfg.models, self.registry, supervisor=self.supervisor, eta=self.swapper.eta_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -116,6 +142,8 @@ class App:
             await self._admin(scope, send, on_admin_port=False, receive=receive)
             return
         handler = ROUTES.get(path)
+        if handler is None and path.startswith("/v1/models/"):
+            handler = App.model
         if handler is None:
             await self._error(send, NotFound(f"No route for {method} {path}."))
             return
@@ -157,6 +185,8 @@ class App:
                                   waiting=self.waiting_by_class())
         snap["metrics_enabled"] = self.cfg.metrics.enabled
         snap["slot_holds"] = dict(self.scheduler.hold_counts)  # freed slots kept for a returning tenant
+        snap["runtimes"] = self.supervisor.describe()  # loaded or not, memory estimated and measured
+        snap["swaps"] = self.swapper.describe()  # budget, swaps and their cost, what waits for a load
         await self._raw(send, 200, orjson.dumps(snap), b"application/json", [(b"cache-control", b"no-store")])
 
     async def ui(self, scope: Scope, send: Send) -> None:
@@ -181,12 +211,21 @@ class App:
                                         "on_demand": on_demand})
 
     async def models(self, scope: Scope, send: Send) -> None:
-        created = int(self.started_at)
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "passerelle",
-                 "backends": [b.name for b in self.registry.backends_of(m)]} for m in self.registry.models]
+        """OpenAI's model list, each with the catalogue's metadata and whether it is loaded."""
+        data = self.gateway.catalogue.listing(int(self.started_at))
         await self._json(send, 200, {"object": "list", "data": data})
 
+    async def model(self, scope: Scope, send: Send) -> None:
+        """``GET /v1/models/{id}`` (an id may hold slashes, and an alias finds its model)."""
+        name = unquote(scope["path"].removeprefix("/v1/models/"))
+        found = self.gateway.catalogue.describe(name, int(self.started_at))
+        if found is None:
+            await self._error(send, UnknownModel(name, self.gateway.catalogue.names))
+            return
+        await self._json(send, 200, found)
+
     async def prom(self, scope: Scope, send: Send) -> None:
+        self.swapper.refresh_metrics()
         body = generate_latest(self.metrics.registry)
         await self._raw(send, 200, body, CONTENT_TYPE_LATEST.encode())
 
@@ -239,7 +278,7 @@ class App:
         counts: dict[tuple[str, str], int] = {}
         for job in self.scheduler.waiting:
             counts[(job.model, job.cls.name)] = counts.get((job.model, job.cls.name), 0) + 1
-        for model in self.registry.models:
+        for model in self.gateway.catalogue.names:
             for cls in self.cfg.classes:
                 self.metrics.waiting.labels(model, cls.name).set(counts.get((model, cls.name), 0))
 
@@ -310,10 +349,11 @@ class App:
             backends.append(backend)
             if proc is not None:
                 proc.on_ready = self.scheduler.dispatch
-                self.supervisor.processes[name] = proc
+                self.supervisor.adopt(proc)
                 if not backend.cfg.on_demand:
                     self._spawn(self.supervisor.start(name), f"start-{name}")
         self.registry.set_backends(backends + [current[n] for n in removed])
+        self.gateway.catalogue = self._catalogue(new)
         log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
         return {"added": added, "removed": removed, "unchanged": kept}
 
@@ -331,6 +371,7 @@ class App:
         if self.admin_listener is not None:
             await self.admin_listener.stop()
         await self.usage.stop()
+        await self.swapper.stop()
         await self.registry.stop()
         if self.supervisor is not None:
             await self.supervisor.stop_all()

@@ -24,6 +24,8 @@ class FakeBackend:
     in_flight: int = 0
     stats: BackendStats = field(default_factory=lambda: BackendStats(up=True))
     draining: bool = False
+    fenced: bool = False
+    last_used: float = 0.0
     failures: int = 0
     ejected_until: float = 0.0
     probing: bool = False
