@@ -523,8 +523,9 @@ def _load_models(raw: Any, *, file: str, text: str) -> tuple[ModelConfig, ...]:
                field_name="context_length", **ck)
         taken = {n for o in out for n in (o.name, *o.aliases)}
         clash = next((n for n in (m.name, *m.aliases) if n in taken), None)
-        _check(clash is None, f"the name '{clash}' is already used by another model", key=f"{key}.name",
-               field_name="name" if clash == m.name else "aliases", **ck)
+        where = "name" if clash == m.name else "aliases"
+        _check(clash is None, f"the name '{clash}' is already used by another model", key=f"{key}.{where}",
+               field_name=where, **ck)
         _check(m.name not in m.fallbacks, "a model cannot be its own fallback", key=f"{key}.fallbacks",
                field_name="fallbacks", **ck)
         out.append(m)
