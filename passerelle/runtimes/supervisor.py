@@ -108,7 +108,8 @@ class RuntimeProcess:
 
     @property
     def stopping(self) -> bool:
-        return self._stopping
+        """A stop is under way (asked for, not finished)."""
+        return self._stopping and self.state is not ProcState.STOPPED
 
     def _set(self, state: ProcState) -> None:
         if state is not self.state:

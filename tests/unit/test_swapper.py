@@ -29,6 +29,7 @@ class InstantProcess(RuntimeProcess):
         self.log, self.fail = log, fail
 
     async def start(self) -> None:
+        self._stopping = False  # as RuntimeProcess.start does
         self.state = ProcState.STARTING
         await asyncio.sleep(0)  # a start takes at least one pass of the loop
         if self.fail:
@@ -41,6 +42,7 @@ class InstantProcess(RuntimeProcess):
 
     async def stop(self, grace: float = 10.0) -> None:
         self.log.append(("stop", self.backend.name, self.backend.in_flight))
+        self._stopping = True  # as RuntimeProcess.stop does; a stopped runtime must start again
         self.backend.stats.up = False
         self.state = ProcState.STOPPED
 
