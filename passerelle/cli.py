@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--since", help="2026-11-30, 2026-11-30T12:00, or back from now: 90m, 24h, 7d")
     usage.set_defaults(func=cmd_usage)
 
-    runtime = sub.add_parser("runtime", help="list, start, stop, restart the runtimes a running gateway launched, "
+    runtime = sub.add_parser("runtime", help="list (state; memory estimated vs measured; the budget and swaps), "
+                                             "start, stop, restart the runtimes a running gateway launched, "
                                              "or show their logs")
     runtime.add_argument("action", choices=("list", "start", "stop", "restart", "logs"))
     runtime.add_argument("name", nargs="?", help="the backend name (all but list)")
