@@ -93,7 +93,8 @@ class RuntimeProcess:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        """The running process's id; None before a start and once it exited."""
+        return self.proc.pid if self.proc and self.proc.returncode is None else None
 
     @property
     def restarting(self) -> bool:

@@ -91,10 +91,11 @@ def render(body: bytes) -> str:
     budget = data.get("budget") or {}
     swaps = data.get("swaps") or {}
     if budget.get("max_loaded_gib"):
+        reasons = ", ".join(f"{k} {n}" for k, n in (swaps.get("by_reason") or {}).items())
         out.append(f"memory budget: {_gib(budget.get('loaded_gib'))} of {_gib(budget['max_loaded_gib'])} GiB "
-                   f"loaded ({budget.get('memory', 'total')}); swaps: {swaps.get('swaps', 0)} "
-                   f"{swaps.get('by_reason') or ''}".rstrip())
+                   f"loaded ({budget.get('memory', 'total')}); swaps: {swaps.get('swaps', 0)}"
+                   + (f" ({reasons})" if reasons else ""))
     if any(r.get("measured_gib") is not None and not r.get("measured_now") for r in rows):
-        out.append("* measured in an earlier run (learned)")
+        out.append("* measured when it last ran (learned; kept across restarts of passerelle)")
     out.append("COUNTS: what the budget counts (measured, else configured memory_gib, else the estimate)")
     return "\n".join(out)
