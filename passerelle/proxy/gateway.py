@@ -57,6 +57,7 @@ from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.protocols import Api, Parsed, api_for
 from passerelle.proxy.retry import RetryBudget, may_retry
+from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
@@ -130,6 +131,7 @@ class Gateway:
         self.classes = {c.name: c for c in cfg.classes}
         self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
         self._watchdog: asyncio.TimerHandle | None = None
+        self.catalogue = Catalogue((), registry)  # model names -> pools; the app sets the configured one
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
         self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
@@ -222,13 +224,28 @@ class Gateway:
                     rec.tenant = key.tenant
                 elif req.user:
                     rec.tenant = user_tenant(req.user, self.cfg.auth.max_user_chars)
-                pool = self.registry.pool(model, endpoint)
-                if pool is None:
-                    raise UnknownModel(model, self.registry.models)
-                if not pool:
-                    raise InvalidRequest(f"The model '{model}' is not served on {scope['path']}: no backend of "
-                                         f"it serves that route. It is served on: {self._routes_of(model)}.",
-                                         param="model")
+                # Model catalogue (runtimes/catalogue.py): name or alias -> public name, pool, served name;
+                # parameter defaults/overrides applied; a fallback model when the pool cannot serve in time.
+                # A form (an upload) cannot be rewritten: its model is looked up as sent.
+                entry = self.catalogue.lookup(model)
+                if entry is None:
+                    raise UnknownModel(model, self.catalogue.names)
+                if req.data is not None:
+                    route = self.catalogue.resolve(model, endpoint, req.data, body, wait_s=cls.max_queue_wait_s,
+                                                   path=scope["path"], routes_of=self._routes_of)
+                    rec.model = model = route.name
+                    pool, req.data, body = route.pool, route.data, route.body
+                    if route.rewritten:
+                        capped = next((req.data[f] for f in api.budget if isinstance(req.data.get(f), int)), None)
+                        if isinstance(capped, int) and capped >= 0:
+                            rec.max_tokens = capped
+                else:
+                    found = self.catalogue.pool(entry, endpoint)
+                    if not found:
+                        raise InvalidRequest(f"The model '{model}' is not served on {scope['path']}: no backend "
+                                             f"of it serves that route. It is served on: {self._routes_of(model)}.",
+                                             param="model")
+                    pool = found
                 # prompt: its text, media at a constant (corrected by usage); an upload is not text, and
                 # tokenizing or counting tokens is not the model's work
                 est_prompt = (self.keys.estimate_prompt(req.data, model)
@@ -386,7 +403,7 @@ class Gateway:
 
     def account(self, rec: RequestRecord) -> None:
         m = self.metrics
-        model = rec.model if self.registry.serves(rec.model) else "unknown"
+        model = rec.model if self.catalogue.serves(rec.model) else "unknown"
         m.count_request(model, rec.priority, rec.cause.value, rec.tenant)  # type: ignore[union-attr]
         if rec.t_queued and m.enabled:
             if m.tenant_label:

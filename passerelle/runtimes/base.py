@@ -65,7 +65,9 @@ class Backend:
         self.in_flight = 0  # requests dispatched and not finished; the scheduler keeps it
         self.supervised = False  # launched by passerelle: may come back after a crash
         self.draining = False  # removed by a reload: finishes its requests, takes no new one
-        self.last_used = time.monotonic()  # last dispatch, for idle stop and LRU eviction
+        self.fenced = False  # being swapped out: finishes its requests, takes no new one
+        self.context_length: int | None = None  # tokens per request, where the runtime says
+        self.last_used = time.monotonic()  # last dispatch or release, for idle stop and LRU eviction
         self.stats = BackendStats()
         # Passive ejection: after a few failures in a row the replica gets no requests for a while;
         # then one request probes it (half-open) and its outcome decides (breaker.py).
@@ -81,9 +83,10 @@ class Backend:
         self.endpoints: tuple[str, ...] = (*(cfg.endpoints or self.serves), *cfg.extra_routes)
 
     def routable(self, now: float) -> bool:
-        """May this replica take a new request now (up, not draining, its breaker lets it through)?"""
+        """May this replica take a new request now (up, not draining, not fenced, its breaker lets it through)?"""
         breaker = self.breaker
-        return self.stats.up and not self.draining and (breaker.state is CLOSED or breaker.allows(now))
+        return (self.stats.up and not self.draining and not self.fenced
+                and (breaker.state is CLOSED or breaker.allows(now)))
 
     # -- lifecycle -------------------------------------------------------------------------
     def set_url(self, url: str) -> None:

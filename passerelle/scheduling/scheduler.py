@@ -157,6 +157,9 @@ class Scheduler:
         self._wake_at = math.inf  # the earliest open breaker seen by the last dispatch
         self._wake_timer: asyncio.TimerHandle | None = None
         self._wake_timer_at = math.inf
+        # Called when a request is left waiting and whenever a slot is released: the swapper
+        # (swapper.py) decides then whether a model must be loaded or unloaded.
+        self.on_need: Callable[[], None] | None = None
 
     # -- public ----------------------------------------------------------------------------
     def waiting_by_class(self) -> dict[str, int]:
@@ -201,8 +204,11 @@ class Scheduler:
             self._forget_idle_tenants()
         self.waiting.append(job)
         self.dispatch()
-        if job.backend is None and self.on_change:
-            self.on_change()
+        if job.backend is None:
+            if self.on_change:
+                self.on_change()
+            if self.on_need:
+                self.on_need()
 
     async def acquire(self, job: Job) -> Backend:
         """Wait for a slot; the backend it is on. Cancelling the caller removes the job at once."""
@@ -231,6 +237,7 @@ class Scheduler:
             return
         job.backend = None
         b.in_flight -= 1
+        b.last_used = time.monotonic()  # idle time counts from the end of the last request
         self.tenants[job.tenant].running -= 1
         key = (b.name, job.cls.name)
         self.running[key] -= 1
@@ -242,6 +249,23 @@ class Scheduler:
         if self.hold_s > 0 and t.waiting == 0 and t.anticipate and self._contested(b, job.cls, t, now):
             self._hold(_Hold(b, job.cls, job.tenant, now + self.hold_s))
         self.dispatch()
+        if self.on_need:
+            self.on_need()
+
+    def key(self, job: Job) -> tuple[float, float, int]:
+        """``job``'s place in the order now (smaller goes first): see the module docstring."""
+        return self._key(job, self.clock())
+
+    def fail_waiting(self, which: Callable[[Job], bool], error: Callable[[], Exception]) -> int:
+        """End every waiting job for which ``which(job)`` is true with a new ``error()`` (e.g. the
+        only runtime that could serve them failed to start); how many."""
+        failed = 0
+        for job in [j for j in self.waiting if which(j)]:
+            self._remove(job)
+            if job.future is not None and not job.future.done():
+                job.future.set_exception(error())
+                failed += 1
+        return failed
 
     def expire_due(self) -> None:
         """Fail every job whose queue wait is over, end every hold past its time (the loop's
@@ -343,7 +367,7 @@ class Scheduler:
                 continue
             if b.routable(now):
                 usable.append(b)
-            elif b.stats.up and not b.draining:
+            elif b.stats.up and not b.draining and not b.fenced:  # (fenced: being swapped out)
                 held_back.append(b)
                 if (at := b.breaker.retry_at) is not None and at < self._wake_at:
                     self._wake_at = at  # an open breaker: look again when it lets a probe through

@@ -26,6 +26,8 @@ class FakeBackend:
     stats: BackendStats = field(default_factory=lambda: BackendStats(up=True))
     draining: bool = False
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    fenced: bool = False
+    last_used: float = 0.0
     routable = Backend.routable
 
 
