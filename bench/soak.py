@@ -230,6 +230,26 @@ def rss_fds(pid: int) -> tuple[float, int]:
     return rss / MiB, len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def threads_and_heap(pid: int) -> tuple[int, float, float]:
+    """Threads, and resident MiB of the main heap vs the other anonymous mappings (thread arenas,
+    mmapped buffers): where RSS sits, when it moves."""
+    threads = len(os.listdir(f"/proc/{pid}/task"))
+    heap = anon = 0
+    name = ""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            first = line.split(maxsplit=5)
+            if first and "-" in first[0] and len(first) >= 5:
+                name = first[5] if len(first) > 5 else ""
+            elif line.startswith("Rss:"):
+                kb = int(line.split()[1])
+                if name == "[heap]":
+                    heap += kb
+                elif not name:
+                    anon += kb
+    return threads, heap / 1024, anon / 1024
+
+
 def config_text(fake_url: str, db: Path, capacity: int) -> str:
     return f"""
 [timeouts]
@@ -275,7 +295,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg.write_text(config_text(fake.url, db, capacity))
     gport = free_port()
     gw: Service = spawn("passerelle", [sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port",
-                                       str(gport)], work, env={**env, "PASSERELLE_STATE": str(work / "state")},
+                                       str(gport)], work, env={**env, "PASSERELLE_STATE": str(work / "state"),
+                                                           **dict(kv.split("=", 1) for kv in args.gateway_env)},
                         url=f"http://127.0.0.1:{gport}")
     tally = Tally()
     samples: list[dict[str, float]] = []
@@ -309,10 +330,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     next_reload += args.reload_every
                 if now >= next_sample:
                     rss, nfd = rss_fds(pid)
+                    threads, heap, anon = threads_and_heap(pid)
                     samples.append({"t_s": round(now - t0, 1), "rss_mib": round(rss, 2), "fds": nfd,
-                                    "sent": tally.sent})
-                    print(f"  t={now - t0:6.0f} s  RSS {rss:6.1f} MiB  fds {nfd:4d}  requests sent {tally.sent}",
-                          flush=True)
+                                    "sent": tally.sent, "threads": threads, "heap_mib": round(heap, 1),
+                                    "other_anon_mib": round(anon, 1)})
+                    print(f"  t={now - t0:6.0f} s  RSS {rss:6.1f} MiB (heap {heap:5.1f}, other anonymous {anon:5.1f}, "
+                          f"{threads} threads)  fds {nfd:4d}  requests sent {tally.sent}", flush=True)
                     next_sample += args.interval
             await asyncio.gather(*users)
 
@@ -339,9 +362,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lines = [json.loads(ln) for ln in gw.log.read_text().splitlines() if ln.startswith("{") and '"request_id"' in ln]
     causes = Counter(ln["cause"] for ln in lines)
     by_kind: dict[str, Counter[str]] = {}
+    errors: Counter[str] = Counter()
     for ln in lines:  # what the gateway recorded, by what the client did
         kind = tally.kind_of.get(ln["request_id"], "no response head")
         by_kind.setdefault(kind, Counter())[ln["cause"]] += 1
+        if ln["cause"] != "ok":
+            errors[f"{kind} / {ln['cause']}: {ln.get('error', '')[:70]}"] += 1
     logged = {ln["request_id"] for ln in lines}
     with contextlib.closing(sqlite3.connect(db)) as conn:
         usage_rows = conn.execute("SELECT COUNT(*) FROM usage").fetchone()[0]
@@ -353,7 +379,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reloads_at_s": reloads, "requests_sent": tally.sent, "runtime_resets_injected": injected["faults"],
         "client_outcomes": dict(tally.outcomes),
         "access_log_lines": len(lines), "causes": dict(causes),
-        "causes_by_client_behaviour": {k: dict(v) for k, v in by_kind.items()}, "usage_rows": usage_rows,
+        "causes_by_client_behaviour": {k: dict(v) for k, v in by_kind.items()}, "errors": dict(errors),
+        "usage_rows": usage_rows,
         "usage_by_cause": usage_causes, "ids_seen_by_clients": len(tally.ids),
         "ids_without_a_log_line": len(tally.ids - logged), "requests_without_a_head": tally.no_head,
         "non_reading_never_cut": tally.never_cut,
@@ -375,6 +402,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"causes: {dict(causes)}")
     for kind, counts in sorted(by_kind.items()):
         print(f"  clients that {kind}: {dict(counts)}")
+    for what, n in errors.most_common():
+        print(f"    {n:6d}  {what}")
     print(f"client outcomes: {dict(tally.outcomes)}")
     print(f"request ids seen by clients without a log line: {len(tally.ids - logged)}; "
           f"requests without a response head: {tally.no_head}; non-reading clients not cut: {tally.never_cut}")
@@ -410,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-ms", type=float, default=50.0)
     p.add_argument("--itl-ms", type=float, default=10.0)
     p.add_argument("--tokens", type=int, default=32, help="output tokens of an ordinary request (32)")
+    p.add_argument("--gateway-env", action="append", default=[], metavar="K=V",
+                   help="extra environment of the gateway process, e.g. MALLOC_MMAP_THRESHOLD_=65536 (repeatable)")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "soak"))
     run(p.parse_args(argv))
     return 0

@@ -216,6 +216,19 @@ def _count_words(value: Any) -> int:
     return 0
 
 
+def tokens_due(now: float, first_at: float, itl: float, sent: int, n_tokens: int) -> int:
+    """How many tokens are due by ``now`` (the first at ``first_at``, then one every ``itl``): at
+    least ``sent + 1``, since the caller waited for token ``sent``. (Rounding in the division alone
+    could say ``sent``, and the empty chunk written then is the chunked body's terminator.)
+
+    >>> tokens_due(1.0 + 3 * 0.00005, 1.0, 0.00005, 3, 10)
+    4
+    """
+    if itl <= 0:
+        return n_tokens
+    return min(n_tokens, max(sent + 1, int((now - first_at) / itl) + 1))
+
+
 async def _sleep_until(deadline: float) -> None:
     # The loop's timers have millisecond granularity and may fire early; re-check the real clock.
     while (delay := deadline - time.perf_counter()) > 0:
@@ -597,7 +610,7 @@ class FakeBackend:
                 await _sleep_until(due)
                 now = time.perf_counter()
             # Everything already due goes out in one write (all of it when the delays are zero).
-            upto = n_tokens if itl <= 0 else min(n_tokens, int((now - start - ttft) / itl) + 1)
+            upto = tokens_due(now, start + ttft, itl, sent, n_tokens)
             if cut_at > 0:
                 upto = min(upto, cut_at)
             out = b"".join([prefix + mids[i % len(mids)] for i in range(sent, upto)])

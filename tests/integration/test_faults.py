@@ -192,10 +192,15 @@ def back_to_baseline(s: Setup) -> Iterator[None]:
     assert peak < 40 * MiB, f"peak RSS grew by {peak / MiB:.0f} MiB during the test"
 
 
-def bystander(s: Setup, results: list) -> threading.Thread:
-    """A well-behaved streaming request, run beside the hostile one."""
+def fake_requests(s: Setup) -> int:
+    return httpx.get(s.fake.url + "/fake/stats", timeout=5).json()["requests"]
+
+
+def bystander(s: Setup, results: list, start_when: Callable[[], bool] | None) -> threading.Thread:
+    """A well-behaved streaming request, run beside the hostile one once ``start_when`` holds."""
     def run() -> None:
-        time.sleep(0.1)
+        if start_when is not None:
+            wait_until(start_when, 10, interval=0.01, what="the hostile request to reach the runtime")
         with httpx.Client(timeout=30) as c:
             r = c.post(s.gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
         results.append((r.status_code, "data: [DONE]" in r.text, s.cause_of(r.headers["x-request-id"])))
@@ -205,11 +210,14 @@ def bystander(s: Setup, results: list) -> threading.Thread:
     return t
 
 
-def hostile(s: Setup, act: Callable[[], httpx.Response | str]) -> httpx.Response | str:
-    """Run ``act`` with a bystander beside it, inside the baseline checks; ``act``'s result."""
+def hostile(s: Setup, act: Callable[[], httpx.Response | str], *, reaches_runtime: bool = True
+            ) -> httpx.Response | str:
+    """Run ``act`` with a bystander beside it (sent once the fake has the hostile request, when it
+    gets there), inside the baseline checks; ``act``'s result."""
     with back_to_baseline(s):
         results: list = []
-        t = bystander(s, results)
+        seen = fake_requests(s)
+        t = bystander(s, results, (lambda: fake_requests(s) > seen) if reaches_runtime else None)
         out = act()
         t.join(30)
         assert results == [(200, True, "ok")], "the well-behaved client beside the hostile one was not served"
@@ -305,7 +313,7 @@ def test_a_client_that_stops_reading_is_cut_and_its_slot_comes_back(setup):
             sock.close()
         return rid
 
-    hostile(setup, act)
+    hostile(setup, act, reaches_runtime=False)  # (it goes to the other fake; it lasts seconds anyway)
 
 
 def test_a_client_that_leaves_mid_stream(setup):
@@ -354,7 +362,7 @@ def test_queue_full_and_queue_timeout_for_one_model_leave_the_others_alone(setup
     ({**CHAT, "model": "dead-model"}, 503, "no_backend", "no_backend"),
 ])
 def test_requests_refused_before_any_runtime(setup, body, status, code, cause):
-    r = hostile(setup, lambda: post(setup, body))
+    r = hostile(setup, lambda: post(setup, body), reaches_runtime=False)
     assert isinstance(r, httpx.Response) and r.status_code == status and r.json()["error"]["code"] == code
     assert setup.cause_of(r.headers["x-request-id"]) == cause
 

@@ -39,10 +39,18 @@ def error_of(resp) -> dict:
     return resp.json()["error"]
 
 
-async def with_bystander(gw, hostile):
-    """Run ``hostile`` with a well-behaved streaming request beside it; both responses."""
+async def until(cond, timeout=5.0):
+    """Wait for ``cond()`` to hold (polling the loop), at most ``timeout`` seconds."""
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.005)
+
+
+async def with_bystander(gw, fake, hostile):
+    """Run ``hostile`` with a well-behaved streaming request beside it, sent once the runtime has the
+    hostile one; the hostile response (the bystander's is checked here)."""
     async def bystander():
-        await asyncio.sleep(0.05)
+        await until(lambda: fake.runtime.counters.requests >= 1)
         return await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
 
     bad, good = await asyncio.gather(hostile, bystander())
@@ -85,8 +93,8 @@ async def test_each_misbehaviour_ends_with_its_cause_and_frees_everything(fault,
     async with fake_runtime(fault_bytes=8 * 1024 * 1024, drip_ms=20) as fake, \
             gateway(fake.backend_config(max_concurrency=2), timeouts=QUICK, limits=SMALL) as gw:
         start = time.monotonic()
-        resp = await with_bystander(gw, gw.post("/v1/chat/completions",
-                                                {**CHAT, "stream": stream, "fake_fault": fault}))
+        resp = await with_bystander(gw, fake, gw.post("/v1/chat/completions",
+                                                      {**CHAT, "stream": stream, "fake_fault": fault}))
         took = time.monotonic() - start
         assert resp.status == status
         err = error_of(resp)
@@ -95,10 +103,8 @@ async def test_each_misbehaviour_ends_with_its_cause_and_frees_everything(fault,
         assert bad.cause is cause and len(gw.records) == 2
         assert took < QUICK.total_s + 1.0  # no wait outlives the request's deadline
         assert settled(gw)
-        if fault in HANGS:
-            async with asyncio.timeout(5):  # the gateway closed its connection: the fake's script ends too
-                while fake.runtime.counters.disconnected < 1:
-                    await asyncio.sleep(0.01)
+        if fault in HANGS:  # the gateway closed its connection: the fake's script ends too
+            await until(lambda: fake.runtime.counters.disconnected >= 1)
 
 
 async def test_events_after_done_are_not_relayed_and_an_idle_runtime_after_done_is_a_complete_answer():
@@ -232,18 +238,17 @@ async def test_a_reload_that_replaces_a_backend_never_leaves_its_model_unserved(
             return out
 
         users = [asyncio.create_task(load()) for _ in range(4)]
-        await asyncio.sleep(0.1)
+        await until(lambda: len(gw.records) >= 8)
         assert (await gw.app.reload())["added"] == ["fake"]
-        await asyncio.sleep(0.02)
+        await until(lambda: len(gw.records) >= 16)  # (while the first replaced backend still drains)
         gw.app.loader = lambda: configs[1]
         assert (await gw.app.reload())["removed"] == ["fake"]
-        await asyncio.sleep(0.1)
+        done = len(gw.records)
+        await until(lambda: len(gw.records) >= done + 8)
         stop.set()
         statuses = [s for u in users for s in await u]
         assert statuses and set(statuses) == {200}
-        async with asyncio.timeout(5):  # the old ones drained and left
-            while len(gw.app.registry.backends) > 1:
-                await asyncio.sleep(0.02)
+        await until(lambda: len(gw.app.registry.backends) == 1)  # the old ones drained and left
         assert [b.capacity for b in gw.app.registry.backends] == [6] and settled(gw)
 
 
@@ -269,7 +274,7 @@ async def test_a_finished_request_leaves_no_reference_cycle(case):
         try:
             for _ in range(3):
                 await gw.post("/v1/chat/completions", body, **kw)
-            await asyncio.sleep(0.05)  # (the fake's side of a closed connection ends)
+            await until(lambda: not fake.runtime.slots.busy)  # (the fake's side of a closed connection ends)
             gc.collect()
             # Ours: passerelle's objects, frames, exceptions. (The test's asyncio loop keeps each
             # closed socket transport in a cycle of its own; uvicorn's uvloop does not.)
