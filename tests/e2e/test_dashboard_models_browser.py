@@ -37,13 +37,17 @@ async def test_models_panel_shows_loaded_models_waiting_requests_and_swaps(gatew
             return await browser.evaluate(f"(document.querySelector('{selector}') || {{}}).textContent || ''")
 
         await until(lambda: _contains(text("#models"), "not loaded"), 30, "both runtimes shown, not loaded")
-        long_a = asyncio.create_task(stream(http, gw.url, "model-a", 40))
+        # a's stream runs until the page has shown b waiting and a draining, then its client leaves:
+        # a condition, not a race between 40 tokens and the page's poll
+        long_a = asyncio.create_task(stream(http, gw.url, "model-a", 1500))
         await until(lambda: _contains(text('tr[data-runtime="a"]'), "● loaded"), 60, "a shown loaded")
         for_b = asyncio.create_task(stream(http, gw.url, "model-b", 2))
         # b waits while a drains its stream: the page shows the request waiting for b's load
         await until(lambda: _contains(text('[data-runtime-waiting="b"]'), "1"), 30, "b's waiting request shown")
         await until(lambda: _contains(text('tr[data-runtime="a"]'), "unloading"), 30, "a shown draining")
-        await asyncio.gather(long_a, for_b)
+        long_a.cancel()
+        await asyncio.gather(long_a, return_exceptions=True)
+        await asyncio.wait_for(for_b, 120)
         await until(lambda: _contains(text("#swaps"), "its residency was over"), 30, "the swap listed")
         row = await text("#swaps tr")
         assert "a" in row and "b" in row
