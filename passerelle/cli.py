@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_key_parsers(sub)
 
-    runtime = sub.add_parser("runtime", help="list, start, stop, restart the runtimes a running gateway launched, "
+    runtime = sub.add_parser("runtime", help="list (state; memory estimated vs measured; the budget and swaps), "
+                                             "start, stop, restart the runtimes a running gateway launched, "
                                              "or show their logs")
     runtime.add_argument("action", choices=("list", "start", "stop", "restart", "logs"))
     runtime.add_argument("name", nargs="?", help="the backend name (all but list)")

@@ -92,9 +92,12 @@ class TimeoutConfig:
     """Separate limits; each ends a request with its own cause and message."""
 
     connect_s: float = 5.0  # opening the TCP connection to the runtime
-    first_token_s: float = 300.0  # request sent -> first content chunk (prompt processing)
-    between_tokens_s: float = 60.0  # gap between two reads of a running stream
-    total_s: float = 900.0  # whole request, from arrival to the last byte
+    # request sent -> first content chunk (prompt processing); bounds the wait for the runtime's
+    # response head too, for streams and for answers the gateway assembles from a stream
+    first_token_s: float = 300.0
+    between_tokens_s: float = 60.0  # gap between two content chunks of a running stream
+    total_s: float = 900.0  # whole request, from arrival to the last byte (a non-streamed answer too)
+    client_write_s: float = 30.0  # a client that accepts no byte this long is cut (cause client_timeout)
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,8 @@ class BackendConfig:
     log_file: str = ""
     on_demand: bool = False  # launched when its model is first asked for, not at start
     idle_ttl_s: float = 0.0  # stop a launched runtime after this long without requests (0: never)
-    memory_gib: float = 0.0  # what it needs loaded; 0: estimated from the GGUF size in `launch`
+    memory_gib: float = 0.0  # what it needs loaded; 0: measured once it ran, estimated from the GGUF before
+    persistent: bool = False  # pinned: never stopped for the memory budget nor when idle
 
 
 @dataclass(frozen=True)
@@ -172,14 +176,20 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """How a request's prompt is estimated at admission (tokens/minute, quotas, fair share), before
-    the runtime's own count replaces the estimate at the end.
+    """Caps on what a runtime sends, and how a request's prompt is estimated at admission.
 
-    Text is counted at about 4 characters a token; an image or audio part costs a fixed number of
+    Past a cap the request ends with 502 ``upstream_error`` naming it, and the connection to the
+    runtime is closed (memory stays bounded whatever it sends).
+
+    The estimate (tokens/minute, quotas, fair share) stands until the runtime's own count replaces
+    it at the end: text at about 4 characters a token; an image or audio part a fixed number of
     tokens whatever its size in bytes (a base64 image of 1 MB is still one image). These are the
-    gateway-wide values; a per-model value can come from the model catalogue when it has one.
+    gateway-wide values; a per-model value can come from a model catalogue.
     """
 
+    max_answer_bytes: int = 64 * 1024 * 1024  # a non-streamed answer, or the stream it is assembled from
+    max_error_bytes: int = 256 * 1024  # the body of a runtime's 4xx/5xx answer
+    max_event_bytes: int = 1024 * 1024  # one SSE event of a stream (a line with no end counts as one)
     image_tokens: int = 768  # per image part (image_url, input_image, a data:image/... URL)
     audio_tokens: int = 1500  # per audio part (input_audio, a data:audio/... URL)
 
@@ -199,7 +209,58 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class RuntimesConfig:
+    """The memory budget of launched runtimes, and how the scheduler swaps models within it."""
+
     max_loaded_gib: float = 0.0  # memory budget of launched runtimes; 0: no budget
+    max_loaded: str = ""  # the budget as a share of the machine's memory, e.g. "90%" (instead of max_loaded_gib)
+    memory: str = "total"  # what counts against the budget: "total" (RAM + GPU), "ram" or "gpu"
+    min_resident_s: float = 30.0  # a loaded model with queued work is not swapped out before this
+    drain_timeout_s: float = 120.0  # a model swapped out finishes its running requests for at most this
+    swap_policy: str = "fair"  # "fair": swap by priority and fair share; "naive": evict on every miss
+
+
+MEMORY_KINDS = ("total", "ram", "gpu")
+SWAP_POLICIES = ("fair", "naive")
+CAPABILITIES = ("chat", "completions", "embeddings", "rerank", "vision", "tools", "reasoning", "audio")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One public model of the catalogue (``[[models]]``): what clients ask for, and how a request
+    for it reaches a runtime.
+
+    ``served_name`` is the model id a backend lists in ``models`` (default: ``name``); the request's
+    ``model`` is rewritten to it. ``defaults`` are set when the client sent no value, ``set`` always,
+    ``cap`` bounds numbers (``max_tokens``) and ``strip`` removes keys. ``fallbacks`` are other
+    models tried in order when this one cannot serve before the request's queue wait runs out.
+
+    Example (TOML)::
+
+        [[models]]
+        name = "chat"
+        aliases = ["gpt-4o*", "claude-*"]
+        served_name = "qwen2.5-14b"
+        cap = { max_tokens = 2048 }
+        fallbacks = ["chat-small"]
+    """
+
+    name: str
+    aliases: tuple[str, ...] = ()  # other names clients use; globs allowed ("gpt-4o*")
+    served_name: str = ""  # model id of the backends to route to; "" = name
+    backends: tuple[str, ...] = ()  # only these backends of that model ("" = all that serve it)
+    defaults: tuple[tuple[str, Any], ...] = ()  # body keys set when absent
+    set: tuple[tuple[str, Any], ...] = ()  # body keys always set (override the client)
+    cap: tuple[tuple[str, float], ...] = ()  # numeric keys bounded (set when absent)
+    strip: tuple[str, ...] = ()  # body keys removed
+    context_length: int = 0  # tokens; 0 = as the runtime reports
+    capabilities: tuple[str, ...] = ()  # default: from the backends' endpoints
+    fallbacks: tuple[str, ...] = ()  # other models tried in order when this one cannot serve
+    owned_by: str = "passerelle"
+    description: str = ""
+
+    @property
+    def target(self) -> str:
+        return self.served_name or self.name
 
 
 @dataclass(frozen=True)
@@ -249,6 +310,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
+    models: tuple[ModelConfig, ...] = ()
     source: str = "<defaults>"
 
     @property
@@ -411,8 +473,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"not valid TOML: {exc}", file=file) from None
     for key in data:
-        if key not in (*_SECTIONS, "backends", "classes"):
-            raise ConfigError(f"unknown section; expected one of: {', '.join([*_SECTIONS, 'backends', 'classes'])}",
+        if key not in (*_SECTIONS, "backends", "classes", "models"):
+            raise ConfigError("unknown section; expected one of: "
+                              f"{', '.join([*_SECTIONS, 'backends', 'classes', 'models'])}",
                               file=file, key=key, line=_line_of(text, None, key))
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
@@ -438,6 +501,11 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     for f in dataclasses.fields(TimeoutConfig):
         _check(getattr(timeouts, f.name) > 0, "expected a positive number of seconds", file=file,
                key=f"timeouts.{f.name}", text=text, header="timeouts", field_name=f.name)
+
+    limits: LimitsConfig = sections["limits"]
+    for name in ("max_answer_bytes", "max_error_bytes", "max_event_bytes"):
+        _check(getattr(limits, name) >= 1024, "expected a size in bytes of at least 1024", file=file,
+               key=f"limits.{name}", text=text, header="limits", field_name=name)
 
     _check_admin(sections["admin"], server, file=file, text=text)
     metrics: MetricsConfig = sections["metrics"]
@@ -504,10 +572,111 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                key=f"{key}.name", field_name="name", **ck)
         backends.append(b)
     backends.extend(upstreams)
+    _check_runtimes(sections["runtimes"], file=file, text=text)
+    models = _load_models(data.get("models", []), file=file, text=text)
+    served = {m for b in backends for m in b.models} or {sections["embedded"].model_id}
+    names = {m.name for m in models} | served
+    for i, m in enumerate(models):
+        ck = dict(file=file, text=text, header="models", nth=i)
+        _check(m.target in served, f"no backend serves '{m.target}'; served: {', '.join(sorted(served))}",
+               key=f"models[{i}].served_name", field_name="served_name" if m.served_name else "name", **ck)
+        known = {b.name for b in backends}
+        _check(set(m.backends) <= known, f"unknown backend; expected some of {', '.join(sorted(known))}",
+               key=f"models[{i}].backends", field_name="backends", **ck)
+        missing = [f for f in m.fallbacks if f not in names]
+        _check(not missing, f"unknown fallback '{missing[0] if missing else ''}'; expected a [[models]] name "
+               "or a model a backend serves", key=f"models[{i}].fallbacks", field_name="fallbacks", **ck)
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
-                  routing=sections["routing"], runtimes=sections["runtimes"], limits=sections["limits"],
-                  backends=tuple(backends), source=file)
+                  routing=sections["routing"], runtimes=sections["runtimes"], limits=limits,
+                  backends=tuple(backends), models=models, source=file)
+
+
+def _check_runtimes(rt: RuntimesConfig, *, file: str, text: str) -> None:
+    ck: dict[str, Any] = dict(file=file, text=text, header="runtimes")
+    _check(rt.max_loaded_gib >= 0, "expected zero (no budget) or a positive number of GiB",
+           key="runtimes.max_loaded_gib", field_name="max_loaded_gib", **ck)
+    _check(not rt.max_loaded or budget_share(rt.max_loaded) is not None,
+           "expected a share of the machine's memory like \"90%\" (above 0, at most 100)",
+           key="runtimes.max_loaded", field_name="max_loaded", **ck)
+    _check(not (rt.max_loaded and rt.max_loaded_gib), "give one of max_loaded_gib or max_loaded, not both",
+           key="runtimes.max_loaded", field_name="max_loaded", **ck)
+    _check(rt.memory in MEMORY_KINDS, f"expected one of {', '.join(MEMORY_KINDS)}", key="runtimes.memory",
+           field_name="memory", **ck)
+    _check(rt.swap_policy in SWAP_POLICIES, f"expected one of {', '.join(SWAP_POLICIES)}",
+           key="runtimes.swap_policy", field_name="swap_policy", **ck)
+    for name in ("min_resident_s", "drain_timeout_s"):
+        _check(getattr(rt, name) >= 0, "expected zero or a positive number of seconds", key=f"runtimes.{name}",
+               field_name=name, **ck)
+
+
+def budget_share(text: str) -> float | None:
+    """``"90%"`` → 0.9; None when ``text`` is not a share in (0, 100] %."""
+    t = text.strip()
+    if not t.endswith("%"):
+        return None
+    try:
+        share = float(t[:-1]) / 100
+    except ValueError:
+        return None
+    return share if 0 < share <= 1 else None
+
+
+_MODEL_KEYS = {f.name for f in dataclasses.fields(ModelConfig)}
+_JSON_SCALAR = (str, int, float, bool)
+
+
+def _json_value(value: Any) -> bool:
+    """Can ``value`` (from TOML) go into a JSON request body? (TOML dates cannot.)"""
+    if isinstance(value, _JSON_SCALAR):
+        return True
+    if isinstance(value, list):
+        return all(_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_value(v) for k, v in value.items())
+    return False
+
+
+def _load_models(raw: Any, *, file: str, text: str) -> tuple[ModelConfig, ...]:
+    """``[[models]]``: the catalogue of public model names (see :class:`ModelConfig`)."""
+    if not isinstance(raw, list):
+        raise ConfigError("expected an array of tables ([[models]])", file=file, key="models")
+    out: list[ModelConfig] = []
+    for i, table in enumerate(raw):
+        key = f"models[{i}]"
+        ck: dict[str, Any] = dict(file=file, text=text, header="models", nth=i)
+        tables = {k: table.pop(k) for k in ("defaults", "set", "cap") if k in table}
+        m: ModelConfig = _build(ModelConfig, table, file=file, text=text, header="models", nth=i)
+        parsed: dict[str, Any] = {}
+        for name, value in tables.items():
+            _check(isinstance(value, dict) and _json_value(value),
+                   "expected a table of request keys and JSON values, e.g. { temperature = 0.2 }",
+                   key=f"{key}.{name}", field_name=name, **ck)
+            if name == "cap":
+                _check(all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in value.values()),
+                       "expected non-negative numbers, e.g. { max_tokens = 1024 }", key=f"{key}.cap",
+                       field_name="cap", **ck)
+            _check("model" not in value, "'model' is set by served_name, not here", key=f"{key}.{name}",
+                   field_name=name, **ck)
+            parsed[name] = tuple(value.items())
+        m = dataclasses.replace(m, **parsed)
+        _check(bool(m.name.strip()) and not any(c in m.name for c in "*?["),
+               "expected a non-empty name without glob characters", key=f"{key}.name", field_name="name", **ck)
+        _check("model" not in m.strip, "'model' cannot be stripped", key=f"{key}.strip", field_name="strip", **ck)
+        bad = [c for c in m.capabilities if c not in CAPABILITIES]
+        _check(not bad, f"unknown capability {bad[0] if bad else ''!r}; expected some of {', '.join(CAPABILITIES)}",
+               key=f"{key}.capabilities", field_name="capabilities", **ck)
+        _check(m.context_length >= 0, "expected a positive number of tokens", key=f"{key}.context_length",
+               field_name="context_length", **ck)
+        taken = {n for o in out for n in (o.name, *o.aliases)}
+        clash = next((n for n in (m.name, *m.aliases) if n in taken), None)
+        where = "name" if clash == m.name else "aliases"
+        _check(clash is None, f"the name '{clash}' is already used by another model", key=f"{key}.{where}",
+               field_name=where, **ck)
+        _check(m.name not in m.fallbacks, "a model cannot be its own fallback", key=f"{key}.fallbacks",
+               field_name="fallbacks", **ck)
+        out.append(m)
+    return tuple(out)
 
 
 def _check_client_limits(server: ServerConfig, *, file: str, text: str) -> None:

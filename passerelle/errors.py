@@ -21,9 +21,12 @@ rendered in OpenAI's shape ``{"error": {"message", "type", "code"}}``.
         ├── QueueTimeout             429 queue_timeout                cause queue_timeout
         ├── NoBackend                503 no_backend                   cause no_backend
         ├── UpstreamError            502 upstream_error               cause upstream_error
-        │   └── UpstreamStatus       the runtime's own non-2xx answer, status passed through
-        ├── UpstreamTimeout          504 upstream_timeout             cause upstream_timeout
-        └── ClientDisconnect         (nobody to answer; 499 in logs)  cause client_disconnect
+        │   ├── UpstreamStatus       the runtime's own 4xx/5xx answer, status passed through
+        │   ├── UpstreamTooLarge     502 upstream_too_large (a cap)   cause upstream_error
+        │   └── UpstreamTimeout      504 upstream_timeout             cause upstream_timeout
+        ├── InternalError            500 internal_error               cause internal_error
+        ├── ClientDisconnect         (nobody to answer; 499 in logs)  cause client_disconnect
+        └── ClientTimeout            (the client stopped reading; 499) cause client_timeout
 
 Example::
 
@@ -55,6 +58,8 @@ class Cause(enum.StrEnum):
     FORBIDDEN = "forbidden"  # a valid key, not allowed this (e.g. a model outside its allow-list)
     QUOTA_EXCEEDED = "quota_exceeded"  # a key's token quota for the day / week / month is used up
     SHUTDOWN = "shutdown"  # cut short: the gateway stopped past server.shutdown_grace_s
+    INTERNAL_ERROR = "internal_error"  # a fault of the gateway itself, never blamed on the runtime
+    CLIENT_TIMEOUT = "client_timeout"  # the client stopped reading: the gateway cut the connection
 
 
 class PasserelleError(Exception):
@@ -79,7 +84,7 @@ class GatewayError(PasserelleError):
     status = 500
     type = "server_error"
     code: str | None = "internal_error"
-    cause = Cause.UPSTREAM_ERROR
+    cause = Cause.INTERNAL_ERROR
 
     def __init__(self, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)
@@ -185,6 +190,37 @@ class UpstreamError(GatewayError):
         self.retryable = retryable
 
 
+class UpstreamTooLarge(UpstreamError):
+    """What the runtime sent is larger than a cap of ``[limits]``; the message names the cap.
+
+    Example::
+
+        >>> UpstreamTooLarge("answer", 64, "max_answer_bytes").message
+        "The model runtime's answer is larger than the gateway's limit of 64 bytes ([limits] max_answer_bytes)."
+    """
+
+    code = "upstream_too_large"
+
+    def __init__(self, what: str, limit: int, setting: str) -> None:
+        super().__init__(f"The model runtime's {what} is larger than the gateway's limit of {limit} bytes "
+                         f"([limits] {setting}).")
+        self.setting = setting
+
+
+class UpstreamTimeout(UpstreamError):
+    """A deadline of the request passed while the runtime had the turn: ``phase`` is which one
+    (connect, first token, between tokens, total). Only a connect timeout may be retried on another
+    replica: the runtime never saw the request."""
+
+    status, type, code, cause = 504, "server_error", "upstream_timeout", Cause.UPSTREAM_TIMEOUT
+
+    def __init__(self, phase: str, seconds: float, *, detail: str = "", retryable: bool = False) -> None:
+        more = f"; {detail}" if detail else ""
+        super().__init__(f"The model runtime did not answer in time ({phase} timeout of {seconds:g} s{more}).",
+                         retryable=retryable)
+        self.phase = phase
+
+
 class UpstreamStatus(UpstreamError):
     """The runtime answered with a non-2xx status; its status and body are passed to the client.
 
@@ -208,13 +244,18 @@ class UpstreamStatus(UpstreamError):
         return orjson.dumps({"error": {"message": text, "type": kind, "code": f"upstream_{self.status}"}})
 
 
-class UpstreamTimeout(GatewayError):
-    status, type, code, cause = 504, "server_error", "upstream_timeout", Cause.UPSTREAM_TIMEOUT
+class InternalError(GatewayError):
+    """A fault of the gateway itself (a bug): logged with its traceback, never blamed on the runtime."""
 
-    def __init__(self, phase: str, seconds: float) -> None:
-        super().__init__(f"The model runtime did not answer in time ({phase} timeout of {seconds:g} s).")
-        self.phase = phase
+    status, type, code, cause = 500, "server_error", "internal_error", Cause.INTERNAL_ERROR
 
 
 class ClientDisconnect(GatewayError):
     status, type, code, cause = 499, "client_error", "client_disconnect", Cause.CLIENT_DISCONNECT
+
+
+class ClientTimeout(GatewayError):
+    """The client accepted no byte for ``[timeouts] client_write_s`` while the gateway had some to
+    send: its connection is cut (nobody is told; 499 in the logs)."""
+
+    status, type, code, cause = 499, "client_error", "client_timeout", Cause.CLIENT_TIMEOUT

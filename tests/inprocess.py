@@ -58,11 +58,45 @@ async def fake_runtime(**options: Any) -> AsyncIterator[Fake]:
         await server.wait_closed()
 
 
+class _Transport:
+    """What the gateway finds under a uvicorn send (``send.__self__.transport``)."""
+
+    def __init__(self, resp: Response, gone: asyncio.Event) -> None:
+        self.resp, self.gone = resp, gone
+
+    def abort(self) -> None:
+        self.resp.aborted = True
+        self.gone.set()
+
+    def is_closing(self) -> bool:
+        return self.gone.is_set()
+
+
+class _Cycle:
+    """uvicorn's per-request object keeps the transport."""
+
+    def __init__(self, transport: _Transport) -> None:
+        self.transport = transport
+
+
+class _Bound:
+    """The ASGI send: a callable with ``__self__``, as uvicorn's bound method has (the gateway looks
+    for the connection there)."""
+
+    def __init__(self, owner: Any, fn: Any) -> None:
+        self.__self__ = owner
+        self._fn = fn
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        await self._fn(message)
+
+
 @dataclass
 class Response:
     status: int = 0
     headers: dict[bytes, bytes] = field(default_factory=dict)
     chunks: list[bytes] = field(default_factory=list)
+    aborted: bool = False  # the gateway dropped the connection
 
     @property
     def body(self) -> bytes:
@@ -83,9 +117,11 @@ class InProcessGateway:
 
     async def request(self, method: str, path: str, body: bytes = b"", *, headers: dict[str, str] | None = None,
                       client: str = "127.0.0.1", leave_after_chunks: int | None = None,
-                      timeout: float = 10.0) -> Response:
+                      stop_reading_after_chunks: int | None = None, timeout: float = 10.0) -> Response:
         """One request through the app. ``leave_after_chunks``: the client hangs up after that many
-        body chunks (0: right after the response head)."""
+        body chunks (0: right after the response head). ``stop_reading_after_chunks``: after that
+        many, every send blocks as on a full socket, until the gateway aborts the connection
+        (``Response.aborted``)."""
         hdrs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         if body:
             hdrs.append((b"content-length", str(len(body)).encode()))
@@ -108,6 +144,10 @@ class InProcessGateway:
         async def send(message: dict[str, Any]) -> None:
             if gone.is_set():
                 raise OSError("client gone")
+            if stop_reading_after_chunks is not None and len(resp.chunks) >= stop_reading_after_chunks \
+                    and resp.status:
+                await gone.wait()  # flow control: nothing is taken until the connection is dropped
+                return
             if message["type"] == "http.response.start":
                 resp.status = message["status"]
                 resp.headers = dict(message.get("headers", []))
@@ -119,7 +159,7 @@ class InProcessGateway:
                 gone.set()  # uvicorn answers receive() with a disconnect once the response is complete
 
         async with asyncio.timeout(timeout):
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, _Bound(_Cycle(_Transport(resp, gone)), send))
         return resp
 
     async def post(self, path: str, obj: Any, **kw: Any) -> Response:

@@ -310,7 +310,9 @@ async def calibrate(session: Any, target: Target, workload: Workload,
             conv = Conversation(probe, WARMUP_OFFSET + 50_000 + passage, target.model)
             body = conv.body_for_words(n_words, 1)
             r = await send(session, target.base_url + workload.path, body, target.headers(), timeout=timeout)
-            if not r.ok or r.prompt_tokens is None:
+            # only the prompt's length counts: a one-token answer may well be empty text (a byte of a
+            # multi-byte character), which is no error here
+            if (not r.ok and r.error != "no_content") or r.prompt_tokens is None:
                 reason = f"{r.error} {r.detail}".strip() if not r.ok else "the server reports no usage"
                 return workload, (f"prompt lengths estimated at {workload.tokens_per_word:g} tokens/word "
                                   f"({reason})")

@@ -81,7 +81,7 @@ INSTRUCTION = "Continue this story in the same style."
 DEFAULT_TOKENS_PER_WORD = 1.3
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
              "messages": "/v1/messages"}
-# Conversation indexes of different targets of a compare differ by this much (see cli); lengths
+# Conversation indexes of different targets of a compare differ by this much (see measure); lengths
 # are drawn from the index within a target, so every target gets the same sequence of lengths.
 TARGET_STRIDE = 1_000_000_000
 DEFAULT_MIN_REQUESTS = 16  # per level, unless --requests or --duration says otherwise

@@ -4,7 +4,8 @@ llama-server notices a departed client only between streamed chunks: a non-strea
 keeps its slot busy until the whole answer is generated, even when nobody waits for it. So the
 gateway asks llama-server for a stream, relays nothing, and assembles the answer here; a client
 that leaves then frees the slot at once, and the request gets the same first-token and
-between-token timeouts as a stream.
+between-token timeouts as a stream. What is collected is capped (``[limits] max_answer_bytes``)
+by the gateway before it gets here.
 
 Example::
 
@@ -20,16 +21,23 @@ from typing import Any
 
 import orjson
 
+from passerelle.errors import UpstreamError
 from passerelle.proxy.relay import SSEScanner
 
 _META = ("id", "created", "model", "system_fingerprint")
 
 
 def _merge_tool_calls(into: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
+    """Tool-call deltas into ``into``; a call's name and arguments are kept as lists of parts,
+    joined once at the end (see :func:`_finish_tool_calls`)."""
     for d in deltas:
+        if not isinstance(d, dict):
+            continue
         idx = d.get("index", len(into))
+        if not isinstance(idx, int) or not 0 <= idx <= len(into) + 1024:
+            continue  # (an index from nowhere would make a list of that length)
         while len(into) <= idx:
-            into.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+            into.append({"id": None, "type": "function", "function": {"name": [], "arguments": []}})
         call = into[idx]
         if d.get("id"):
             call["id"] = d["id"]
@@ -37,9 +45,16 @@ def _merge_tool_calls(into: list[dict[str, Any]], deltas: list[dict[str, Any]]) 
             call["type"] = d["type"]
         fn = d.get("function") or {}
         if fn.get("name"):
-            call["function"]["name"] += fn["name"]
+            call["function"]["name"].append(fn["name"])
         if fn.get("arguments"):
-            call["function"]["arguments"] += fn["arguments"]
+            call["function"]["arguments"].append(fn["arguments"])
+
+
+def _finish_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for call in calls:
+        fn = call["function"]
+        fn["name"], fn["arguments"] = "".join(fn["name"]), "".join(fn["arguments"])
+    return calls
 
 
 def _merge_logprobs(into: dict[str, Any] | None, lp: dict[str, Any]) -> dict[str, Any]:
@@ -53,22 +68,37 @@ def _merge_logprobs(into: dict[str, Any] | None, lp: dict[str, Any]) -> dict[str
     return into
 
 
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
 def assemble(sse: bytes, endpoint: str) -> bytes:
-    """The JSON body a non-streaming request would have received, from a full SSE stream."""
+    """The JSON body a non-streaming request would have received, from a full SSE stream.
+
+    Linear in the size of the stream: text arrives as parts that are joined once at the end (a
+    string grown with ``+=`` costs quadratic time on a long answer and froze the event loop)."""
     meta: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     choices: dict[int, dict[str, Any]] = {}
     chat = endpoint == "chat"
-    scanner = SSEScanner()
+    scanner = SSEScanner(max_event=max(len(sse) + 2, 1 << 20))  # (the caller capped the whole stream)
     events = scanner.feed(sse + b"\n\n")
     for ev in events:
         line = ev.strip()
         if not line.startswith(b"data:"):
             continue
         payload = line[5:].strip()
-        if payload == b"[DONE]" or not payload:
+        if payload == b"[DONE]":
+            break  # the end: nothing after it counts
+        if not payload:
             continue
-        obj = orjson.loads(payload)
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise UpstreamError("The model runtime sent a stream event that is not JSON; the answer cannot be "
+                                "assembled.") from None
+        if not isinstance(obj, dict):
+            continue
         for k in _META:
             if k in obj and k not in meta:
                 meta[k] = obj[k]
@@ -76,20 +106,28 @@ def assemble(sse: bytes, endpoint: str) -> bytes:
             if obj.get(k):
                 extra[k] = obj[k]
         for ch in obj.get("choices") or []:
+            if not isinstance(ch, dict):
+                continue
             idx = ch.get("index", 0)
-            c = choices.setdefault(idx, {"index": idx, "text": "", "reasoning": "", "reasoning_field": "",
-                                         "tools": [],
-                                         "role": "assistant", "finish_reason": None, "logprobs": None})
+            if not isinstance(idx, int):
+                continue
+            c = choices.get(idx)
+            if c is None:
+                c = choices[idx] = {"index": idx, "text": [], "reasoning": [], "reasoning_field": [], "tools": [],
+                                    "role": "assistant", "finish_reason": None, "logprobs": None}
             if chat:
                 delta = ch.get("delta") or {}
                 c["role"] = delta.get("role") or c["role"]
-                c["text"] += delta.get("content") or ""
-                c["reasoning"] += delta.get("reasoning_content") or ""
-                c["reasoning_field"] += delta.get("reasoning") or ""  # vLLM >= 0.16's name
+                if text := _text(delta.get("content")):
+                    c["text"].append(text)
+                if reasoning := _text(delta.get("reasoning_content")):
+                    c["reasoning"].append(reasoning)
+                if reasoning := _text(delta.get("reasoning")):  # vLLM >= 0.16's name
+                    c["reasoning_field"].append(reasoning)
                 if delta.get("tool_calls"):
                     _merge_tool_calls(c["tools"], delta["tool_calls"])
-            else:
-                c["text"] += ch.get("text") or ""
+            elif text := _text(ch.get("text")):
+                c["text"].append(text)
             if ch.get("logprobs"):
                 c["logprobs"] = _merge_logprobs(c["logprobs"], ch["logprobs"])
             if ch.get("finish_reason"):
@@ -97,18 +135,20 @@ def assemble(sse: bytes, endpoint: str) -> bytes:
     out_choices = []
     for idx in sorted(choices):
         c = choices[idx]
+        text = "".join(c["text"])
         if chat:
-            message: dict[str, Any] = {"role": c["role"], "content": c["text"] or (None if c["tools"] else "")}
+            tools = _finish_tool_calls(c["tools"])
+            message: dict[str, Any] = {"role": c["role"], "content": text or (None if tools else "")}
             if c["reasoning"]:
-                message["reasoning_content"] = c["reasoning"]
+                message["reasoning_content"] = "".join(c["reasoning"])
             if c["reasoning_field"]:
-                message["reasoning"] = c["reasoning_field"]
-            if c["tools"]:
-                message["tool_calls"] = c["tools"]
+                message["reasoning"] = "".join(c["reasoning_field"])
+            if tools:
+                message["tool_calls"] = tools
             out_choices.append({"index": idx, "message": message, "finish_reason": c["finish_reason"],
                                 "logprobs": c["logprobs"]})
         else:
-            out_choices.append({"index": idx, "text": c["text"], "finish_reason": c["finish_reason"],
+            out_choices.append({"index": idx, "text": text, "finish_reason": c["finish_reason"],
                                 "logprobs": c["logprobs"]})
     body = {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out_choices, **extra}
     return orjson.dumps(body)

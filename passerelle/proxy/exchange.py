@@ -7,11 +7,15 @@ lives here, on one object, rather than in closures and ``nonlocal`` flags:
 * ``finishing``: the last bytes are on their way; a hang-up now is the client being done, not a
   disconnect (uvicorn answers ``receive()`` with ``http.disconnect`` once the response is
   complete, and the openai SDK closes the connection as soon as it has read ``[DONE]``);
-* ``disconnected``: the client left; the request's task was cancelled because of it.
+* ``disconnected``: the client left; the request's task was cancelled because of it;
+* ``stalled``: the client took no byte for ``client_write_s`` while the gateway had some to send;
+  its connection was cut and the request's task cancelled (cause ``client_timeout``). Every write
+  goes through :meth:`Exchange.send`, which notes since when it waits, and the gateway's watchdog
+  (one timer for all requests, not one per write) calls :meth:`Exchange.stall`.
 
 Race worth knowing: the watcher task waits on ASGI ``receive()`` and cancels the request's task on
-``http.disconnect``. The request task tells a disconnect-cancel from any other cancellation by
-``disconnected``, and ``uncancel()``s only the former.
+``http.disconnect``. The request task tells a disconnect-cancel from any other cancellation with
+``take_cancel()``, and ``uncancel()``s only the former.
 
 Example::
 
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -47,20 +53,42 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def _transport_of(send: Send) -> Any:
+    """The connection under an ASGI ``send``, where the server lets it be found (uvicorn's send is
+    a method of its per-request cycle, which keeps the transport; a wrapper names what it wraps in
+    ``__wrapped__``); None elsewhere."""
+    fn: Any = send
+    for _ in range(8):
+        transport = getattr(getattr(fn, "__self__", None), "transport", None)
+        if transport is not None:
+            return transport
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return None
+    return None
+
+
 class Exchange:
-    __slots__ = ("_watcher", "disconnected", "errors", "finishing", "grammar", "rec", "receive", "scope", "send",
-                 "started", "task")
+    __slots__ = ("_aborted", "_asgi_send", "_cancel_pending", "_cancelled", "_loop", "_watcher", "disconnected",
+                 "errors", "finishing", "grammar", "rec", "receive", "scope", "stalled", "started", "task",
+                 "writing_since")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         client = scope.get("client")
-        self.scope, self.receive, self.send = scope, receive, send
+        self.scope, self.receive, self._asgi_send = scope, receive, send
         self.rec = RequestRecord(id=new_request_id(), endpoint=endpoint, client=client[0] if client else "")
         self.started = False
         self.finishing = False
         self.disconnected = False
+        self.stalled = False  # the client took no byte for too long; its connection is cut
+        self._cancelled = False  # this exchange cancelled its task (once at most: see ``_cancel``)
+        self._cancel_pending = False  # ... and the request's task has not caught it yet
+        self._aborted = False  # the client's connection was dropped
+        self.writing_since = 0.0  # loop time a write to the client began and has not returned; 0: none
         task = asyncio.current_task()
         assert task is not None
         self.task = task
+        self._loop = task.get_loop()
         self._watcher: asyncio.Task[None] | None = None
         # the API's error shape (protocols.py) and stream grammar (grammars.py), for report()
         self.errors = OPENAI
@@ -69,7 +97,7 @@ class Exchange:
     def header(self, name: bytes) -> str | None:
         return header(self.scope, name)
 
-    # -- the client leaving --------------------------------------------------------------------
+    # -- the client leaving, or not reading --------------------------------------------------
     def watch(self) -> None:
         """From now on, a client that hangs up cancels this request (the body must be read first:
         the watcher takes over ``receive``)."""
@@ -79,16 +107,85 @@ class Exchange:
         while True:
             msg = await self.receive()
             if msg["type"] == "http.disconnect":
-                if not self.finishing:
+                if not self.finishing and not self.stalled:
                     self.disconnected = True
-                    self.task.cancel()
+                    self._cancel()
                 return
+
+    def _cancel(self) -> None:
+        # One cancel per exchange, so that one uncancel() in the gateway balances it (a leftover
+        # cancel request would turn the task's later timeouts into cancellations). After it, a
+        # client stuck again is released by abort() alone.
+        if not self._cancelled:
+            self._cancelled = self._cancel_pending = True
+            self.task.cancel()
+
+    def end_now(self) -> None:
+        """End this request's task the way a client's hang-up does (its slot and key are given back,
+        its line written), e.g. at shutdown; the cause is the caller's to record first."""
+        self.disconnected = True
+        self._cancel()
+
+    @property
+    def asgi_send(self) -> Send:
+        """The server's own send, under the watched one (for a shutdown that must write past it)."""
+        return self._asgi_send
+
+    def take_cancel(self) -> bool:
+        """For the request's task, catching a CancelledError: was it this exchange's cancel (the
+        client left or stopped reading)? True once; any other cancellation must propagate."""
+        if self._cancel_pending:
+            self._cancel_pending = False
+            return True
+        return False
+
+    def stall(self) -> None:
+        """The client has not taken a byte for too long (the gateway's watchdog calls this): cut
+        its connection, which frees what was waiting to be written, and end the request."""
+        if self.stalled or self.disconnected:
+            return
+        self.cut()
+        self._cancel()
+
+    def cut(self) -> None:
+        """Mark the client as not reading and drop its connection (no cancel: for a caller that
+        found out by itself, e.g. the relay's deadline passing while a write waited)."""
+        self.stalled = True
+        self.abort()
+
+    def abort(self) -> None:
+        """Drop the client's connection at once, unsent bytes and all: a reset (SO_LINGER 0), since
+        even an abort's close would leave the kernel holding the queued bytes (megabytes, for a
+        while) for a client that does not read, and that client would never learn it was cut."""
+        if self._aborted:
+            return
+        self._aborted = True
+        transport = _transport_of(self._asgi_send)
+        if transport is None:
+            return
+        sock = transport.get_extra_info("socket") if hasattr(transport, "get_extra_info") else None
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):  # (ValueError: uvloop, a socket already closed)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()  # (also when closing: a graceful close may still be flushing)
 
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
+            # Forget it: the cancelled task keeps its frames (and through them this exchange) in its
+            # CancelledError's traceback, a reference cycle per request left to the cyclic collector.
+            self._watcher = None
+        if self.stalled:
+            self.abort()
 
     # -- what the client is sent ---------------------------------------------------------------
+    async def send(self, message: dict[str, Any]) -> None:
+        """The ASGI send, watched: while it waits for the client to take bytes, ``writing_since``
+        says since when (the gateway's watchdog cuts a client stuck past ``client_write_s``)."""
+        self.writing_since = self._loop.time()
+        await self._asgi_send(message)
+        self.writing_since = 0.0  # (left set when the send was cancelled or failed: the next one resets it)
+
     def mark_finishing(self) -> None:
         """Call before the last send: see ``finishing`` above."""
         self.finishing = True
@@ -103,6 +200,20 @@ class Exchange:
 
     async def send_body(self, body: bytes, *, more: bool) -> None:
         await self.send({"type": "http.response.body", "body": body, "more_body": more})
+
+    async def send_whole(self, body: bytes, *, piece: int = 1 << 18) -> None:
+        """A whole body, in pieces of ``piece`` bytes: between pieces the send waits for the client
+        to take what it has, so a client that stops reading holds at most a piece in memory (and is
+        found by the watchdog), not the whole answer."""
+        n = len(body)
+        at = 0
+        if n > piece:
+            view = memoryview(body)
+            while n - at > piece:
+                await self.send_body(bytes(view[at:at + piece]), more=True)
+                at += piece
+        self.mark_finishing()
+        await self.send_body(body[at:] if at else body, more=False)
 
     async def report(self, err: GatewayError) -> None:
         """Tell the client about ``err``: an error response in its API's shape, or that API's own

@@ -1,7 +1,10 @@
 """The life of one inference request, start to end, in one place.
 
-    read body (capped) → parse the few fields the gateway needs → pick a backend
-    → send upstream → relay (stream or body) → account: metrics, usage, one access-log line
+    read body (capped) → parse the few fields the gateway needs → admit → queue for a replica
+    → one attempt (attempt.py: send upstream, relay the stream or take the body, within the
+      request's deadline, deadline.py) → retry elsewhere before the first byte (retry.py)
+    → release the slot and the key's concurrency → report an error → account: metrics, usage,
+      one access-log line (all in ``handle``'s finally: nothing a client or runtime does skips it)
 
 Every inference API goes through this life (protocols.py says what differs: the fields read, the
 runtime's path, the stream's grammar, whether it queues for a slot, the error shape). The body
@@ -19,12 +22,13 @@ Races worth knowing:
 * Response headers go out only once the runtime's status is known, so a runtime error before
   the first byte reaches the client with the runtime's status; after that, only an SSE error
   event can report it.
+* A client may also stop reading. Every write to it is watched (``Exchange.send``); once a
+  second ``_watch_writes`` cuts the clients that took nothing for ``client_write_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -38,23 +42,23 @@ from passerelle.errors import (
     BodyTooLarge,
     Cause,
     ClientDisconnect,
+    ClientTimeout,
     GatewayError,
+    InternalError,
     InvalidRequest,
     UnknownModel,
     UpstreamError,
-    UpstreamStatus,
-    UpstreamTimeout,
 )
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
 from passerelle.observe.record import RequestRecord, State
-from passerelle.proxy import grammars
-from passerelle.proxy.assemble import assemble
-from passerelle.proxy.assemble_events import assemble_events
+from passerelle.proxy.attempt import fetch, outcome_of
+from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.protocols import Api, Parsed, api_for
-from passerelle.proxy.relay import StreamRelay, read_body
 from passerelle.proxy.resume import Splice, suspendable
+from passerelle.proxy.retry import RetryBudget, may_retry
+from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
@@ -63,9 +67,6 @@ from passerelle.tenants.names import user_tenant
 from passerelle.tenants.policy import KeyPolicy, Ticket
 
 log = logging.getLogger("passerelle.proxy.gateway")
-
-_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]
 
 
 async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes:
@@ -92,6 +93,22 @@ async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes
             return b"".join(chunks)
 
 
+def output_estimate(data: dict[str, Any] | None, length: int | None) -> int:
+    """Tokens the request may generate, for admission (tokens per minute, quotas) and fair share:
+    its length limit (else 256) times the sequences generated (``n``, and ``best_of``, which
+    generates that many to return ``n``).
+
+    >>> output_estimate({"max_tokens": 500, "n": 1000}, 500)
+    500000
+    """
+    sequences = 1
+    for name in ("n", "best_of"):
+        v = (data or {}).get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > sequences:
+            sequences = v
+    return (length or 256) * sequences
+
+
 def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
     """``body`` with ``stream_options.include_usage = true`` (spliced in when absent, so the
     rest of the body keeps its exact bytes)."""
@@ -100,17 +117,6 @@ def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
         return body[: i + 1] + b'"stream_options":{"include_usage":true},' + body[i + 1 :]
     data = dict(data, stream_options={**(data["stream_options"] or {}), "include_usage": True})  # null is valid
     return orjson.dumps(data)
-
-
-class _Collector:
-    """An ASGI ``send`` that keeps the body, for answers assembled from a stream."""
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-
-    async def __call__(self, message: dict[str, Any]) -> None:
-        self.parts.append(message.get("body", b""))
-
 
 
 class Gateway:
@@ -124,14 +130,17 @@ class Gateway:
         self.keyring = keyring
         self.keys = KeyPolicy(cfg, keyring)  # keys: who, which models, quotas, limits (tenants/policy.py)
         self.classes = {c.name: c for c in cfg.classes}
-        self._retry_budget = 10.0  # retries allowed now; refilled by 0.2 per request
+        self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
+        self._watchdog: asyncio.TimerHandle | None = None
+        self.catalogue = Catalogue((), registry)  # model names -> pools; the app sets the configured one
         self.preemption_stats = {"suspensions": 0, "resumed_streams": 0, "resume_prompt_tokens_processed": 0,
                                  "resume_prompt_tokens_cached": 0}
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
         self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
         self.listeners: list[Callable[[RequestRecord], None]] = []
-        # Requests in progress; the server's shutdown ends those still running (server/shutdown.py).
+        # Requests in progress: the watchdog cuts clients that stopped reading, the shutdown ends those
+        # still running past its grace (server/shutdown.py).
         self.open: set[Exchange] = set()
 
     # -- who is asking, and how urgent ---------------------------------------------------------
@@ -198,71 +207,125 @@ class Gateway:
         rec = ex.rec
         job: Job | None = None
         grant: Ticket | None = None
+        failure: GatewayError | None = None
         self.open.add(ex)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(1.0, self._watch_writes)
         try:
-            key = self.authenticate(scope, rec)  # before the body: a stranger's body is never read
-            limit = self.cfg.server.max_upload_bytes if api.form else self.cfg.server.max_body_bytes
-            body = await read_request_body(scope, receive, limit)
-            ex.watch()
-            req = self._read(api, body, scope)
-            rec.model = model = req.model or ""
-            rec.stream = req.stream
-            rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
-            cls = self.priority_class(scope, key)
-            rec.priority = cls.name
-            if key is not None:
-                rec.tenant = key.tenant
-            elif req.user:
-                rec.tenant = user_tenant(req.user, self.cfg.auth.max_user_chars)
-            pool = self.registry.pool(model, endpoint)
-            if pool is None:
-                raise UnknownModel(model, self.registry.models)
-            if not pool:
-                raise InvalidRequest(f"The model '{model}' is not served on {scope['path']}: no backend of it "
-                                     f"serves that route. It is served on: {self._routes_of(model)}.", param="model")
-            # prompt: its text, media at a constant (corrected by usage); an upload is not text, and
-            # tokenizing or counting tokens is not the model's work
-            est_prompt = (self.keys.estimate_prompt(req.data, model)
-                          if api.scheduled and not api.form and req.data is not None else 0)
-            est_output = (rec.max_tokens or 256) if api.generates else 0
-            if key is not None:  # allow-list, quota, rpm/tpm, then a turn among the key's concurrent slots
-                grant = await self.keys.admit(key, rec, cls, est_prompt + est_output)
-            job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
-                      est_prompt_tokens=est_prompt, est_output_tokens=est_output,
-                      can_wait_for_start=any(b.supervised for b in pool), slotted=api.scheduled and not api.form,
-                      affinity=self.affinity_key(scope, req.data, endpoint)
-                      if len(pool) > 1 or any(b.slot_ids for b in pool) else "")
-            if self.on_demand is not None and not any(b.stats.up for b in pool):
-                self.on_demand(pool)
-            # A stream of a preemptible class may be cut for a better one and continued (resume.py).
-            splice = (Splice(req.data, endpoint) if cls.preemptible and self.scheduler.preemption is not None
-                      and req.data is not None and any(b.continuation for b in pool)
-                      and suspendable(req.data, endpoint) else None)
-            await self._dispatch(ex, api, job, req.data, body, cls, splice)
-            rec.finish(Cause.OK, 200)
+            try:
+                key = self.authenticate(scope, rec)  # before the body: a stranger's body is never read
+                limit = self.cfg.server.max_upload_bytes if api.form else self.cfg.server.max_body_bytes
+                body = await read_request_body(scope, receive, limit)
+                ex.watch()
+                req = self._read(api, body, scope)
+                rec.model = model = req.model or ""
+                rec.stream = req.stream
+                rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
+                cls = self.priority_class(scope, key)
+                rec.priority = cls.name
+                if key is not None:
+                    rec.tenant = key.tenant
+                elif req.user:
+                    rec.tenant = user_tenant(req.user, self.cfg.auth.max_user_chars)
+                # Model catalogue (runtimes/catalogue.py): name or alias -> public name, pool, served name;
+                # parameter defaults/overrides applied; a fallback model when the pool cannot serve in time.
+                # A form (an upload) cannot be rewritten: its model is looked up as sent.
+                entry = self.catalogue.lookup(model)
+                if entry is None:
+                    raise UnknownModel(model, self.catalogue.names)
+                if req.data is not None:
+                    route = self.catalogue.resolve(model, endpoint, req.data, body, wait_s=cls.max_queue_wait_s,
+                                                   path=scope["path"], routes_of=self._routes_of)
+                    rec.model = model = route.name
+                    pool, req.data, body = route.pool, route.data, route.body
+                    if route.rewritten:
+                        capped = next((req.data[f] for f in api.budget if isinstance(req.data.get(f), int)), None)
+                        if isinstance(capped, int) and capped >= 0:
+                            rec.max_tokens = capped
+                else:
+                    found = self.catalogue.pool(entry, endpoint)
+                    if not found:
+                        raise InvalidRequest(f"The model '{model}' is not served on {scope['path']}: no backend "
+                                             f"of it serves that route. It is served on: {self._routes_of(model)}.",
+                                             param="model")
+                    pool = found
+                # prompt: its text, media at a constant (corrected by usage); an upload is not text, and
+                # tokenizing or counting tokens is not the model's work
+                est_prompt = (self.keys.estimate_prompt(req.data, model)
+                              if api.scheduled and not api.form and req.data is not None else 0)
+                est_output = output_estimate(req.data, rec.max_tokens) if api.generates else 0
+                if key is not None:  # allow-list, quota, rpm/tpm, then a turn among the key's concurrent slots
+                    grant = await self.keys.admit(key, rec, cls, est_prompt + est_output)
+                job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
+                          est_prompt_tokens=est_prompt, est_output_tokens=est_output,
+                          can_wait_for_start=any(b.supervised for b in pool), slotted=api.scheduled and not api.form,
+                          affinity=self.affinity_key(scope, req.data, endpoint)
+                          if len(pool) > 1 or any(b.slot_ids for b in pool) else "")
+                if self.on_demand is not None and not any(b.stats.up for b in pool):
+                    self.on_demand(pool)
+                # A stream of a preemptible class may be cut for a better one and continued (resume.py).
+                splice = (Splice(req.data, endpoint) if cls.preemptible and self.scheduler.preemption is not None
+                          and req.data is not None and any(b.continuation for b in pool)
+                          and suspendable(req.data, endpoint) else None)
+                await self._dispatch(ex, api, job, req.data, body, cls, splice)
+                rec.finish(Cause.OK, 200)
+            except asyncio.CancelledError:
+                if not ex.take_cancel():
+                    raise
+                ex.task.uncancel()
+                failure = (ClientTimeout("The client took no bytes in time; its connection was cut.") if ex.stalled
+                           else ClientDisconnect("client disconnected"))
+            except GatewayError as err:
+                failure = err
+                if isinstance(err, ClientTimeout):
+                    ex.cut()
+            except Exception:
+                log.exception("request %s failed inside the gateway", rec.id)
+                failure = InternalError("Internal error in the gateway; see its log.")
+            finally:
+                # The one place where a request gives back what it holds, whatever happened above (a
+                # cancel, a bug): before the client is told anything, so that no write to a client
+                # that does not read can keep a slot.
+                if failure is not None:
+                    rec.finish(failure.cause, failure.status, failure.message)
+                elif rec.cause is None:  # cancelled by the server itself (shutdown)
+                    rec.finish(Cause.INTERNAL_ERROR, 500, "cancelled by the gateway")
+                self._release(rec, job, grant)
+            if failure is not None and not isinstance(failure, ClientDisconnect | ClientTimeout):
+                await ex.report(failure)  # watched: a client that takes nothing is cut (watchdog)
         except asyncio.CancelledError:
-            if not ex.disconnected:
+            if not ex.take_cancel():
                 raise
-            ex.task.uncancel()
-            rec.finish(Cause.CLIENT_DISCONNECT, 499, "client disconnected")
-        except GatewayError as err:
-            rec.finish(err.cause, err.status, err.message)
-            if not isinstance(err, ClientDisconnect):
-                await ex.report(err)
-        except Exception:
-            log.exception("request %s failed inside the gateway", rec.id)
-            rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
-            await ex.report(GatewayError("Internal error in the gateway; see its log."))
+            ex.task.uncancel()  # the client left or stopped reading during our error: the cause stays
         finally:
-            ex.close()
             self.open.discard(ex)
-            if rec.cause is None:  # an unexpected exception: still one cause, one log line
-                rec.finish(Cause.UPSTREAM_ERROR, 500, "internal error")
-            if job is not None:
-                self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
-            if grant is not None:
-                self.keys.finish(grant, rec)
-            self.account(rec)
+            # (an exception kept in a local would keep this frame, and all it holds, in a reference
+            # cycle through its traceback until the cyclic collector runs)
+            failure = None
+            try:
+                ex.close()
+            finally:
+                self.account(rec)  # one line, one cause, one usage row: whatever happened above
+
+    def _release(self, rec: RequestRecord, job: Job | None, grant: Ticket | None) -> None:
+        if job is not None:
+            self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
+        if grant is not None:
+            self.keys.finish(grant, rec)
+
+    def _watch_writes(self) -> None:
+        """Once a second: cut every client that has taken no byte for ``client_write_s`` while a
+        write to it waited (one timer for all requests rather than one per write)."""
+        self._watchdog = None
+        if not self.open:
+            return
+        loop = asyncio.get_running_loop()
+        horizon = loop.time() - self.cfg.timeouts.client_write_s
+        for ex in [ex for ex in self.open if 0.0 < ex.writing_since <= horizon]:
+            log.warning("request %s: the client took no bytes for %g s; cutting its connection", ex.rec.id,
+                        self.cfg.timeouts.client_write_s)
+            ex.stall()
+        self._watchdog = loop.call_later(1.0, self._watch_writes)
 
     def _routes_of(self, model: str) -> str:
         names = sorted({e for b in self.registry.backends_of(model) for e in b.endpoints})
@@ -278,15 +341,17 @@ class Gateway:
     async def _dispatch(self, ex: Exchange, api: Api, job: Job, data: dict[str, Any] | None, body: bytes,
                         cls: ClassConfig, splice: Splice | None = None) -> None:
         """Queue for a replica and try it; before the client got a byte, a replica that could not
-        take the request is replaced by another (within the retry budget). A stream suspended
-        for a better class queues again and continues where it was cut."""
+        take the request is replaced by another (within the retry budget). Each attempt reports
+        its outcome to its replica's circuit breaker exactly once. A stream suspended for a better
+        class queues again and continues where it was cut."""
         rec = ex.rec
         rec.t_queued = rec.t_queued or time.perf_counter()  # set already if it waited in its key's queue
         rec.to(State.QUEUED)
-        self._retry_budget = min(10.0, self._retry_budget + 0.2)
-        deadline = rec.t_arrival + self.cfg.timeouts.total_s
+        self.retry_budget.deposit()
+        deadline = Deadline(self.cfg.timeouts, rec.t_arrival)
         suspended_at = 0.0
         while True:
+            job.max_wait_s = deadline.left_s  # the queue wait is within the total time too
             backend = None if api.scheduled else self._direct(job)
             if backend is None:
                 backend = await self.scheduler.acquire(job)
@@ -300,25 +365,33 @@ class Gateway:
             running = self.metrics.running.labels(backend.name, rec.model)
             running.inc()
             sent_with = backend.in_flight
+            error: BaseException | None = None
             try:
                 await self._attempt(ex, api, backend, job, data, body, cls, deadline, splice)
                 if splice is None or not splice.suspended:
                     break
-            except (UpstreamError, UpstreamTimeout) as err:
-                if splice is not None and splice.suspended:
-                    pass  # cut by the scheduler, not a failure of the runtime
-                elif isinstance(err, UpstreamTimeout) or ex.started or not self._may_retry(err, job, rec, deadline):
-                    raise
-                else:
+            except Exception as err:
+                if splice is None or not splice.suspended:  # (a suspended attempt was cut by the scheduler)
+                    error = err
+                    if not isinstance(err, UpstreamError) or not may_retry(
+                            retryable=err.retryable, started=ex.started, retries=rec.retries,
+                            others_left=any(b.name not in job.exclude and b is not backend for b in job.pool),
+                            time_left_s=deadline.left_s, budget=self.retry_budget):
+                        raise
                     log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
-                    backend.record_failure(time.monotonic())
                     job.exclude.add(backend.name)
                     rec.retries += 1
                     self.scheduler.release(job)
                     rec.to(State.QUEUED)
                     continue
+            except BaseException as err:  # (cancelled: the client left, or shutdown)
+                error = err
+                raise
             finally:
                 running.dec()
+                backend.breaker.record(outcome_of(error), probe=job.probe, now=self.scheduler.clock())
+                job.probe = False
+                error = None  # (no reference cycle through the exception's traceback: see handle)
                 if not suspended_at and rec.t_first > rec.t_dispatch and (rec.stream or backend.stream_always):
                     # a streamed first token: the signal a runtime's learned capacity follows
                     backend.observe_first_token(rec.t_first - rec.t_dispatch, sent_with, job.est_prompt_tokens)
@@ -337,23 +410,9 @@ class Gateway:
                 self.preemption_stats["resumed_streams"] += 1
                 self.preemption_stats["resume_prompt_tokens_processed"] += splice.resume_prompt_processed
                 self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
-        if backend.failures:
-            backend.record_success()
-
-    def _may_retry(self, err: UpstreamError, job: Job, rec: RequestRecord, deadline: float) -> bool:
-        """Retry on another replica only before the client got a byte, for a runtime that could
-        not be reached or said 503/429, within the total timeout and the retry budget."""
-        if not err.retryable or rec.retries >= 2 or time.perf_counter() >= deadline - 0.5:
-            return False
-        if all(b.name in job.exclude or b.name == rec.backend for b in job.pool):
-            return False
-        if self._retry_budget < 1.0:  # a bounded share of the traffic, so retries never snowball
-            return False
-        self._retry_budget -= 1.0
-        return True
 
     async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, data: dict[str, Any] | None,
-                       body: bytes, cls: ClassConfig, deadline: float, splice: Splice | None = None) -> None:
+                       body: bytes, cls: ClassConfig, deadline: Deadline, splice: Splice | None = None) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing. With a
         ``splice`` the stream may be cut by the scheduler (then this returns or raises with
@@ -378,58 +437,25 @@ class Gateway:
             ctype = (header(ex.scope, b"content-type") or "").encode("latin-1")
         elif api.scheduled:  # (vLLM's priority, llama-server's slot: for requests that take one)
             body = backend.prepare(body, cls.rank, job.slot)
-        resp = await backend.post(api.upstream, body, request_id=rec.id, content_type=ctype)
         try:
-            if resp.status != 200:
-                raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
-                raise UpstreamStatus(resp.status, raw, resp.headers.get("Content-Type", "").encode())
-            if collect and splice is not None:
-                splice.collector = splice.collector or _Collector()
-            send: Any = splice.collector if collect and splice is not None else (_Collector() if collect else ex.send)
-            sink = send
-            if dialect and splice is not None:
-                sp = splice
-                send = sp.watch(resp, send, dialect,
-                                streaming=lambda: self.scheduler.allow_suspend(job, sp.suspend, lambda: sp.tokens))
-            if rec.stream:
-                relay = StreamRelay(rec, send, self.cfg.timeouts, strip_usage=strip_usage,
-                                    before_first=None if ex.started else lambda: ex.start(200, _SSE_HEADERS),
-                                    on_done=ex.mark_finishing, grammar=grammars.make(api.grammar))
-                await relay.run(resp, deadline)
-                if splice is not None and splice.suspended:
-                    return
-                ex.mark_finishing()
-                with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
-                    await ex.send_body(b"", more=False)
-                return
-            if collect:
-                await StreamRelay(rec, send, self.cfg.timeouts, strip_usage=False,
-                                  grammar=grammars.make(api.grammar)).run(resp, deadline)
-                if splice is not None and splice.suspended:
-                    return
-                sse = b"".join(sink.parts)
-                raw = assemble(sse, api.name) if chat_like else assemble_events(sse, api.grammar)
-                ctype = b"application/json"
-            else:
-                raw = await read_body(resp, rec, self.cfg.timeouts, deadline)
-                ctype = resp.headers.get("Content-Type", "application/json").encode()
-                if not rec.usage_from_server and b"_tokens" in raw:  # Responses', Anthropic's, llama-server's names
-                    with contextlib.suppress(orjson.JSONDecodeError):
-                        p, c = grammars.usage_of(orjson.loads(raw))
-                        if p is not None or c is not None:
-                            rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
-            await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
-            ex.mark_finishing()
-            await ex.send_body(raw, more=False)
+            answer = await fetch(ex, api, backend, body, ctype, deadline, self.cfg, collect=collect,
+                                 strip_usage=strip_usage, splice=splice, dialect=dialect,
+                                 on_streaming=None if splice is None else
+                                 lambda sp=splice: self.scheduler.allow_suspend(job, sp.suspend, lambda: sp.tokens))
         finally:
             if splice is not None:
                 self.scheduler.forbid_suspend(job)
                 splice.done()
-            resp.close()  # drops the connection if unread: the runtime stops generating
+        if answer is None:
+            return  # streamed to the client, or suspended
+        raw, ctype = answer
+        # The client's writes are the watchdog's (client_write_s), no longer the runtime's deadline.
+        await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
+        await ex.send_whole(raw)
 
     def account(self, rec: RequestRecord) -> None:
         m = self.metrics
-        model = rec.model if self.registry.serves(rec.model) else "unknown"
+        model = rec.model if self.catalogue.serves(rec.model) else "unknown"
         m.count_request(model, rec.priority, rec.cause.value, rec.tenant)  # type: ignore[union-attr]
         if rec.t_queued and m.enabled:
             if m.tenant_label:

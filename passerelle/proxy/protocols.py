@@ -111,12 +111,14 @@ def _check_fields(endpoint: str, data: dict[str, Any]) -> None:
             raise InvalidRequest("'documents' must be a non-empty array.", param="documents")
     if "stream" in data and not isinstance(data["stream"], bool | None):
         raise InvalidRequest("'stream' must be a boolean.", param="stream")
-    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict", "n"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict", "n", "best_of"):
         v = data.get(key)
         if key == "n_predict" and v == -1:  # llama-server: no limit
             continue
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "n" else 0)):
-            raise InvalidRequest(f"'{key}' must be a non-negative integer.", param=key)
+        least = 1 if key in ("n", "best_of") else 0  # (how many sequences: admission counts each)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+            raise InvalidRequest(f"'{key}' must be {'a positive' if least else 'a non-negative'} integer.",
+                                 param=key)
     so = data.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise InvalidRequest("'stream_options' must be an object.", param="stream_options")

@@ -8,7 +8,11 @@ arrives (a partial event is of no use to a client). The scan finds:
   string, or ``tool_calls``): first-token time, inter-chunk gaps, a fallback token count (a
   reasoning model's thinking is its first tokens: vLLM >= 0.16 names it ``reasoning``);
 * the usage chunk: token counts; dropped again when the gateway asked for it and the client did not;
-* ``[DONE]``: a stream that ends without it was truncated, and the client gets an error event.
+* ``[DONE]``: the end; nothing after it is relayed or even read, and a stream that ends without
+  it was truncated (the client gets an error event).
+
+Caps and time: an event is at most ``[limits] max_event_bytes``; the scan is linear in the bytes
+received however they are cut; every wait is bounded by the request's :class:`Deadline`.
 
 Other APIs' streams (Responses, Anthropic Messages, llama-server's native chunks) are read through
 their grammar (grammars.py), which says the same things in their words.
@@ -23,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -31,10 +36,11 @@ from typing import Any
 import orjson
 
 from passerelle.config import TimeoutConfig
-from passerelle.errors import UpstreamError, UpstreamTimeout
+from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, UpstreamTimeout, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
+from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.grammars import CONTENT, END, ERROR, Grammar
-from passerelle.upstream.client import HTTPClientError, Response
+from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -47,35 +53,71 @@ _DONE = re.compile(rb"^data:\s*\[DONE\]\s*$")
 
 
 class SSEScanner:
-    """Split a byte stream into complete SSE events (``\\n\\n`` or ``\\r\\n\\r\\n`` terminated)."""
+    """Split a byte stream into complete SSE events (``\\n\\n`` or ``\\r\\n\\r\\n`` terminated).
 
-    __slots__ = ("_tail",)
+    Linear in the bytes fed, however they are cut: an incomplete event is kept in a bytearray that
+    grows by what arrives, and only the new bytes (plus the 3 before them, for a terminator cut in
+    two) are searched. An event larger than ``max_event`` bytes, complete or still arriving, raises
+    UpstreamTooLarge, so a runtime that sends an endless line costs at most that much memory.
+    """
 
-    def __init__(self) -> None:
-        self._tail = b""
+    __slots__ = ("_tail", "max_event")
+
+    def __init__(self, max_event: int = 1 << 20) -> None:
+        self._tail = bytearray()
+        self.max_event = max_event
 
     def feed(self, data: bytes) -> list[bytes]:
-        buf = self._tail + data if self._tail else data
+        tail = self._tail
+        if tail:
+            if len(tail) > self.max_event:  # (over the cap since the last feed, which had events to return)
+                self._too_large()
+            # The tail holds no terminator: search only the new bytes (and the 3 before them, for a
+            # terminator cut in two). Without one, the bytes are kept and nothing else is touched.
+            search = max(0, len(tail) - 3)
+            tail += data
+            lf = tail.find(b"\n\n", search)
+            crlf = tail.find(b"\r\n\r\n", search)
+            if lf < 0 and crlf < 0:
+                if len(tail) > self.max_event:
+                    self._too_large()
+                return []
+            buf = bytes(tail)  # once per completed event: linear overall
+            tail.clear()
+        else:
+            buf = data
+            lf = buf.find(b"\n\n")
+            crlf = buf.find(b"\r\n\r\n")
         events: list[bytes] = []
         start = 0
+        limit = self.max_event
         # Each terminator is searched again only once the split has passed it: a stream that
         # never uses one (most never send CRLF) costs one scan of the buffer, not one per event.
-        lf = buf.find(b"\n\n")
-        crlf = buf.find(b"\r\n\r\n")
         while lf >= 0 or crlf >= 0:
             end = lf + 2 if crlf < 0 or (0 <= lf < crlf) else crlf + 4
+            if end - start > limit:
+                self._too_large()
             events.append(buf[start:end])
             start = end
             if 0 <= lf < start:
                 lf = buf.find(b"\n\n", start)
             if 0 <= crlf < start:
                 crlf = buf.find(b"\r\n\r\n", start)
-        self._tail = buf[start:] if start else buf
+        if start < len(buf):
+            tail += buf[start:] if start else buf
+            if len(tail) > limit and not events:
+                self._too_large()  # (with events: they are returned, and the next feed raises)
         return events
+
+    def _too_large(self) -> None:
+        self._tail = bytearray()
+        raise UpstreamTooLarge("single stream event", self.max_event, "max_event_bytes")
 
     @property
     def pending(self) -> bytes:
-        return self._tail
+        if len(self._tail) > self.max_event:
+            self._too_large()
+        return bytes(self._tail)
 
 
 def parse_usage(obj: Any) -> tuple[int | None, int | None]:
@@ -91,7 +133,8 @@ class StreamRelay:
 
     def __init__(self, rec: RequestRecord, send: Send, timeouts: TimeoutConfig, *, strip_usage: bool,
                  before_first: Callable[[], Awaitable[None]] | None = None,
-                 on_done: Callable[[], None] | None = None, grammar: Grammar | None = None) -> None:
+                 on_done: Callable[[], None] | None = None, grammar: Grammar | None = None,
+                 max_event: int = 1 << 20) -> None:
         self.rec = rec
         self.grammar = grammar  # None: OpenAI chat/completions chunks, scanned here
         # Called once [DONE] is about to go out: a client that hangs up right after reading it
@@ -101,11 +144,14 @@ class StreamRelay:
         self.before_first = before_first  # e.g. send the response headers with the first bytes
         self.timeouts = timeouts
         self.strip_usage = strip_usage
+        self.max_event = max_event
         self.done = False
         self.upstream_error = False
+        self.sending = False  # waiting for the client to take bytes (not the runtime's time)
 
     def _scan(self, events: list[bytes], now: float) -> bytes:
-        """Account for ``events``; return the bytes to send (all of them unless one is dropped)."""
+        """Account for ``events``; return the bytes to send (all of them unless one is dropped).
+        Nothing after ``[DONE]`` is sent: the stream is over there."""
         if self.grammar is not None:
             return self._scan_grammar(events, now)
         rec = self.rec
@@ -132,6 +178,9 @@ class StreamRelay:
                     keep = False
             elif _DONE.match(ev):  # (anchored: fails within a few bytes on a content event)
                 self.done = True
+                if i + 1 < len(events):  # events after [DONE] are not relayed
+                    out = list(events[:i + 1]) if out is None else [*out, ev]
+                    break
             elif _ERROR.match(ev):
                 self.upstream_error = True
                 rec.error = "the runtime sent an error event"
@@ -144,10 +193,10 @@ class StreamRelay:
         return b"".join(out)
 
     def _scan_grammar(self, events: list[bytes], now: float) -> bytes:
-        """``_scan`` for a stream read through its API's grammar; nothing is dropped."""
+        """``_scan`` for a stream read through its API's grammar; nothing after its end event is sent."""
         rec, g = self.rec, self.grammar
         assert g is not None
-        for ev in events:
+        for i, ev in enumerate(events):
             flags = g.scan(ev)
             if flags & CONTENT:
                 if rec.content_chunks == 0:
@@ -157,76 +206,108 @@ class StreamRelay:
                     rec.gaps.append(now - rec.t_last)
                 rec.t_last = now
                 rec.content_chunks += 1
-            if flags & END:
-                self.done = True
             if flags & ERROR:
                 self.upstream_error = True
                 rec.error = "the runtime sent an error event"
+            if flags & END:
+                self.done = True
+                if i + 1 < len(events):  # events after the end are not relayed
+                    events = events[:i + 1]
+                break
         if g.completion_tokens is not None:
             rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = \
                 g.prompt_tokens, g.completion_tokens, True
         return b"".join(events) if len(events) > 1 else events[0]
 
-    async def run(self, resp: Response, deadline_total: float) -> None:
-        """Relay until ``[DONE]``; raise UpstreamTimeout/UpstreamError on a broken stream.
+    async def run(self, resp: Response, deadline: Deadline, budget: asyncio.Timeout | None = None) -> None:
+        """Relay until ``[DONE]``; raise UpstreamTimeout/UpstreamError on a broken stream, and
+        ClientTimeout when the deadline passed while the client was not taking bytes.
 
-        The response headers have already been sent to the client by the caller.
+        ``budget`` is the attempt's one timeout, entered by the caller before it sent the request
+        (one timer per request covers the response head and the stream); without one, the relay
+        makes its own. Either way it fires at ``deadline.first_at`` until the first content chunk,
+        then each content chunk moves it ``between_tokens_s`` ahead, never past ``total_at``. A
+        caller that gives a budget turns its expiry into an error with :meth:`timed_out`.
+        Reading stops at ``[DONE]``: what a runtime sends after it is never relayed, and a runtime
+        that idles after it has still answered in full.
         """
+        if budget is not None:
+            await self._relay(resp, deadline, budget)
+            return
+        try:
+            async with asyncio.timeout_at(deadline.first_at) as own:
+                await self._relay(resp, deadline, own)
+        except TimeoutError:
+            raise self.timed_out(deadline) from None
+
+    def timed_out(self, deadline: Deadline) -> GatewayError:
+        """The error for the budget running out during :meth:`run`: which deadline it was, and
+        whose turn it was (a client that takes nothing is not the runtime's fault)."""
+        t = self.timeouts
+        if deadline.left_s <= 0.001:
+            return UpstreamTimeout("total", t.total_s)
+        if self.sending:  # the runtime was waiting for us: the client took nothing all that time
+            return ClientTimeout(f"The client took no bytes for {t.between_tokens_s:g} s.")
+        if self.rec.content_chunks:
+            return UpstreamTimeout("between tokens", t.between_tokens_s)
+        return UpstreamTimeout("first token", t.first_token_s)
+
+    async def _relay(self, resp: Response, deadline: Deadline, budget: asyncio.Timeout) -> None:
         rec, t = self.rec, self.timeouts
-        scanner = SSEScanner()
+        scanner = SSEScanner(self.max_event)
         held: list[bytes] | None = []  # events before the first content chunk
         read = resp.readany
         send = self.send
         loop = asyncio.get_running_loop()
-        # Deadlines on the loop's clock; perf_counter values are for the record.
-        now_loop = loop.time()
-        total_at = now_loop + (deadline_total - time.perf_counter())
-        first_at = min(total_at, now_loop + t.first_token_s)
-        slack = min(1.0, t.between_tokens_s / 10)
+        total_at = deadline.total_at
+        between = t.between_tokens_s
+        slack = min(1.0, between / 10)
+        seen = 0  # content chunks when the deadline last moved
         try:
-            async with asyncio.timeout_at(first_at) as budget:
-                while True:
-                    data = await read()
-                    if not data:
-                        break
-                    events = scanner.feed(data)
-                    if events:
-                        payload = self._scan(events, time.perf_counter())
-                        if held is not None:
-                            # Before the first token nothing goes out (a role chunk is useless
-                            # alone): a runtime that fails or times out before then can still
-                            # be answered with a proper status, or replaced by another replica.
-                            held.append(payload)
-                            if not (rec.content_chunks or self.done or self.upstream_error):
-                                continue
-                            payload, held = b"".join(held), None
-                            if self.before_first is not None:
-                                await self.before_first()
-                                self.before_first = None
-                        if self.done and self.on_done is not None:
-                            self.on_done()
-                            self.on_done = None
-                        if payload:
-                            await send({"type": "http.response.body", "body": payload, "more_body": True})
-                    if rec.content_chunks:
-                        # Move the deadline only once per `slack`, not on every chunk: a timer
-                        # reschedule per token is a measurable share of the gateway's CPU. The
-                        # limit then fires between between_tokens_s and that plus slack.
-                        now = loop.time()
-                        left = budget.when() - now  # type: ignore[operator]
-                        if not t.between_tokens_s <= left <= t.between_tokens_s + slack:  # (also: first token)
-                            budget.reschedule(min(total_at, now + t.between_tokens_s + slack))
-        except TimeoutError:
-            remaining_total = total_at - loop.time()
-            if remaining_total <= 0.001:
-                raise UpstreamTimeout("total", t.total_s) from None
-            if rec.content_chunks:
-                raise UpstreamTimeout("between tokens", t.between_tokens_s) from None
-            raise UpstreamTimeout("first token", t.first_token_s) from None
+            while not self.done:
+                data = await read()
+                if not data:
+                    break
+                events = scanner.feed(data)
+                if not events:
+                    continue
+                payload = self._scan(events, time.perf_counter())
+                if rec.content_chunks != seen:
+                    # Only content moves the deadline (a runtime dripping comments or empty events
+                    # is not producing tokens), and only once per `slack`, not on every chunk: a
+                    # timer reschedule per token is a measurable share of the gateway's CPU. The
+                    # limit then fires between between_tokens_s and that plus slack.
+                    seen = rec.content_chunks
+                    now = loop.time()
+                    left = budget.when() - now  # type: ignore[operator]
+                    if not between <= left <= between + slack:  # (also: the first token)
+                        budget.reschedule(min(total_at, now + between + slack))
+                if held is not None:
+                    # Before the first token nothing goes out (a role chunk is useless alone): a
+                    # runtime that fails or times out before then can still be answered with a
+                    # proper status, or replaced by another replica.
+                    held.append(payload)
+                    if not (rec.content_chunks or self.done or self.upstream_error):
+                        continue
+                    payload, held = b"".join(held), None
+                    if self.before_first is not None:
+                        self.sending = True
+                        await self.before_first()
+                        self.before_first = None
+                if self.done and self.on_done is not None:
+                    self.on_done()
+                    self.on_done = None
+                if payload:
+                    self.sending = True
+                    await send({"type": "http.response.body", "body": payload, "more_body": True})
+                self.sending = False
         except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "
                                 f"{exc.__class__.__name__}", retryable=True) from exc
-        tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n" if scanner.pending.strip() else b""
+        tail = b""
+        if not self.done and scanner.pending.strip():
+            # (a last event without its blank line is delivered rather than lost)
+            tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n"
         if not self.done and not self.upstream_error and self.grammar is not None and self.grammar.ends_at_close:
             self.done = True  # a grammar without an end marker: the close is the end
         if held is not None and self.done:  # a stream with no content at all, e.g. max_tokens = 0
@@ -234,11 +315,12 @@ class StreamRelay:
         if self.done and self.on_done is not None:
             self.on_done()
         if tail and (held is None or self.done):
-            # (a last event without its blank line is delivered rather than lost)
+            self.sending = True
             if self.before_first is not None:
                 await self.before_first()
                 self.before_first = None
             await send({"type": "http.response.body", "body": tail, "more_body": True})
+            self.sending = False
         if self.upstream_error:
             raise UpstreamError("The model runtime reported an error in the stream.")
         if not self.done:
@@ -246,18 +328,13 @@ class StreamRelay:
                                 retryable=True)
 
 
-async def read_body(resp: Response, rec: RequestRecord, timeouts: TimeoutConfig,
-                    deadline_total: float) -> bytes:
-    """Read a non-streaming answer within the first-token and total limits."""
-    remaining = deadline_total - time.perf_counter()
-    limit, phase = ((timeouts.first_token_s, "first token") if timeouts.first_token_s < remaining
-                    else (max(remaining, 0.0), "total"))
+async def read_body(resp: Response, rec: RequestRecord, *, limit: int) -> bytes:
+    """Read a non-streaming answer, at most ``limit`` bytes, and take the token counts from its
+    ``usage``. (The caller's budget bounds the time.)"""
     try:
-        async with asyncio.timeout(limit):
-            body = await resp.read()
-    except TimeoutError:
-        raise UpstreamTimeout(phase, timeouts.first_token_s if phase == "first token" else timeouts.total_s) \
-            from None
+        body = await resp.read(limit)
+    except BodyTooLarge:
+        raise UpstreamTooLarge("answer", limit, "max_answer_bytes") from None
     except (HTTPClientError, OSError) as exc:
         raise UpstreamError(f"The model runtime '{rec.backend}' broke the response: "
                             f"{exc.__class__.__name__}", retryable=True) from exc
@@ -270,3 +347,31 @@ async def read_body(resp: Response, rec: RequestRecord, timeouts: TimeoutConfig,
         if c is not None or p is not None:
             rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
     return body
+
+
+async def read_error(resp: Response, rec: RequestRecord, *, limit: int) -> bytes:
+    """The body of a runtime's error answer, at most ``limit`` bytes."""
+    try:
+        return await resp.read(limit)
+    except BodyTooLarge:
+        raise UpstreamTooLarge(f"error answer (HTTP {resp.status})", limit, "max_error_bytes") from None
+    except (HTTPClientError, OSError) as exc:
+        raise UpstreamError(f"The model runtime '{rec.backend}' broke its HTTP {resp.status} answer: "
+                            f"{exc.__class__.__name__}", retryable=True) from exc
+
+
+async def finish_upstream(resp: Response, budget: asyncio.Timeout, *, within_s: float = 0.1,
+                          limit: int = 1 << 16) -> None:
+    """After ``[DONE]``: read what is left of the body, relaying nothing, so that the connection can
+    go back to the pool; give up (the connection is then closed) after ``limit`` bytes, or when
+    ``budget``, moved ``within_s`` ahead, runs out (the caller treats that expiry as the end). A
+    well-behaved runtime's chunked terminator is already there or arrives at once."""
+    if resp.complete:
+        return
+    budget.reschedule(asyncio.get_running_loop().time() + within_s)
+    got = 0
+    with contextlib.suppress(HTTPClientError, OSError):
+        while data := await resp.readany():
+            got += len(data)
+            if got > limit:
+                return

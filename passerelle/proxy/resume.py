@@ -91,7 +91,7 @@ class Splice:
         self.unsafe = False  # output that cannot be continued (tool calls, reasoning)
         self.resume_prompt_processed = 0  # prompt tokens the runtime computed again on resumes
         self.resume_prompt_cached = 0  # ... and took from its cache
-        self.collector: Send | None = None  # for an answer assembled from a stream: kept across attempts
+        self.collector: Any = None  # for an answer assembled from a stream (attempt.py): kept across attempts
         self._first_id: Any = None
         self._first_created: Any = None
         self._echo = ""  # what the continuation's runtime may repeat before new text

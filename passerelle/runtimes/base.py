@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from passerelle.config import BackendConfig, TimeoutConfig
-from passerelle.errors import UpstreamError
+from passerelle.errors import UpstreamError, UpstreamTimeout
+from passerelle.runtimes.breaker import BreakerState, CircuitBreaker
 from passerelle.runtimes.capacity import Capacity
 from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, UpstreamClient
 
 _JSON = b"application/json"
+CLOSED = BreakerState.CLOSED
 
 
 @dataclass
@@ -71,13 +73,13 @@ class Backend:
         self.peak_in_flight = 0  # the most in flight since the last load poll; the scheduler keeps it
         self.supervised = False  # launched by passerelle: may come back after a crash
         self.draining = False  # removed by a reload: finishes its requests, takes no new one
-        self.last_used = time.monotonic()  # last dispatch, for idle stop and LRU eviction
+        self.fenced = False  # being swapped out: finishes its requests, takes no new one
+        self.context_length: int | None = None  # tokens per request, where the runtime says
+        self.last_used = time.monotonic()  # last dispatch or release, for idle stop and LRU eviction
         self.stats = BackendStats()
-        # Passive ejection: after EJECT_AFTER failures in a row the replica gets no requests for a
-        # while; then one request probes it (half-open) and its outcome decides.
-        self.failures = 0
-        self.ejected_until = 0.0
-        self.probing = False
+        # Passive ejection: after a few failures in a row the replica gets no requests for a while;
+        # then one request probes it (half-open) and its outcome decides (breaker.py).
+        self.breaker = CircuitBreaker()
         self._missed_health = False
         self._asked_capacity = False
         self._client: UpstreamClient | None = None
@@ -88,8 +90,6 @@ class Backend:
         # what the gateway forwards to this runtime: its configured endpoints or its kind's, plus
         # the routes the operator added for every backend ([server] extra_routes) or for this one
         self.endpoints: tuple[str, ...] = (*(cfg.endpoints or self.serves), *cfg.extra_routes)
-
-    EJECT_AFTER = 3
 
     @property
     def capacity(self) -> int:
@@ -112,21 +112,10 @@ class Backend:
             self._client.limit = self.capacity + 4
 
     def routable(self, now: float) -> bool:
-        """May this replica take a new request now (up, not draining, not ejected)?"""
-        if not self.stats.up or self.draining:
-            return False
-        if self.ejected_until:
-            return now >= self.ejected_until and not self.probing
-        return True
-
-    def record_failure(self, now: float) -> None:
-        self.failures += 1
-        self.probing = False
-        if self.failures >= self.EJECT_AFTER:
-            self.ejected_until = now + min(60.0, 5.0 * 2 ** (self.failures - self.EJECT_AFTER))
-
-    def record_success(self) -> None:
-        self.failures, self.ejected_until, self.probing = 0, 0.0, False
+        """May this replica take a new request now (up, not draining, not fenced, its breaker lets it through)?"""
+        breaker = self.breaker
+        return (self.stats.up and not self.draining and not self.fenced
+                and (breaker.state is CLOSED or breaker.allows(now)))
 
     # -- lifecycle -------------------------------------------------------------------------
     def set_url(self, url: str) -> None:
@@ -183,6 +172,9 @@ class Backend:
         try:
             return await self.client.request(b"POST", path, body, headers=headers)
         except ConnectFailed as exc:
+            if exc.timed_out:
+                raise UpstreamTimeout("connect", self.timeouts.connect_s, detail=f"runtime '{self.name}'",
+                                      retryable=True) from exc
             raise UpstreamError(f"The model runtime '{self.name}' is not reachable ({exc}).", retryable=True) from exc
         except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{self.name}' failed: {exc.__class__.__name__}: {exc}",
@@ -254,7 +246,7 @@ class Backend:
             "name": self.name, "kind": self.kind, "url": self.url, "models": list(self.models),
             "up": s.up, "slots_busy": s.slots_busy, "slots_total": s.slots_total,
             "kv_cache_usage_ratio": s.kv_cache_usage_ratio, "queue_depth": s.queue_depth,
-            "in_flight": self.in_flight, **self.capacity_info.as_dict(),
+            "in_flight": self.in_flight, **self.capacity_info.as_dict(), "breaker": self.breaker.state.value,
             "checked_ago_s": round(time.time() - s.scraped_at, 1) if s.scraped_at else None,
             "error": s.error,
         }

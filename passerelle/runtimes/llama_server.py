@@ -55,6 +55,9 @@ class LlamaServerBackend(Backend):
             if isinstance(slots, list):
                 stats.slots_total = len(slots)
                 stats.slots_busy = sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing"))
+                n_ctx = slots[0].get("n_ctx") if slots and isinstance(slots[0], dict) else None
+                if isinstance(n_ctx, int) and n_ctx > 0:
+                    self.context_length = n_ctx  # per slot: what one request may use
         status, body = await self._get("/metrics")
         if status == 200:
             samples = parse_samples(body.decode("utf-8", "replace"))

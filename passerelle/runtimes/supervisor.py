@@ -1,8 +1,14 @@
 """Runtime processes that passerelle launches itself, each with an explicit state machine.
 
-    STOPPED ──start──► STARTING ──health ok──► READY ──stop──► DRAINING ──► STOPPED
-                          │                      │
-                          └──exit / no health────┴──crash──► FAILED ──backoff──► STARTING
+    STOPPED ──start──► STARTING ──health ok──► READY ──stop──► STOPPING ──► STOPPED
+                          │    ▲                 │                 ▲
+                          │    └──backoff──┐     │                 │
+                          └──exit / no health──► FAILED ◄──crash───┘──stop (from STARTING, FAILED)
+
+Every transition is checked against ``_ALLOWED``: one that is not there is a bug and raises.
+STOPPING is the process being stopped (SIGTERM, then SIGKILL after the grace); it is not the
+*draining* of a backend removed by a reload (``Backend.draining``: it finishes its requests first,
+then its process is stopped).
 
 A child runs in its own process group, so stopping it also stops anything it spawned, and on
 Linux asks the kernel to kill it if passerelle dies (``PR_SET_PDEATHSIG``), so that not even a
@@ -33,6 +39,7 @@ from pathlib import Path
 from passerelle.errors import PasserelleError
 from passerelle.paths import state_dir
 from passerelle.runtimes.kinds import Backend
+from passerelle.runtimes.memory import MemoryBook, Reading, command_key, device_used, measure
 
 log = logging.getLogger("passerelle.runtimes.supervisor")
 
@@ -43,8 +50,17 @@ class ProcState(enum.Enum):
     STOPPED = "stopped"
     STARTING = "starting"
     READY = "ready"
-    DRAINING = "draining"
+    STOPPING = "stopping"
     FAILED = "failed"
+
+
+_ALLOWED = {
+    ProcState.STOPPED: {ProcState.STARTING},
+    ProcState.STARTING: {ProcState.READY, ProcState.FAILED, ProcState.STOPPING},
+    ProcState.READY: {ProcState.STOPPING, ProcState.FAILED},
+    ProcState.FAILED: {ProcState.STARTING, ProcState.STOPPING},
+    ProcState.STOPPING: {ProcState.STOPPED},
+}
 
 
 class RuntimeFailed(PasserelleError):
@@ -83,25 +99,66 @@ class RuntimeProcess:
         self.command: list[str] = []
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
+        self._stopped: asyncio.Future[None] | None = None  # while a stop() runs: done when it ends
         self.on_ready: Callable[[], None] | None = None  # after a restart: queued requests may go
+        self.on_exit: Callable[[], None] | None = None  # it died: memory it held is free again
+        self.ready_at = 0.0  # monotonic time it last became ready (residency)
+        self.load_s = 0.0  # how long its last start took, launch to ready
+        self.reading: Reading | None = None  # its measured memory, this run (None until measured)
+        self.device_before: int | None = None  # GPUs' used memory just before its launch
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        """The running process's id; None before a start and once it exited."""
+        return self.proc.pid if self.proc and self.proc.returncode is None else None
+
+    @property
+    def restarting(self) -> bool:
+        """Crashed, and its monitor is bringing it back."""
+        return (self.state is ProcState.FAILED and self.restart and not self._stopping
+                and self._monitor is not None and not self._monitor.done())
+
+    @property
+    def holds_memory(self) -> bool:
+        """Loaded, loading, draining, or coming back after a crash: counts against the budget."""
+        return (self.state in (ProcState.STARTING, ProcState.READY, ProcState.STOPPING)) or self.restarting
+
+    @property
+    def stopping(self) -> bool:
+        """A stop is under way (asked for, not finished)."""
+        return self._stopping and self.state is not ProcState.STOPPED
 
     def _set(self, state: ProcState) -> None:
-        if state is not self.state:
-            log.info("runtime %s: %s -> %s", self.backend.name, self.state.value, state.value)
-            self.state = state
+        if state is self.state:
+            return
+        if state not in _ALLOWED[self.state]:
+            raise RuntimeError(f"runtime {self.backend.name}: illegal transition {self.state.name} -> {state.name}")
+        log.info("runtime %s: %s -> %s", self.backend.name, self.state.value, state.value)
+        self.state = state
 
     async def start(self) -> None:
-        """Launch and wait until the runtime's health endpoint answers; raise RuntimeFailed."""
+        """Launch and wait until the runtime's health endpoint answers; raise RuntimeFailed.
+        A stop still in progress is waited for first."""
+        if self._stopped is not None:
+            await asyncio.shield(self._stopped)
+        if self.state is ProcState.READY:
+            return
         self._stopping = False
         await self._launch()
         self._monitor = asyncio.create_task(self._watch(), name=f"supervise-{self.backend.name}")
 
     async def _launch(self) -> None:
+        """One launch; the process is killed again if the launch does not end READY (failed,
+        stopped or cancelled meanwhile), so no attempt leaves a process behind."""
         self._set(ProcState.STARTING)
+        try:
+            await self._spawn_and_wait()
+        except BaseException:
+            await asyncio.shield(self._kill(grace=2.0))
+            raise
+
+    async def _spawn_and_wait(self) -> None:
+        t0 = time.monotonic()
         self.port = free_port()
         self.command = [part.replace("{port}", str(self.port)) for part in self.template]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,16 +178,23 @@ class RuntimeProcess:
         await self.backend.start()
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
+            if self._stopping:
+                raise RuntimeFailed(f"runtime {self.backend.name} was stopped while starting")
             if self.proc.returncode is not None:
                 self._set(ProcState.FAILED)
                 raise RuntimeFailed(f"runtime {self.backend.name} exited with code {self.proc.returncode} "
                                     f"while starting; last lines of {self.log_path}:\n{self.log_tail()}")
             if await self.backend.check_health(timeout=1.0):
                 await self.backend.scrape()
-                self._set(ProcState.READY)
-                return
+                if not self._stopping:  # (else: raised at the top of the loop)
+                    self.ready_at = time.monotonic()
+                    self.load_s = self.ready_at - t0
+                    self._set(ProcState.READY)
+                    return
+                continue
             await asyncio.sleep(0.1)
-        await self._kill()
+        if self._stopping:
+            raise RuntimeFailed(f"runtime {self.backend.name} was stopped while starting")
         self._set(ProcState.FAILED)
         raise RuntimeFailed(f"runtime {self.backend.name} was not ready after {self.ready_timeout_s:g} s")
 
@@ -150,8 +214,11 @@ class RuntimeProcess:
                 return
             self.backend.stats.up = False
             self._set(ProcState.FAILED)
+            self.reading = None
             log.error("runtime %s exited with code %s; last output:\n%s", self.backend.name, code, self.log_tail(5))
             if not self.restart:
+                if self.on_exit is not None:
+                    self.on_exit()
                 return
             while not self._stopping:
                 await asyncio.sleep(backoff)
@@ -180,21 +247,34 @@ class RuntimeProcess:
             await proc.wait()
 
     async def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``grace``; STOPPED once it is gone. A second
+        call while one runs waits for it."""
+        if self._stopped is not None:
+            await asyncio.shield(self._stopped)
+            return
         self._stopping = True
-        if self.state is ProcState.READY:
-            self._set(ProcState.DRAINING)
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-        await self._kill(grace)
-        self.backend.stats.up = False
-        self._set(ProcState.STOPPED)
+        if self.state is ProcState.STOPPED:
+            return
+        self._stopped = asyncio.get_running_loop().create_future()
+        try:
+            self._set(ProcState.STOPPING)
+            if self._monitor is not None:
+                self._monitor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._monitor
+            await self._kill(grace)
+            self.backend.stats.up = False
+            self.reading = None
+            self._set(ProcState.STOPPED)
+        finally:
+            self._stopped.set_result(None)
+            self._stopped = None
 
 
 def estimate_gib(command: tuple[str, ...]) -> float:
-    """What a runtime needs loaded, from the model file in its command line (GGUF size plus a
-    margin for the KV cache and buffers); 1 GiB when no model file can be found."""
+    """What a runtime needs loaded, guessed from the model file in its command line (GGUF size
+    plus a margin for the KV cache and buffers); 1 GiB when no model file can be found. Used
+    until the runtime has run once and its memory was measured."""
     for flag in ("-m", "--model"):
         if flag in command:
             i = command.index(flag)
@@ -206,24 +286,56 @@ def estimate_gib(command: tuple[str, ...]) -> float:
     return 1.0
 
 
+class NoRoom(RuntimeFailed):
+    """A start that does not fit in the memory budget now."""
+
+
 class Supervisor:
     """All launched runtimes of one gateway: start at boot or on demand, stop when idle, stay
-    within the memory budget (``[runtimes] max_loaded_gib``), and never start one twice."""
+    within the memory budget (``[runtimes] max_loaded_gib``), and never start one twice.
 
-    def __init__(self, processes: list[RuntimeProcess], *, max_loaded_gib: float = 0.0,
-                 on_ready: Callable[[], None] | None = None) -> None:
+    What to stop to make room for what is the scheduler's decision (``scheduling/swap.py``); the
+    supervisor keeps the books: what each runtime needs (measured once it ran, else configured,
+    else estimated), what is loaded, and whether a start fits. ``on_change`` is called whenever
+    memory may have been freed or a runtime became ready (a stop, a crash, an idle stop, a ready),
+    so that deferred starts are retried at once.
+    """
+
+    MEASURE_EVERY_S = 15.0  # re-read a loaded runtime's memory (it grows: caches, lazy pages)
+
+    def __init__(self, processes: list[RuntimeProcess], *, max_loaded_gib: float = 0.0, memory_kind: str = "total",
+                 book: MemoryBook | None = None, on_ready: Callable[[], None] | None = None) -> None:
         self.processes = {p.backend.name: p for p in processes}
+        # Processes of backends a reload removed or replaced: no longer under their name, still to stop.
+        self.retiring: set[RuntimeProcess] = set()
         self.max_loaded_gib = max_loaded_gib
+        self.memory_kind = memory_kind
+        self.book = book or MemoryBook(None)
         self.on_ready = on_ready  # a runtime became ready: queued requests may go
+        self.on_change: Callable[[], None] | None = None  # memory freed or a runtime ready: re-plan
         self._lock = asyncio.Lock()  # one start decision at a time (budget, no double start)
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._measured_at: dict[str, float] = {}
+        for p in processes:
+            self.adopt(p)
+
+    def adopt(self, proc: RuntimeProcess) -> None:
+        """Take ``proc`` under supervision (at start, or added by a reload)."""
+        self.processes[proc.backend.name] = proc
+        proc.on_exit = self._changed
 
     def get(self, name: str) -> RuntimeProcess | None:
         return self.processes.get(name)
 
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
     async def start_all(self) -> None:
-        await asyncio.gather(*(p.start() for p in self.processes.values() if not p.backend.cfg.on_demand))
+        # runtimes started at boot are what the operator asked for: they are not held to the budget
+        await asyncio.gather(*(self.start(p.backend.name, budget=False) for p in self.processes.values()
+                               if not p.backend.cfg.on_demand))
         self._reaper = asyncio.create_task(self._reap_idle(), name="passerelle-idle-reaper")
 
     async def stop_all(self) -> None:
@@ -231,64 +343,130 @@ class Supervisor:
             self._reaper.cancel()
         for task in self._starting.values():
             task.cancel()
-        await asyncio.gather(*(p.stop() for p in self.processes.values()), return_exceptions=True)
+        await asyncio.gather(*(p.stop() for p in [*self.processes.values(), *self.retiring]), return_exceptions=True)
+
+    async def retire(self, proc: RuntimeProcess) -> None:
+        """Stop ``proc`` for good (its backend left the configuration, or was replaced by a new
+        process under the same name): it is not restarted, and it leaves ``processes`` unless its
+        name now belongs to its replacement."""
+        self.retiring.add(proc)
+        try:
+            await proc.stop()
+        finally:
+            self.retiring.discard(proc)
+            if self.processes.get(proc.backend.name) is proc:
+                del self.processes[proc.backend.name]
+
+    # -- memory books -------------------------------------------------------------------------
+    def key(self, proc: RuntimeProcess) -> str:
+        return command_key(proc.backend.name, proc.template)
+
+    def estimated_gib(self, proc: RuntimeProcess) -> float:
+        return estimate_gib(proc.template)
+
+    def measured_gib(self, proc: RuntimeProcess) -> float | None:
+        """Measured in this run, else learned in an earlier one; None if never measured."""
+        if proc.reading is not None:
+            return proc.reading.gib(self.memory_kind)
+        learned = self.book.get(self.key(proc)).get(f"gib_{self.memory_kind}")
+        return float(learned) if learned else None
 
     def need_gib(self, proc: RuntimeProcess) -> float:
-        return proc.backend.cfg.memory_gib or estimate_gib(proc.template)
+        """What ``proc`` counts for in the budget: its measured memory (never less than a
+        configured ``memory_gib``), else ``memory_gib``, else the file-size estimate."""
+        configured = proc.backend.cfg.memory_gib
+        measured = self.measured_gib(proc)
+        if measured is not None:
+            return max(configured, measured)
+        return configured or self.estimated_gib(proc)
+
+    def load_estimate_s(self, proc: RuntimeProcess) -> float | None:
+        """How long a start of ``proc`` takes, from the last one (None: never started)."""
+        if proc.load_s:
+            return proc.load_s
+        learned = self.book.get(self.key(proc)).get("load_s")
+        return float(learned) if learned else None
 
     def loaded_gib(self, *, besides: RuntimeProcess | None = None) -> float:
-        return sum(self.need_gib(p) for p in self.processes.values()
-                   if p is not besides and p.state in (ProcState.STARTING, ProcState.READY, ProcState.FAILED)
-                   and not p._stopping)
+        return sum(self.need_gib(p) for p in self.processes.values() if p is not besides and p.holds_memory)
 
-    async def start(self, name: str) -> None:
-        """Start ``name`` (within the budget) and wait until it is ready; a second call while it
-        starts waits for the same start."""
+    def free_gib(self) -> float:
+        return self.max_loaded_gib - self.loaded_gib() if self.max_loaded_gib else float("inf")
+
+    def fits(self, proc: RuntimeProcess) -> bool:
+        if not self.max_loaded_gib or proc.holds_memory:
+            return True
+        return self.loaded_gib(besides=proc) + self.need_gib(proc) <= self.max_loaded_gib + 1e-9
+
+    async def measure(self, proc: RuntimeProcess) -> Reading | None:
+        """Read ``proc``'s memory now and learn it (the largest figure of this run is kept)."""
+        pid = proc.pid
+        if pid is None or proc.state is not ProcState.READY:
+            return None
+        reading = await asyncio.to_thread(measure, pid, device_before=proc.device_before)
+        if proc.state is not ProcState.READY or proc.pid != pid:
+            return None  # stopped meanwhile: the figure may be half a process
+        if proc.reading is None or reading.gib("total") > proc.reading.gib("total"):
+            first = proc.reading is None
+            proc.reading = reading
+            values = {f"gib_{k}": round(reading.gib(k), 4) for k in ("total", "ram", "gpu")}
+            self.book.learn(self.key(proc), **values, load_s=round(proc.load_s, 3))
+            if first:
+                log.info("runtime %s: measured %.2f GiB (RAM %.2f, GPU %.2f via %s); estimated %.2f GiB",
+                         proc.backend.name, reading.gib(self.memory_kind), reading.gib("ram"), reading.gib("gpu"),
+                         reading.source, self.estimated_gib(proc))
+        self._measured_at[proc.backend.name] = time.monotonic()
+        return reading
+
+    # -- starting and stopping ----------------------------------------------------------------
+    def starting(self, name: str) -> bool:
+        return name in self._starting
+
+    async def start(self, name: str, *, evict_idle: bool = True, budget: bool = True) -> None:
+        """Start ``name`` and wait until it is ready; a second call while it starts waits for the
+        same start. It must fit in the budget: with ``evict_idle`` (an operator's start), idle
+        runtimes are stopped to make room, least recently used first; without (the scheduler's
+        start, which made room itself), :class:`NoRoom` is raised."""
         proc = self.processes[name]
         task = self._starting.get(name)
         if task is None:
-            task = asyncio.create_task(self._start(proc), name=f"start-{name}")
+            task = asyncio.create_task(self._start(proc, evict_idle, budget), name=f"start-{name}")
             self._starting[name] = task
             task.add_done_callback(lambda _t: self._starting.pop(name, None))
         await asyncio.shield(task)
 
-    async def _start(self, proc: RuntimeProcess) -> None:
+    async def _start(self, proc: RuntimeProcess, evict_idle: bool, budget: bool) -> None:
         async with self._lock:
-            if proc.state is ProcState.READY and not proc._stopping:
+            if proc.state is ProcState.READY and not proc.stopping:
                 return
-            if self.max_loaded_gib:
-                need = self.need_gib(proc)
-                while self.loaded_gib(besides=proc) + need > self.max_loaded_gib:
-                    victim = self._idle_lru(besides=proc)
-                    if victim is None:
-                        raise RuntimeFailed(
-                            f"runtime {proc.backend.name} needs {need:.1f} GiB; {self.loaded_gib():.1f} of "
-                            f"{self.max_loaded_gib:g} GiB are held by busy runtimes")
-                    log.info("runtime %s: stopping idle %s to make room (memory budget %g GiB)",
-                             proc.backend.name, victim.backend.name, self.max_loaded_gib)
-                    await victim.stop()
-            await proc.start()
+            while budget and not self.fits(proc):
+                victim = self._idle_lru(besides=proc) if evict_idle else None
+                if victim is None:
+                    raise NoRoom(f"runtime {proc.backend.name} needs {self.need_gib(proc):.2f} GiB; "
+                                 f"{self.loaded_gib():.2f} of {self.max_loaded_gib:g} GiB are held by other runtimes")
+                log.info("runtime %s: stopping idle %s to make room (memory budget %g GiB)",
+                         proc.backend.name, victim.backend.name, self.max_loaded_gib)
+                await victim.stop()
+            proc.device_before = await asyncio.to_thread(device_used)
+            try:
+                await proc.start()
+            except RuntimeFailed:
+                self._changed()  # what it reserved is free again
+                raise
+        await self.measure(proc)
         if self.on_ready is not None:
             self.on_ready()
+        self._changed()
 
     def _idle_lru(self, *, besides: RuntimeProcess) -> RuntimeProcess | None:
         idle = [p for p in self.processes.values()
-                if p is not besides and p.state is ProcState.READY and p.backend.in_flight == 0]
+                if p is not besides and p.state is ProcState.READY and p.backend.in_flight == 0
+                and not p.backend.cfg.persistent]
         return min(idle, key=lambda p: p.backend.last_used, default=None)
-
-    def request_start(self, pool: list[Backend]) -> None:
-        """A request waits for ``pool``: start one of its stopped on-demand runtimes, once."""
-        if any(b.stats.up or b.name in self._starting for b in pool):
-            return
-        for b in pool:
-            proc = self.processes.get(b.name)
-            if proc is not None and b.cfg.on_demand and proc.state in (ProcState.STOPPED, ProcState.FAILED):
-                task = asyncio.ensure_future(self.start(b.name))
-                task.add_done_callback(_log_failure)
-                return
 
     async def stop(self, name: str) -> None:
         await self.processes[name].stop()
+        self._changed()
 
     async def restart(self, name: str) -> None:
         await self.processes[name].stop()
@@ -298,22 +476,44 @@ class Supervisor:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            for p in self.processes.values():
+            for p in list(self.processes.values()):
+                name = p.backend.name
                 ttl = p.backend.cfg.idle_ttl_s
-                if (ttl and p.state is ProcState.READY and p.backend.in_flight == 0
-                        and now - p.backend.last_used >= ttl and p.backend.name not in self._starting):
-                    log.info("runtime %s: idle for %g s, stopping", p.backend.name, ttl)
-                    await p.stop()
+                if (ttl and not p.backend.cfg.persistent and p.state is ProcState.READY and p.backend.in_flight == 0
+                        and now - p.backend.last_used >= ttl and name not in self._starting):
+                    log.info("runtime %s: idle for %g s, stopping", name, ttl)
+                    await self.stop(name)
+                elif p.state is ProcState.READY and now - self._measured_at.get(name, 0.0) >= self.MEASURE_EVERY_S:
+                    try:
+                        await self.measure(p)
+                    except Exception:  # a broken tool must not end the reaper
+                        log.exception("measuring runtime %s failed", name)
 
     def describe(self) -> list[dict[str, object]]:
-        return [{"name": name, "kind": p.backend.kind, "state": p.state.value, "pid": p.pid, "url": p.backend.url,
-                 "restarts": p.restarts, "in_flight": p.backend.in_flight, "up": p.backend.stats.up,
-                 "on_demand": p.backend.cfg.on_demand, "need_gib": round(self.need_gib(p), 2),
-                 **p.backend.capacity_info.as_dict(),
-                 "log": str(p.log_path), "command": p.command or list(p.template)}
-                for name, p in self.processes.items()]
+        now = time.monotonic()
+        out: list[dict[str, object]] = []
+        for name, p in self.processes.items():
+            measured = self.measured_gib(p)
+            r = p.reading
+            out.append({
+                "name": name, "kind": p.backend.kind, "state": p.state.value, "pid": p.pid, "url": p.backend.url,
+                "restarts": p.restarts, "in_flight": p.backend.in_flight, "up": p.backend.stats.up,
+                "on_demand": p.backend.cfg.on_demand, "persistent": p.backend.cfg.persistent,
+                "models": list(p.backend.models), "need_gib": round(self.need_gib(p), 3),
+                "estimated_gib": round(self.estimated_gib(p), 3),
+                "configured_gib": p.backend.cfg.memory_gib or None,
+                "measured_gib": None if measured is None else round(measured, 3),
+                "measured_now": r is not None,
+                "rss_gib": None if r is None else round(r.gib("ram"), 3),
+                "gpu_gib": None if r is None else round(r.gib("gpu"), 3),
+                "memory_source": None if r is None else r.source,
+                "loaded": p.holds_memory, "fenced": p.backend.fenced,
+                "resident_s": round(now - p.ready_at, 1) if p.state is ProcState.READY else None,
+                "load_s": round(p.load_s, 2) if p.load_s else None,
+                **p.backend.capacity_info.as_dict(),
+                "log": str(p.log_path), "command": p.command or list(p.template)})
+        return out
 
-
-def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("on-demand start failed: %s", task.exception())
+    def budget(self) -> dict[str, object]:
+        return {"max_loaded_gib": self.max_loaded_gib or None, "loaded_gib": round(self.loaded_gib(), 3),
+                "memory": self.memory_kind}

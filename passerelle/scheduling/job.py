@@ -48,6 +48,8 @@ class Job:
     backend: Backend | None = None
     slot: int | None = None  # the runtime's slot it was given (llama-server's id_slot), where named
     charged: float = 0.0
+    probe: bool = False  # dispatched as its replica's half-open probe (breaker.py)
+    max_wait_s: float | None = None  # longest wait in the queue; None: the class's max_queue_wait_s
     future: asyncio.Future[Backend] | None = None
     timer: asyncio.TimerHandle | None = None
     # -- preemption ---------------------------------------------------------------------------

@@ -135,6 +135,12 @@ class Scheduler(Preempting):
         self._preempt_timer: asyncio.Handle | None = None
         self._preempt_at = 0.0
         self._slots: dict[str, SlotMap] = {}  # backend -> its named slots (runtimes with slot ids)
+        self._wake_at = math.inf  # the earliest open breaker seen by the last dispatch
+        self._wake_timer: asyncio.TimerHandle | None = None
+        self._wake_timer_at = math.inf
+        # Called when a request is left waiting and whenever a slot is released: the swapper
+        # (swapper.py) decides then whether a model must be loaded or unloaded.
+        self.on_need: Callable[[], None] | None = None
 
     # -- public ----------------------------------------------------------------------------
     def waiting_by_class(self) -> dict[str, int]:
@@ -155,10 +161,11 @@ class Scheduler(Preempting):
         """Admit ``job`` (raise QueueFull/NoBackend) and dispatch what can go now."""
         if not any(b.stats.up and not b.draining for b in job.pool) and not job.can_wait_for_start:
             raise NoBackend("No backend serving this model is up right now.", retry_after=self.retry_after())
-        queued = sum(1 for j in self.waiting if j.cls is job.cls)
+        # The limit is per model and class: one model's full queue must not refuse another's requests.
+        queued = sum(1 for j in self.waiting if j.cls is job.cls and j.model == job.model)
         if queued >= job.cls.max_queue:
-            raise QueueFull(f"The '{job.cls.name}' queue is full ({job.cls.max_queue} waiting); retry later.",
-                            retry_after=self.retry_after(queued))
+            raise QueueFull(f"The '{job.cls.name}' queue for model '{job.model}' is full ({job.cls.max_queue} "
+                            "waiting); retry later.", retry_after=self.retry_after(queued))
         now = self.clock()
         job.seq, job.enqueued_at, job.queued_at = next(self._seq), now, now
         t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
@@ -182,6 +189,8 @@ class Scheduler(Preempting):
             self._arm_preemption()
             if self.on_change:
                 self.on_change()
+            if self.on_need:
+                self.on_need()
 
     async def acquire(self, job: Job) -> Backend:
         """Wait for a slot; the backend it is on. Cancelling the caller removes the job at once.
@@ -197,7 +206,8 @@ class Scheduler(Preempting):
             self.submit(job)
             if job.backend is not None:
                 return job.backend
-        job.timer = loop.call_later(job.cls.max_queue_wait_s, self._expire, job)
+        wait = job.cls.max_queue_wait_s if job.max_wait_s is None else min(job.cls.max_queue_wait_s, job.max_wait_s)
+        job.timer = loop.call_later(max(0.0, wait), self._expire, job)
         try:
             return await job.future
         except BaseException:
@@ -228,11 +238,29 @@ class Scheduler(Preempting):
         if self.hold_s > 0 and t.waiting == 0 and t.anticipate and self._contested(b, job.cls, t, now):
             self._hold(_Hold(b, job.cls, job.tenant, now + self.hold_s))
         self.dispatch()
+        if self.on_need:
+            self.on_need()
+
+    def key(self, job: Job) -> tuple[float, float, int]:
+        """``job``'s place in the order now (smaller goes first): see the module docstring."""
+        return self._key(job, self.clock())
+
+    def fail_waiting(self, which: Callable[[Job], bool], error: Callable[[], Exception]) -> int:
+        """End every waiting job for which ``which(job)`` is true with a new ``error()`` (e.g. the
+        only runtime that could serve them failed to start); how many."""
+        failed = 0
+        for job in [j for j in self.waiting if which(j)]:
+            self._remove(job)
+            if job.future is not None and not job.future.done():
+                job.future.set_exception(error())
+                failed += 1
+        return failed
 
     def _free(self, job: Job, b: Backend) -> None:
         """The slot's bookkeeping, for a release or a suspension."""
         job.backend = None
         b.in_flight -= 1
+        b.last_used = time.monotonic()  # idle time counts from the end of the last request
         self.running[(b.name, job.cls.name)] -= 1
         self.suspendable.discard(job)
         job.suspend = None
@@ -256,7 +284,8 @@ class Scheduler(Preempting):
         """Fail every job whose queue wait is over, end every hold past its time (the loop's
         timers do this in production)."""
         now = self.clock()
-        for job in [j for j in self.waiting if now - j.enqueued_at >= j.cls.max_queue_wait_s]:
+        for job in [j for j in self.waiting if now - j.enqueued_at >= min(j.cls.max_queue_wait_s,
+                                                                        j.max_wait_s or math.inf)]:
             self._expire(job)
         for hold in [h for h in self.holds if h.until <= now]:
             self._hold_expired(hold)
@@ -292,8 +321,10 @@ class Scheduler(Preempting):
         self._remove(job)
         if job.future is not None and not job.future.done():
             ahead = sum(1 for j in self.waiting if j.seq < job.seq)
+            waited = self.clock() - job.enqueued_at
             job.future.set_exception(QueueTimeout(
-                f"Waited {job.cls.max_queue_wait_s:g} s in the '{job.cls.name}' queue without a free slot.",
+                f"Waited {waited:.3g} s in the '{job.cls.name}' queue without a free slot"
+                + ("." if waited >= job.cls.max_queue_wait_s - 0.01 else " (the request's total timeout ran out)."),
                 retry_after=self.retry_after(ahead)))
 
     # -- holds -----------------------------------------------------------------------------
@@ -343,7 +374,22 @@ class Scheduler(Preempting):
         skew). Other jobs go to the least loaded replica, or the next in turn (``round_robin``).
         """
         now = self.clock()
-        usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
+        usable = []
+        held_back = []  # up, but their circuit breaker keeps them out for now
+        for b in job.pool:
+            if b.name in job.exclude:
+                continue
+            if b.routable(now):
+                usable.append(b)
+            elif b.stats.up and not b.draining and not b.fenced:  # (fenced: being swapped out)
+                held_back.append(b)
+                if (at := b.breaker.retry_at) is not None and at < self._wake_at:
+                    self._wake_at = at  # an open breaker: look again when it lets a probe through
+        if not usable:
+            # The breaker chooses among replicas; it never leaves a model without one. With every
+            # replica held back, a runtime that failed is still better than a queue that waits for
+            # nothing (its own error reaches the client, rather than a queue timeout).
+            usable = held_back
         rank = self._key(job, now)[0] if self.holds else 0.0
         free = []
         for b in usable:
@@ -399,8 +445,30 @@ class Scheduler(Preempting):
                 break
             self._start(best, best_backend, now)
             changed = True
+        if self._wake_at != math.inf:
+            self._wake_later()
         if changed and self.on_change:
             self.on_change()
+
+    def _wake_later(self) -> None:
+        """Dispatch again when the earliest open breaker that kept a job waiting lets a probe through
+        (nothing else may happen meanwhile to call :meth:`dispatch`)."""
+        at, self._wake_at = self._wake_at, math.inf
+        if not self.waiting or (self._wake_timer is not None and self._wake_timer_at <= at):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): it calls dispatch() itself
+            return
+        if self._wake_timer is not None:
+            self._wake_timer.cancel()
+        self._wake_timer_at = at
+        self._wake_timer = loop.call_later(max(0.0, at - self.clock()) + 0.001, self._woken)
+
+    def _woken(self) -> None:
+        self._wake_timer = None
+        self._wake_timer_at = math.inf
+        self.dispatch()
 
     def _start(self, job: Job, backend: Backend, now: float) -> None:
         resumed, job.resuming = job.resuming, False
@@ -434,8 +502,7 @@ class Scheduler(Preempting):
                 if h.timer is not None:
                     h.timer.cancel()
         backend.last_used = time.monotonic()
-        if backend.ejected_until:
-            backend.probing = True  # half-open: this request decides whether it comes back
+        job.probe = backend.breaker.dispatched(now)  # half-open: this request decides whether it comes back
         if job.affinity:
             self.affinity[job.affinity] = backend.name
             self.affinity.move_to_end(job.affinity)

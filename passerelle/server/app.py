@@ -16,24 +16,29 @@ import time
 from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from passerelle.config import Config
-from passerelle.errors import ConfigError, GatewayError, InvalidRequest
+from passerelle.config import Config, RuntimesConfig, budget_share
+from passerelle.errors import ConfigError, GatewayError, InvalidRequest, UnknownModel
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
+from passerelle.observe.runtime_metrics import RuntimeMetrics
+from passerelle.paths import state_dir
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
+from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.factory import build_runtime, expand
 from passerelle.runtimes.kinds import Backend
+from passerelle.runtimes.memory import MemoryBook, machine_gib
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
 from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, PreemptionPolicy, Scheduler
+from passerelle.scheduling.swapper import Swapper
 from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener
 from passerelle.server.connections import BodyBudget, BoundedReceive, ConnectionLimits
@@ -51,6 +56,16 @@ log = logging.getLogger("passerelle.server.app")
 
 class ReloadRefused(InvalidRequest):
     status, code = 409, "reload_refused"
+
+
+def budget_gib(rt: RuntimesConfig) -> float:
+    """The memory budget in GiB: ``max_loaded_gib``, or ``max_loaded`` (a share) of the machine."""
+    share = budget_share(rt.max_loaded) if rt.max_loaded else None
+    if share is None:
+        return rt.max_loaded_gib
+    total = machine_gib(rt.memory)
+    log.info("memory budget: %s of %.1f GiB (%s) = %.1f GiB", rt.max_loaded, total, rt.memory, share * total)
+    return share * total
 
 
 class App:
@@ -76,10 +91,16 @@ class App:
                                    affinity_max_entries=cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES,
                                    preemption=PreemptionPolicy(sc.preempt_after_ms / 1000, sc.min_run_s)
                                    if sc.preemption else None)
-        self.supervisor = Supervisor(processes or [], max_loaded_gib=cfg.runtimes.max_loaded_gib,
+        self.supervisor = Supervisor(processes or [], max_loaded_gib=budget_gib(cfg.runtimes),
+                                     memory_kind=cfg.runtimes.memory,
+                                     book=MemoryBook(state_dir() / "runtime-memory.json"),
                                      on_ready=self.scheduler.dispatch)
         for proc in self.supervisor.processes.values():
             proc.on_ready = self.scheduler.dispatch
+        # Loading and unloading models as the queue asks (scheduling/swapper.py)
+        self.runtime_metrics = RuntimeMetrics(self.metrics.registry)
+        self.swapper = Swapper(self.scheduler, self.supervisor, cfg.runtimes, self.runtime_metrics)
+        self.scheduler.on_need = self.supervisor.on_change = self.swapper.poke
         # Keys, usage and the audit log: one SQLite file per instance (Config.db_path), a
         # connection each for the keys, the usage writer and the reports (tenants/db.py).
         self.keystore = KeyStore(cfg.db_path())
@@ -88,7 +109,8 @@ class App:
         self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler, keyring)
         # A tenant label is a key's tenant or "other": a client's `user` never makes a series.
         self.metrics.is_known_tenant = keyring.has_tenant
-        self.gateway.on_demand = self.supervisor.request_start
+        self.gateway.on_demand = self.swapper.poke
+        self.gateway.catalogue = self._catalogue(cfg)
         self.usage = UsageRecorder(connect(self.keystore.path))
         self.usage_reader = UsageReader(self.keystore.path)
         self.gateway.keys.quotas.load = self._usage_since
@@ -116,6 +138,9 @@ class App:
         """The operator's added routes (``extra_routes``) of the current backends, by path."""
         self.extra_routes = {e: extra_route(e) for b in self.registry.backends for e in b.endpoints
                              if e.startswith("/")}
+
+    def _catalogue(self, cfg: Config) -> Catalogue:
+        return Catalogue(cfg.models, self.registry, supervisor=self.supervisor, eta=self.swapper.eta_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -173,6 +198,8 @@ class App:
                                   waiting=self.waiting_by_class())
         snap["metrics_enabled"] = self.cfg.metrics.enabled
         snap["slot_holds"] = dict(self.scheduler.hold_counts)  # freed slots kept for a returning tenant
+        snap["runtimes"] = self.supervisor.describe()  # loaded or not, memory estimated and measured
+        snap["swaps"] = self.swapper.describe()  # budget, swaps and their cost, what waits for a load
         snap.update(self.gateway.keys.snapshot())  # auth_throttle, tenants, keys (tenants/policy.py)
         # streams suspended for a better class, resumed, and the prompt tokens resuming cost
         snap["preemption"] = {"enabled": self.scheduler.preemption is not None, **self.scheduler.preempt_counts,
@@ -203,11 +230,18 @@ class App:
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         # once keys are in use, only to a key, and only the models it may use
         key = self.gateway.keys.authenticate(scope)
-        created = int(self.started_at)
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "passerelle",
-                 "backends": [b.name for b in self.registry.backends_of(m)]}
-                for m in self.registry.models if key is None or key.allows(m)]
+        # OpenAI's model list, each with the catalogue's metadata and whether it is loaded
+        data = [m for m in self.gateway.catalogue.listing(int(self.started_at)) if key is None or key.allows(m["id"])]
         await json_response(send, 200, {"object": "list", "data": data})
+
+    async def model(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/models/{id}`` (an id may hold slashes, and an alias finds its model)."""
+        key = self.gateway.keys.authenticate(scope)
+        name = unquote(scope["path"].removeprefix("/v1/models/"))
+        found = self.gateway.catalogue.describe(name, int(self.started_at))
+        if found is None or (key is not None and not key.allows(found["id"])):
+            raise UnknownModel(name, [m for m in self.gateway.catalogue.names if key is None or key.allows(m)])
+        await json_response(send, 200, found)
 
     # -- keys: the key holder's /v1/me, the admin key API (keys_api.py) ---------------------
     async def me(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -231,6 +265,7 @@ class App:
         return await self.usage_reader.tokens_since(key_id, starts)
 
     async def prom(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.swapper.refresh_metrics()
         body = generate_latest(self.metrics.registry)
         await raw_response(send, 200, body, CONTENT_TYPE_LATEST.encode())
 
@@ -241,7 +276,8 @@ class App:
         await json_response(send, 200, await self.reload(force=force))
 
     async def runtimes(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await json_response(send, 200, control.runtimes(self.supervisor, self.registry.backends))
+        await json_response(send, 200, control.runtimes(self.supervisor, self.registry.backends,
+                                                        self.swapper.describe()))
 
     async def runtime_action(self, scope: Scope, receive: Receive, send: Send) -> None:
         out = await control.runtime_action(self.supervisor, scope["path"], scope["method"],
@@ -267,6 +303,7 @@ class App:
                                       (b"access-control-expose-headers", b"x-request-id, retry-after")]
             await send(message)
 
+        cors_send.__wrapped__ = send  # type: ignore[attr-defined]  # (the exchange finds the connection)
         return cors_send
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -289,7 +326,7 @@ class App:
         counts: dict[tuple[str, str], int] = {}
         for job in self.scheduler.waiting:
             counts[(job.model, job.cls.name)] = counts.get((job.model, job.cls.name), 0) + 1
-        for model in self.registry.models:
+        for model in self.gateway.catalogue.names:
             for cls in self.cfg.classes:
                 self.metrics.waiting.labels(model, cls.name).set(counts.get((model, cls.name), 0))
 
@@ -370,37 +407,49 @@ class App:
             new = expand(raw)
         except ConfigError as exc:
             raise InvalidRequest(f"Reload refused, the running configuration stays: {exc}") from None
-        current = {b.name: b for b in self.registry.backends}
+        current = {b.name: b for b in self.registry.backends if not b.draining}
+        still_draining = [b for b in self.registry.backends if b.draining]  # from an earlier reload
         wanted = {bc.name: bc for bc in new.backends}
         kept = [n for n, b in current.items() if n in wanted and wanted[n] == b.cfg]
         removed = [n for n in current if n not in kept]
         added = [n for n in wanted if n not in kept]
-        for name in removed:
-            current[name].draining = True
-            self._spawn(self._retire(current[name]), f"retire-{name}")
+        # The processes are taken first: a backend changed under the same name gets a new one below,
+        # and the old one must still be found and stopped once its requests are done.
+        olds = {n: p for n in removed if (p := self.supervisor.get(n)) is not None and p.backend is current[n]}
         backends = [current[n] for n in kept]
+        fresh: list[Backend] = []
         for name in added:
             backend, proc = build_runtime(wanted[name], self.cfg.timeouts)
             await backend.start()
             backends.append(backend)
-            if proc is not None:
+            if proc is None:
+                fresh.append(backend)
+            else:
                 proc.on_ready = self.scheduler.dispatch
-                self.supervisor.processes[name] = proc
+                self.supervisor.adopt(proc)
                 if not backend.cfg.on_demand:
                     self._spawn(self.supervisor.start(name), f"start-{name}")
-        self.registry.set_backends(backends + [current[n] for n in removed])
+        # Health-check the new runtimes now, not at the poller's next pass, and only then let the old
+        # ones drain: a model whose backend is replaced must never look unserved (503) meanwhile.
+        await asyncio.gather(*(b.scrape() for b in fresh))
+        for name in removed:
+            current[name].draining = True
+            old = olds.get(name)
+            if old is not None:
+                self.supervisor.retiring.add(old)  # stopped at shutdown too, if still draining then
+            self._spawn(self._retire(current[name], old), f"retire-{name}")
+        self.registry.set_backends(backends + [current[n] for n in removed] + still_draining)
         self.backends_configured = not raw.uses_embedded
+        self.gateway.catalogue = self._catalogue(new)
         self._extra_routes_changed()
         log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
         return {"added": added, "removed": removed, "unchanged": kept}
 
-    async def _retire(self, backend: Backend) -> None:
+    async def _retire(self, backend: Backend, proc: RuntimeProcess | None) -> None:
         while backend.in_flight:
             await asyncio.sleep(0.2)
-        proc = self.supervisor.get(backend.name)
-        if proc is not None and proc.backend is backend:
-            await proc.stop()
-            del self.supervisor.processes[backend.name]
+        if proc is not None:
+            await self.supervisor.retire(proc)
         self.registry.set_backends([b for b in self.registry.backends if b is not backend])
         self._extra_routes_changed()
         await backend.close()
@@ -426,6 +475,7 @@ class App:
         await self.usage.stop()
         self.usage.conn.close()
         self.usage_reader.close()
+        await self.swapper.stop()
         await self.registry.stop()
         if self.supervisor is not None:
             await self.supervisor.stop_all()

@@ -28,16 +28,18 @@ from passerelle.runtimes.supervisor import RuntimeFailed, Supervisor
 from passerelle.server.routes import NotFound
 
 
-def runtimes(sup: Supervisor | None, backends: Iterable[Backend] = ()) -> dict[str, Any]:
-    """Every launched runtime, then every backend passerelle reaches at a URL (state ``external``)."""
+def runtimes(sup: Supervisor | None, backends: Iterable[Backend] = (),
+             swaps: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every launched runtime, then every backend passerelle reaches at a URL (state ``external``),
+    the memory budget, and the swaps (``swaps``: the swapper's account)."""
     rows = sup.describe() if sup else []
     launched = {r["name"] for r in rows}
     for b in backends:
         if b.name not in launched:
             rows.append({"name": b.name, "kind": b.kind, "state": "external", "pid": None, "url": b.url,
                          "restarts": 0, "in_flight": b.in_flight, "up": b.stats.up, "on_demand": False,
-                         **b.capacity_info.as_dict()})
-    return {"runtimes": rows}
+                         "models": list(b.models), **b.capacity_info.as_dict()})
+    return {"runtimes": rows, "budget": sup.budget() if sup else {}, "swaps": (swaps or {}) if sup else {}}
 
 
 async def runtime_action(sup: Supervisor | None, path: str, method: str, query: bytes) -> dict[str, Any] | str:
@@ -64,14 +66,39 @@ async def runtime_action(sup: Supervisor | None, path: str, method: str, query: 
     return {"runtime": name, "state": proc.state.value, "pid": proc.pid}
 
 
+def _gib(v: object) -> str:
+    return f"{v:.2f}" if isinstance(v, int | float) else "-"
+
+
 def render(body: bytes) -> str:
-    """A runtime list as a table, for the command line."""
-    rows = orjson.loads(body)["runtimes"]
+    """A runtime list as a table, for the command line: state, how many requests it is sent at
+    once and where that figure came from, memory estimated from the model file against what was
+    measured (RAM and GPU), then the budget and the swaps."""
+    data = orjson.loads(body)
+    rows = data["runtimes"]
     out = [f"{'NAME':16}{'KIND':14}{'STATE':10}{'PID':>8}{'UP':>4}{'BUSY':>6}{'CAPACITY':>9} {'FROM':9}"
-           f"{'RESTARTS':>9}  URL"]
+           f"{'RESTARTS':>9}{'EST GiB':>9}{'MEASURED':>10}{'RAM':>7}{'GPU':>7}{'COUNTS':>8}  URL"]
     for r in rows:
+        flags = [f for f, on in (("on demand", r.get("on_demand")), ("persistent", r.get("persistent")),
+                                 ("unloading", r.get("fenced"))) if on]
+        measured = _gib(r.get("measured_gib")) + ("" if r.get("measured_now") or r.get("measured_gib") is None
+                                                  else "*")
         out.append(f"{r['name']:16}{r['kind']:14}{r['state']:10}{r['pid'] or '-':>8}{'yes' if r['up'] else 'no':>4}"
                    f"{r['in_flight']:>6}{r.get('capacity', '-'):>9} {r.get('capacity_source', '-'):9}"
-                   f"{r['restarts']:>9}  {r['url'] or '-'}" + ("  (on demand)" if r["on_demand"] else ""))
+                   f"{r['restarts']:>9}{_gib(r.get('estimated_gib')):>9}{measured:>10}"
+                   f"{_gib(r.get('rss_gib')):>7}{_gib(r.get('gpu_gib')):>7}{_gib(r.get('need_gib')):>8}"
+                   f"  {r['url'] or '-'}" + (f"  ({', '.join(flags)})" if flags else ""))
+    budget = data.get("budget") or {}
+    swaps = data.get("swaps") or {}
+    if budget.get("max_loaded_gib"):
+        reasons = ", ".join(f"{k} {n}" for k, n in (swaps.get("by_reason") or {}).items())
+        out.append(f"memory budget: {_gib(budget.get('loaded_gib'))} of {_gib(budget['max_loaded_gib'])} GiB "
+                   f"loaded ({budget.get('memory', 'total')}); swaps: {swaps.get('swaps', 0)}"
+                   + (f" ({reasons})" if reasons else ""))
+    if any(r.get("measured_gib") is not None and not r.get("measured_now") for r in rows):
+        out.append("* measured when it last ran (learned; kept across restarts of passerelle)")
+    out.append("COUNTS: what the budget counts (measured, else configured memory_gib, else the estimate)")
     details = [f"  {r['name']}: {r['capacity_detail']}" for r in rows if r.get("capacity_detail")]
-    return "\n".join([*out, "", "capacity, requests at once:", *details] if details else out)
+    if details:
+        out += ["", "capacity, requests at once:", *details]
+    return "\n".join(out)

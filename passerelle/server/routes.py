@@ -79,6 +79,7 @@ ROUTES: tuple[Route, ...] = (
     Route("/health", GET, Access.PUBLIC, "health"),
     Route("/ready", GET, Access.PUBLIC, "ready"),
     Route("/v1/models", GET, Access.PUBLIC, "models"),
+    Route("/v1/models/", GET, Access.PUBLIC, "model"),  # /v1/models/{id}: an id may hold slashes
     Route("/v1/me", GET, Access.PUBLIC, "me"),  # the calling key (tenants/policy.py, server/keys_api.py)
     Route("/v1/me/usage", GET, Access.PUBLIC, "me_usage"),
     Route("/metrics", GET, Access.ADMIN, "prom"),

@@ -61,6 +61,12 @@ class StreamGate:
         if not self.closed:
             await self.raw(message)
 
+    @property
+    def __wrapped__(self) -> Send:
+        """What it wraps: the exchange finds the client's connection under it (to cut a client
+        that stopped reading)."""
+        return self.raw
+
 
 async def _end(ex: Exchange, gate: StreamGate, err: GatewayError, write_timeout_s: float) -> None:
     ex.rec.finish(err.cause, err.status, err.message)
@@ -79,14 +85,13 @@ async def _end(ex: Exchange, gate: StreamGate, err: GatewayError, write_timeout_
                 await gate.raw(message)
     # The request's task ends the way a client's hang-up ends it (its slot and key are released,
     # its line is written), with the cause recorded above.
-    ex.disconnected = True
-    ex.task.cancel()
+    ex.end_now()
 
 
 async def end_open_requests(exchanges: Iterable[Exchange], err: GatewayError, *,
                             write_timeout_s: float = 1.0) -> int:
     """End every request of ``exchanges`` that is not already finishing; how many were ended."""
-    ending = [_end(ex, ex.send, err, write_timeout_s) for ex in list(exchanges)
-              if isinstance(ex.send, StreamGate) and not ex.finishing and ex.rec.cause is None]
+    ending = [_end(ex, ex.asgi_send, err, write_timeout_s) for ex in list(exchanges)
+              if isinstance(ex.asgi_send, StreamGate) and not ex.finishing and ex.rec.cause is None]
     await asyncio.gather(*ending)
     return len(ending)

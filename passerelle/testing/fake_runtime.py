@@ -5,9 +5,11 @@ chunk on a fixed schedule: the first content chunk X ms after the request gets a
 every Y ms, scheduled against the monotonic clock from that start so delays never accumulate.
 With ``--slots N`` at most N requests generate at once and the rest wait in FIFO order, like
 llama-server's slots. It also speaks enough of llama-server's side API (``/health``, ``/slots``,
-``/metrics``, ``/props``) to stand in for it, and can inject failures (HTTP 500) and mid-stream
-connection cuts. ``GET /fake/stats`` tells tests what it injected. ``/v1/responses`` and
-``/v1/messages`` stream the same tokens on the same schedule in those APIs' events
+``/metrics``, ``/props``) to stand in for it, and can inject failures (HTTP 500), mid-stream
+connection cuts and scripted misbehaviours (``--fault``, or ``"fake_fault"`` in a request's body:
+never answering, ``100 Continue`` forever, huge events and bodies, redirects, HTML, events after
+``[DONE]``…; see faults.py). ``GET /fake/stats`` tells tests what it injected. ``/v1/responses``
+and ``/v1/messages`` stream the same tokens on the same schedule in those APIs' events
 (fake_events.py), so the gateway's cost can be measured on every grammar alike.
 
 It has to outrun the benchmark client at hundreds of streams and zero delays, so chunks are
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from passerelle.testing.fake_events import Events
+from passerelle.testing.faults import FAULTS, fault_of, misbehave
 
 # Tokens the fake "generates": ordinary words, so the text looks like text to whatever reads it.
 VOCAB = (
@@ -99,6 +102,10 @@ class FakeConfig:
     # a prompt cache like a runtime's: remember the last N prompts and report, in
     # usage.prompt_tokens_details.cached_tokens, the longest prefix (in words) shared with one (0: off)
     prefix_cache: int = 0
+    fault: str = ""  # a scripted misbehaviour (testing/faults.py) for fault_rate of the requests
+    fault_rate: float = 1.0
+    fault_bytes: int = 200 * 1024 * 1024  # size of huge-event / huge-body / huge-error
+    drip_ms: float = 100.0  # pace of drip / continue-forever
 
 
 class Slots:
@@ -157,6 +164,7 @@ class Counters:
     connections: int = 0  # accepted: tells a keep-alive client's reuse from one connection per request
     in_flight: int = 0  # generation requests being answered now (waiting for a slot or generating)
     peak_in_flight: int = 0  # the most at once since start: what a gateway's limits let through
+    faults: int = 0  # requests answered with a scripted misbehaviour
 
 
 class BadRequest(Exception):
@@ -206,6 +214,19 @@ def _count_words(value: Any) -> int:
     if isinstance(value, dict):
         return _count_words(value.get("content", "")) + _count_words(value.get("text", ""))
     return 0
+
+
+def tokens_due(now: float, first_at: float, itl: float, sent: int, n_tokens: int) -> int:
+    """How many tokens are due by ``now`` (the first at ``first_at``, then one every ``itl``): at
+    least ``sent + 1``, since the caller waited for token ``sent``. (Rounding in the division alone
+    could say ``sent``, and the empty chunk written then is the chunked body's terminator.)
+
+    >>> tokens_due(1.0 + 3 * 0.00005, 1.0, 0.00005, 3, 10)
+    4
+    """
+    if itl <= 0:
+        return n_tokens
+    return min(n_tokens, max(sent + 1, int((now - first_at) / itl) + 1))
 
 
 async def _sleep_until(deadline: float) -> None:
@@ -335,6 +356,14 @@ class Connection(asyncio.Protocol):
         if self.closed or self.transport is None:
             raise ConnectionResetError("client disconnected")
         self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        if self._paused:
+            await self._wait_drain()
+
+    async def write_raw(self, data: bytes) -> None:
+        """Bytes as they are (a fault script's own HTTP), waiting while the reader is behind."""
+        if self.closed or self.transport is None:
+            raise ConnectionResetError("client disconnected")
+        self.transport.write(data)
         if self._paused:
             await self._wait_drain()
 
@@ -497,6 +526,16 @@ class FakeBackend:
         # Draw both decisions for every request so one rate does not shift the other's sequence.
         fail = self.rng.random() < cfg.fail_rate
         abort = self.rng.random() < cfg.abort_rate
+        fault = fault_of(body) or (cfg.fault if cfg.fault and self.rng.random() < cfg.fault_rate else "")
+        if fault:
+            self.counters.faults += 1
+            try:
+                await misbehave(conn, fault, chat=chat, stream=bool(body.get("stream")),
+                                fault_bytes=cfg.fault_bytes, drip_ms=cfg.drip_ms)
+            except (asyncio.CancelledError, ConnectionResetError):
+                self.counters.disconnected += 1
+                raise
+            return
         if fail:
             self.counters.failed += 1
             conn.respond(500, _error_body("injected failure (fake-backend --fail-rate)", "server_error", 500),
@@ -536,8 +575,12 @@ class FakeBackend:
             if api:
                 await self._stream_events(conn, api, rid, model, n_tokens, prompt_tokens, start, keep_alive)
                 return
+            # A request may ask for its own pace ("fake_itl_ms"), e.g. a fast long answer in a soak.
+            itl_ms = body.get("fake_itl_ms")
+            if isinstance(itl_ms, bool) or not isinstance(itl_ms, int | float) or itl_ms < 0:
+                itl_ms = cfg.itl_ms
             await self._stream(conn, chat, rid, model, n_tokens, prompt_tokens, finish, include_usage, abort,
-                               start, keep_alive, cached)
+                               start, keep_alive, itl_ms, cached)
         except (asyncio.CancelledError, ConnectionResetError):
             self.counters.disconnected += 1
             raise
@@ -547,7 +590,7 @@ class FakeBackend:
 
     async def _stream(self, conn: Connection, chat: bool, rid: str, model: str, n_tokens: int,
                       prompt_tokens: int, finish: str, include_usage: bool, abort: bool, start: float,
-                      keep_alive: bool, cached: int | None = None) -> None:
+                      keep_alive: bool, itl_ms: float, cached: int | None = None) -> None:
         cfg = self.config
         conn.start_stream()
         head = (b'data: {"id":"' + rid.encode() + b'","object":"'
@@ -558,7 +601,7 @@ class FakeBackend:
         if chat:  # OpenAI's first chunk: the role, empty content; never a token
             await conn.write_chunk(prefix + _ROLE_MID)
         cut_at = max(1, n_tokens // 2) if abort else -1
-        ttft, itl = cfg.ttft_ms / 1000, cfg.itl_ms / 1000
+        ttft, itl = cfg.ttft_ms / 1000, itl_ms / 1000
         sent = 0
         while sent < n_tokens:
             due = start + ttft + sent * itl
@@ -567,7 +610,7 @@ class FakeBackend:
                 await _sleep_until(due)
                 now = time.perf_counter()
             # Everything already due goes out in one write (all of it when the delays are zero).
-            upto = n_tokens if itl <= 0 else min(n_tokens, int((now - start - ttft) / itl) + 1)
+            upto = tokens_due(now, start + ttft, itl, sent, n_tokens)
             if cut_at > 0:
                 upto = min(upto, cut_at)
             out = b"".join([prefix + mids[i % len(mids)] for i in range(sent, upto)])
@@ -727,6 +770,15 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache", type=int, default=0, metavar="N",
                         help="act as if the last N prompts were cached: report the words a prompt shares "
                              "with one as usage.prompt_tokens_details.cached_tokens (default 0: off)")
+    parser.add_argument("--fault", choices=FAULTS, default="",
+                        help="misbehave on purpose (see passerelle/testing/faults.py); a request can also "
+                             "ask with \"fake_fault\": NAME in its body")
+    parser.add_argument("--fault-rate", type=_fraction, default=1.0,
+                        help="fraction of requests that get --fault (default 1)")
+    parser.add_argument("--fault-bytes", type=int, default=200 * 1024 * 1024,
+                        help="size of huge-event, huge-body and huge-error (default 200 MiB)")
+    parser.add_argument("--drip-ms", type=_non_negative, default=100.0,
+                        help="pace of drip and continue-forever (default 100)")
 
 
 def config_from_args(args: argparse.Namespace) -> FakeConfig:
@@ -734,7 +786,9 @@ def config_from_args(args: argparse.Namespace) -> FakeConfig:
                       slots=max(args.slots, 0), tokens=args.tokens, model=args.model,
                       fail_rate=args.fail_rate, abort_rate=args.abort_rate, seed=args.seed,
                       usage=args.usage, embedding_dim=args.embedding_dim,
-                      close_after_stream_ms=args.close_after_stream_ms, prefix_cache=max(args.prefix_cache, 0))
+                      close_after_stream_ms=args.close_after_stream_ms, prefix_cache=max(args.prefix_cache, 0),
+                      fault=args.fault, fault_rate=args.fault_rate, fault_bytes=args.fault_bytes,
+                      drip_ms=args.drip_ms)
 
 
 def _main(args: argparse.Namespace) -> int:

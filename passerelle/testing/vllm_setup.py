@@ -237,7 +237,6 @@ def backend_toml(paths: VllmPaths, state_dir: Path, *, name: str = "vllm", prior
         'kind = "vllm"',
         "launch = [" + _wrap([json.dumps(part) for part in launch], indent=10) + "]",
         f"models = [{json.dumps(MODEL_ID)}]",
-        'endpoints = ["chat", "completions"]',
         f"max_concurrency = {max_concurrency}",
         f"priority = {'true' if priority else 'false'}",
         "ready_timeout_s = 300",

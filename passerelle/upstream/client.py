@@ -3,7 +3,8 @@
 Every relayed token passes through it, so it does only what the gateway needs: one
 ``transport.write`` per request (head and body together), responses parsed by httptools as they
 arrive (``http1.py``: Content-Length, chunked and close-delimited bodies, flow control). No
-redirects, cookies, compression or proxies.
+redirects (a 3xx is returned as it is, never followed), cookies, compression or proxies. A response
+head is capped (``MAX_HEAD``, interim 1xx answers included) and :meth:`Response.read` takes a limit.
 
 The pool holds at most ``limit`` connections, busy and idle; a request beyond that waits for one
 to come back. Idle connections are reused most recent first and closed after ``keepalive_s``,
@@ -34,7 +35,9 @@ from urllib.parse import urlsplit
 
 from passerelle.upstream.http1 import (
     HIGH_WATER,
+    MAX_HEAD,
     BadResponse,
+    BodyTooLarge,
     ConnectFailed,
     Connection,
     Headers,
@@ -43,8 +46,8 @@ from passerelle.upstream.http1 import (
     ServerDisconnected,
 )
 
-__all__ = ["HIGH_WATER", "BadResponse", "ConnectFailed", "HTTPClientError", "Headers", "Response",
-           "ServerDisconnected", "UpstreamClient"]
+__all__ = ["HIGH_WATER", "MAX_HEAD", "BadResponse", "BodyTooLarge", "ConnectFailed", "HTTPClientError", "Headers",
+           "Response", "ServerDisconnected", "UpstreamClient"]
 
 
 class UpstreamClient:
@@ -144,8 +147,8 @@ class UpstreamClient:
                     lambda: Connection(self, loop), self.host, self.port, ssl=self._ssl,
                     server_hostname=self.host if self.tls else None)
         except TimeoutError:
-            raise ConnectFailed(f"no connection to {self.host}:{self.port} within {self.connect_timeout:g} s") \
-                from None
+            raise ConnectFailed(f"no connection to {self.host}:{self.port} within {self.connect_timeout:g} s",
+                                timed_out=True) from None
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc.strerror or exc}") from exc
         self.opened += 1

@@ -25,6 +25,9 @@ import httptools
 
 # Pause reading the socket when this much body is buffered and unread; resume once it was read.
 HIGH_WATER = 1 << 16
+# The most a response head may take, interim answers (100 Continue) included: past it the response
+# is refused, so a runtime sending an endless header line or endless 100s cannot grow memory.
+MAX_HEAD = 1 << 16
 
 
 class Pool(Protocol):
@@ -42,6 +45,10 @@ class HTTPClientError(Exception):
 class ConnectFailed(HTTPClientError):
     """No connection could be opened (refused, unreachable, name not found, connect timeout)."""
 
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out  # the connect timeout passed (rather than a refusal)
+
 
 class ServerDisconnected(HTTPClientError):
     """The connection ended before the response was complete."""
@@ -52,7 +59,15 @@ class ServerDisconnected(HTTPClientError):
 
 
 class BadResponse(HTTPClientError):
-    """The server's bytes are not an HTTP/1.x response."""
+    """The server's bytes are not an HTTP/1.x response (or its head is larger than ``MAX_HEAD``)."""
+
+
+class BodyTooLarge(HTTPClientError):
+    """The body is larger than the limit the reader gave (:meth:`Response.read`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the response body is larger than {limit} bytes")
+        self.limit = limit
 
 
 class Headers:
@@ -106,6 +121,13 @@ class Response:
             self._headers = Headers(self._raw_headers)
         return self._headers
 
+    def header(self, name: bytes) -> bytes | None:
+        """One header's raw value (``name`` in lower case), without building :attr:`headers`."""
+        for key, value in self._raw_headers:
+            if key.lower() == name:
+                return value
+        return None
+
     @property
     def complete(self) -> bool:
         """Has the whole body arrived (read or not)?"""
@@ -135,10 +157,19 @@ class Response:
             finally:
                 self._waiter = None
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; with ``limit``, BodyTooLarge as soon as it is known to be larger (the
+        declared Content-Length, or the bytes read so far), having held at most about that much."""
+        if limit is not None:
+            declared = self.headers.get("content-length")
+            if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+                raise BodyTooLarge(limit)
         parts = []
+        size = 0
         while data := await self.readany():
+            size += len(data)
+            if limit is not None and size > limit:
+                raise BodyTooLarge(limit)
             parts.append(data)
         return b"".join(parts)
 
@@ -165,20 +196,37 @@ class Response:
         self._wake()
 
 
+class _ClosedParser:
+    """Stands in for the parser of a connection that is gone (no cycle, and a late call is harmless)."""
+
+    def feed_data(self, data: bytes) -> None:
+        raise httptools.HttpParserError("the connection is closed")
+
+    def get_status_code(self) -> int:
+        return 0
+
+    def should_keep_alive(self) -> bool:
+        return False
+
+
+_CLOSED_PARSER = _ClosedParser()
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection; the httptools parser calls back into it."""
 
-    __slots__ = ("got_bytes", "headers_ready", "idle", "idle_since", "interim", "loop", "lost", "parser",
-                 "paused", "pool", "resp", "transport")
+    __slots__ = ("got_bytes", "head_bytes", "headers_ready", "idle", "idle_since", "interim", "loop", "lost",
+                 "parser", "paused", "pool", "resp", "transport")
 
     def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
         self.loop = loop
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: httptools.HttpResponseParser | _ClosedParser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set before any use
         self.resp: Response | None = None  # the response being received or read
         self.headers_ready: asyncio.Future[None] | None = None
         self.got_bytes = False  # of the current response
+        self.head_bytes = 0  # received for the current response while its head was incomplete
         self.interim = False  # parsing a 1xx answer
         self.paused = False
         self.lost = False
@@ -190,6 +238,7 @@ class Connection(asyncio.Protocol):
         resp = self.resp = Response(self)
         self.headers_ready = self.loop.create_future()
         self.got_bytes = self.interim = False
+        self.head_bytes = 0
         self.transport.write(data)
         return resp
 
@@ -208,10 +257,17 @@ class Connection(asyncio.Protocol):
             self.transport.close()
             return
         self.got_bytes = True
+        heading = not resp.status
+        if heading:
+            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._broken(BadResponse(f"invalid HTTP response: {exc}"))
+            self.transport.close()
+            return
+        if heading and not resp.status and self.head_bytes > MAX_HEAD:
+            self._broken(BadResponse(f"the response head is larger than {MAX_HEAD} bytes"))
             self.transport.close()
             return
         if resp._size > HIGH_WATER and not self.paused and not resp._done:
@@ -224,6 +280,9 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        # The parser holds this protocol's callbacks and this protocol the parser: a reference cycle
+        # that would keep every closed connection (and its transport) for the cyclic collector.
+        self.parser = _CLOSED_PARSER
         self.pool.lost(self)
         resp = self.resp
         if resp is None or resp._done:

@@ -8,15 +8,15 @@ from prometheus_client import generate_latest
 
 from passerelle.config import BackendConfig, TimeoutConfig
 from passerelle.observe.metrics import Metrics
-from passerelle.runtimes.kinds import detect_upstream, make_backend
+from passerelle.runtimes.kinds import DetectionFailed, detect_upstream, make_backend
 from passerelle.runtimes.registry import Registry
 
 
-async def serve(routes: dict[str, tuple[int, str]]):
+async def serve(routes: dict[str, tuple[int, str]], headers: dict[str, str] | None = None):
     app = web.Application()
     for path, (status, text) in routes.items():
         async def handler(_req, status=status, text=text):
-            return web.Response(status=status, text=text)
+            return web.Response(status=status, text=text, headers=headers)
         app.router.add_get(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
@@ -110,6 +110,43 @@ async def test_detect_upstream_kind(routes, kind):
         assert (got_kind, models) == (kind, ["m1", "m2"])
     finally:
         await runner.cleanup()
+
+
+async def test_detection_never_follows_a_redirect():
+    # The regression: start-up detection followed redirects to another host, and that host's answer
+    # became the served model list.
+    elsewhere, other = await serve({"/v1/models": (200, '{"data": [{"id": "not-yours"}]}')})
+    runner, url = await serve({"/v1/models": (302, "")}, headers={"Location": other + "/v1/models"})
+    try:
+        with pytest.raises(DetectionFailed, match="HTTP 302: a redirect"):
+            await detect_upstream(url)
+    finally:
+        await runner.cleanup()
+        await elsewhere.cleanup()
+
+
+async def test_detection_of_a_server_that_does_not_answer_ends_in_time():
+    import asyncio
+    import time
+
+    done = asyncio.Event()
+
+    async def silent(_r, w):
+        await done.wait()
+        w.close()
+        await w.wait_closed()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    start = time.monotonic()
+    try:
+        with pytest.raises(DetectionFailed, match=r"no answer within 0\.3 s"):
+            await detect_upstream(f"http://127.0.0.1:{port}", timeout=0.3)
+        assert time.monotonic() - start < 3
+    finally:
+        done.set()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_unreachable_backend_post_is_a_retryable_upstream_error():

@@ -94,3 +94,26 @@ def test_a_launch_program_that_does_not_exist_is_named_with_file_key_and_line(tm
         load_config(path, env={})
     assert str(err.value) == (f"{path}:5: key 'backends[0].launch': the program '/nowhere/llama-server' "
                               "is not an executable file or a command on PATH")
+
+
+def test_limits_on_what_a_runtime_sends_are_validated_and_overridable(tmp_path):
+    cfg = load_config(write(tmp_path, """
+        [timeouts]
+        client_write_s = 5
+
+        [limits]
+        max_answer_bytes = 1048576
+        max_event_bytes = 65536
+    """), env={"PASSERELLE_LIMITS_MAX_ERROR_BYTES": "4096"})
+    assert (cfg.limits.max_answer_bytes, cfg.limits.max_error_bytes, cfg.limits.max_event_bytes) == (
+        1048576, 4096, 65536)
+    assert cfg.timeouts.client_write_s == 5.0
+    defaults = load_config(env={}).limits
+    assert (defaults.max_answer_bytes, defaults.max_error_bytes, defaults.max_event_bytes) == (
+        64 * 1024 * 1024, 256 * 1024, 1024 * 1024)
+    with pytest.raises(ConfigError, match=r"p\.toml:4: key 'limits\.max_event_bytes': expected a size in bytes"):
+        load_config(write(tmp_path, "[limits]\nmax_answer_bytes = 1048576\n\nmax_event_bytes = 10\n"), env={})
+    with pytest.raises(ConfigError, match=r"key 'timeouts\.client_write_s': expected a positive number"):
+        load_config(write(tmp_path, "[timeouts]\nclient_write_s = 0\n"), env={})
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(write(tmp_path, "[limits]\nmax_body = 1\n"), env={})

@@ -23,7 +23,7 @@ def supervisor(tmp_path) -> Supervisor:
 def test_runtimes_lists_every_launched_runtime(tmp_path):
     rows = control.runtimes(supervisor(tmp_path))["runtimes"]
     assert [(r["name"], r["state"], r["pid"]) for r in rows] == [("r1", "stopped", None)]
-    assert control.runtimes(None) == {"runtimes": []}
+    assert control.runtimes(None) == {"runtimes": [], "budget": {}, "swaps": {}}
 
 
 async def test_log_tail_is_bounded_and_checked(tmp_path):

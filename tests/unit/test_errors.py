@@ -20,6 +20,9 @@ from passerelle import errors as e
     (e.NoBackend("none"), 503, "no_backend"),
     (e.UpstreamError("broke"), 502, "upstream_error"),
     (e.UpstreamTimeout("first token", 3), 504, "upstream_timeout"),
+    (e.UpstreamTooLarge("answer", 10, "max_answer_bytes"), 502, "upstream_error"),
+    (e.InternalError("bug"), 500, "internal_error"),
+    (e.ClientTimeout("stalled"), 499, "client_timeout"),
 ])
 def test_openai_error_shape(err, status, cause):
     body = orjson.loads(err.body())
@@ -58,7 +61,7 @@ def test_upstream_status_passes_openai_bodies_and_wraps_others():
 def test_one_enum_of_causes_matches_the_contract():
     assert {c.value for c in e.Cause} == {
         "ok", "client_disconnect", "upstream_error", "upstream_timeout", "queue_timeout", "queue_full",
-        "rate_limited", "unauthorized", "invalid_request", "no_backend",
+        "rate_limited", "unauthorized", "invalid_request", "no_backend", "internal_error", "client_timeout",
         # added by the keys work (issue 16): one cause each, none overloaded
         "forbidden", "quota_exceeded",
         # added by the client-side limits (issue 11)
@@ -69,3 +72,18 @@ def test_model_not_allowed_lists_the_keys_models():
     err = e.ModelNotAllowed("big-model", ["small-*", "embed-1"])
     assert err.type == "permission_error" and err.code == "model_not_allowed"
     assert "big-model" in err.message and "small-*, embed-1" in err.message
+
+
+def test_a_fault_of_the_gateway_is_never_blamed_on_the_runtime():
+    assert e.GatewayError("?").cause is e.Cause.INTERNAL_ERROR
+    assert e.InternalError("bug").body() == b'{"error":{"message":"bug","type":"server_error","code":"internal_error"}}'
+
+
+def test_a_timeout_is_an_upstream_error_that_names_its_phase_and_a_cap_names_its_setting():
+    err = e.UpstreamTimeout("connect", 5, retryable=True)
+    assert isinstance(err, e.UpstreamError) and err.retryable and err.phase == "connect"
+    assert not e.UpstreamTimeout("total", 2).retryable
+    assert "first token timeout of 3 s; no response head" in e.UpstreamTimeout("first token", 3,
+                                                                              detail="no response head").message
+    cap = e.UpstreamTooLarge("single event", 1024, "max_event_bytes")
+    assert "1024 bytes ([limits] max_event_bytes)" in cap.message and not cap.retryable

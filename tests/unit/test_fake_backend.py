@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from passerelle.testing.fake_runtime import VOCAB, start_fake_backend
+from passerelle.testing.fake_runtime import VOCAB, start_fake_backend, tokens_due
 
 
 def sse_events(text: str) -> list[str]:
@@ -141,6 +141,30 @@ def test_abort_rate_cuts_the_stream_without_done():
         assert b"[DONE]" not in received
         assert received.count(b'"content":" ') == 4  # cut after half of the tokens
         assert fake.stats()["aborted"] == 1
+
+
+def test_a_server_wide_fault_at_a_rate_and_a_request_paced_on_its_own():
+    # --fault for a fraction of the requests (what bench/soak.py uses), seeded like the other draws
+    with start_fake_backend(ttft_ms=0, itl_ms=1, fault="redirect", fault_rate=0.5, seed=3) as fake:
+        statuses = [httpx.post(fake.url + "/v1/chat/completions", json=chat(stream=False)).status_code
+                    for _ in range(20)]
+        assert set(statuses) == {200, 302} and fake.stats()["faults"] == statuses.count(302)
+    with start_fake_backend(ttft_ms=0, itl_ms=1000) as fake:
+        start = time.monotonic()
+        r = httpx.post(fake.url + "/v1/chat/completions", json=chat(max_tokens=50, fake_itl_ms=0), timeout=10)
+        assert "[DONE]" in r.text and time.monotonic() - start < 5  # not 50 s at its 1 s pace
+        r = httpx.post(fake.url + "/v1/chat/completions", json=chat(max_tokens=20_000, fake_itl_ms=0.05),
+                       timeout=30)
+        assert r.text.count('"delta":{"content":') == 20_000 and r.text.endswith("data: [DONE]\n\n")
+
+
+def test_the_token_due_when_the_fake_wakes_is_always_written():
+    # Found by the soak: at a fast pace, rounding said no token was due when the fake woke for one;
+    # the empty chunk it wrote then ended the chunked body half-way (the gateway rightly called the
+    # stream truncated: 5 of 877 answers at 20,000 tokens/s).
+    start, itl = 1000.123456, 0.00005
+    for k in range(1, 20_000):
+        assert tokens_due(start + k * itl, start, itl, k, 100_000) > k
 
 
 def test_schedule_does_not_drift():

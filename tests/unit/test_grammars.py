@@ -2,7 +2,6 @@
 answers assembled from those streams (assemble_events.py). Events as llama-server and the
 OpenAI / Anthropic APIs send them."""
 
-import time
 
 import orjson
 import pytest
@@ -15,7 +14,7 @@ from passerelle.proxy.assemble import assemble
 from passerelle.proxy.assemble_events import assemble_events
 from passerelle.proxy.grammars import CONTENT, END, ERROR, make
 from passerelle.proxy.relay import StreamRelay
-from tests.unit.test_relay import Client, FakeResponse
+from tests.unit.test_relay import Client, FakeResponse, deadline
 
 
 def sse(event: str | None, obj) -> bytes:
@@ -131,7 +130,7 @@ async def run(parts, grammar, **kw):
     rec.to(State.DISPATCHED)
     client = Client()
     relay = StreamRelay(rec, client, TimeoutConfig(), strip_usage=False, grammar=make(grammar), **kw)
-    await relay.run(FakeResponse(parts), time.perf_counter() + 60)
+    await relay.run(FakeResponse(parts), deadline(rec, TimeoutConfig()))
     return rec, client
 
 
@@ -163,7 +162,7 @@ async def test_an_error_event_from_the_runtime_is_relayed_then_reported():
     client = Client()
     relay = StreamRelay(rec, client, TimeoutConfig(), strip_usage=False, grammar=make("responses"))
     with pytest.raises(UpstreamError) as info:
-        await relay.run(FakeResponse([b"".join(events)]), time.perf_counter() + 60)
+        await relay.run(FakeResponse([b"".join(events)]), deadline(rec, TimeoutConfig()))
     assert "reported an error" in info.value.message
     assert client.body == b"".join(events) and rec.error == "the runtime sent an error event"
 
@@ -181,7 +180,7 @@ async def test_reasoning_deltas_are_first_tokens_on_chat():
     client = Client()
     relay = StreamRelay(rec, client, TimeoutConfig(), strip_usage=False)
     with pytest.raises(UpstreamError):  # (no [DONE]: the stream is cut, but it was relayed)
-        await relay.run(FakeResponse([chunk]), time.perf_counter() + 60)
+        await relay.run(FakeResponse([chunk]), deadline(rec, TimeoutConfig()))
     assert rec.content_chunks == 1 and client.body.startswith(chunk)
 
 

@@ -6,8 +6,9 @@ import orjson
 import pytest
 
 from passerelle.config import TimeoutConfig
-from passerelle.errors import UpstreamError, UpstreamTimeout
+from passerelle.errors import ClientTimeout, UpstreamError, UpstreamTimeout, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
+from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.relay import SSEScanner, StreamRelay
 from passerelle.upstream.client import ServerDisconnected
 
@@ -20,16 +21,21 @@ STREAM = ROLE + CHUNK % b"a" + CHUNK % b"b" + CHUNK % b"c" + FINAL + USAGE + DON
 
 
 class FakeResponse:
-    def __init__(self, parts, *, delays=None, fail_with=None):
+    def __init__(self, parts, *, delays=None, fail_with=None, then_idle=False):
         self.parts = list(parts)
         self.delays = list(delays or [])
         self.fail_with = fail_with
+        self.then_idle = then_idle  # after the parts: nothing more, and no end either
+        self.reads = 0
 
     async def readany(self):
+        self.reads += 1
         if self.delays:
             await asyncio.sleep(self.delays.pop(0))
         if self.parts:
             return self.parts.pop(0)
+        if self.then_idle:
+            await asyncio.Event().wait()
         if self.fail_with is not None:
             raise self.fail_with
         return b""
@@ -53,11 +59,17 @@ def record():
     return rec
 
 
-async def relay(parts, strip_usage=False, timeouts=None, **kw):
+def deadline(rec, timeouts):
+    d = Deadline(timeouts, rec.t_arrival)
+    d.start_attempt()
+    return d
+
+
+async def relay(parts, strip_usage=False, timeouts=None, client=None, max_event=1 << 20, **kw):
     timeouts = timeouts or TimeoutConfig()
-    rec, client = record(), Client()
-    r = StreamRelay(rec, client, timeouts, strip_usage=strip_usage)
-    await r.run(FakeResponse(parts, **kw), time.perf_counter() + timeouts.total_s)
+    rec, client = record(), client or Client()
+    r = StreamRelay(rec, client, timeouts, strip_usage=strip_usage, max_event=max_event)
+    await r.run(FakeResponse(parts, **kw), deadline(rec, timeouts))
     return rec, client
 
 
@@ -144,10 +156,9 @@ async def test_broken_connection_is_an_error():
 
 async def test_error_event_from_runtime_is_relayed_then_reported():
     err = b'data: {"error":{"message":"oom","type":"server_error","code":500}}\n\n'
-    client = Client()
-    r = StreamRelay(record(), client, TimeoutConfig(), strip_usage=False)
     with pytest.raises(UpstreamError):
-        await r.run(FakeResponse([CHUNK % b"a", err]), time.perf_counter() + 10)
+        client = Client()
+        await relay([CHUNK % b"a", err], client=client)
     assert err in client.body
 
 
@@ -180,3 +191,78 @@ async def test_total_timeout():
 def test_error_event_body_is_openai_shaped():
     ev = UpstreamTimeout("between tokens", 1).sse_event()
     assert orjson.loads(ev.removeprefix(b"data: "))["error"]["code"] == "upstream_timeout"
+
+
+def test_scanner_is_linear_in_the_bytes_of_one_huge_event():
+    # The regression: the pending tail was re-concatenated and rescanned on every read, so one
+    # event of N bytes cost O(N^2) (8/16/32 MB: 0.2/0.9/3.5 s of CPU on the event loop). Count the
+    # bytes searched instead of timing: each read's bytes are searched once (plus 3 at the cut).
+    s = SSEScanner(max_event=64 << 20)
+    searched = 0
+    real_find = bytearray.find
+
+    class Counting(bytearray):
+        def find(self, sub, start=0, *args):
+            nonlocal searched
+            searched += len(self) - start
+            return real_find(self, sub, start, *args)
+
+    s._tail = Counting()
+    piece = b"x" * 65536
+    for _ in range(256):  # 16 MiB in 64 KiB reads
+        assert s.feed(piece) == []
+    assert searched <= 2 * 2 * 256 * (len(piece) + 3)  # two terminators searched, each once per byte
+    assert s.feed(b"\n\n") == [b"x" * (256 * 65536) + b"\n\n"]
+
+
+def test_scanner_refuses_an_event_larger_than_its_cap_without_holding_more():
+    s = SSEScanner(max_event=1000)
+    s.feed(b"data: " + b"y" * 900)
+    with pytest.raises(UpstreamTooLarge, match=r"1000 bytes \(\[limits\] max_event_bytes\)"):
+        s.feed(b"y" * 200)
+    assert s.pending == b""  # what was held is let go
+    with pytest.raises(UpstreamTooLarge):  # a complete event past the cap, in one read, too
+        SSEScanner(max_event=100).feed(b"data: " + b"z" * 200 + b"\n\n")
+
+
+async def test_a_huge_line_with_no_end_is_refused_at_the_cap():
+    with pytest.raises(UpstreamTooLarge):
+        await relay([ROLE, CHUNK % b"a"] + [b"data: " + b"q" * 4096] * 10_000, max_event=64 * 1024)
+
+
+async def test_nothing_after_done_is_relayed_and_reading_stops_there():
+    extra = CHUNK % b"late" + b'data: {"error":{"message":"x"}}\n\n'
+    resp = FakeResponse([ROLE + CHUNK % b"a" + DONE + extra, extra])
+    rec, client = record(), Client()
+    r = StreamRelay(rec, client, TimeoutConfig(), strip_usage=False)
+    await r.run(resp, deadline(rec, TimeoutConfig()))
+    assert client.body == ROLE + CHUNK % b"a" + DONE and rec.content_chunks == 1
+    assert resp.reads == 1 and not r.upstream_error
+
+
+async def test_a_runtime_that_idles_after_done_has_answered_in_full():
+    # The regression: [DONE] then silence turned a complete answer into a between-tokens error.
+    t = TimeoutConfig(first_token_s=5, between_tokens_s=0.1, total_s=5)
+    rec, client = await relay([ROLE + CHUNK % b"a" + CHUNK % b"b", DONE], timeouts=t, then_idle=True)
+    assert client.body.endswith(DONE) and rec.content_chunks == 2
+
+
+async def test_only_content_moves_the_between_tokens_deadline():
+    # A runtime that drips comments after its first token is not producing tokens.
+    t = TimeoutConfig(first_token_s=5, between_tokens_s=0.2, total_s=5)
+    start = time.perf_counter()
+    with pytest.raises(UpstreamTimeout) as info:
+        await relay([CHUNK % b"a"] + [b": ping\n\n"] * 100 + [DONE], timeouts=t, delays=[0] + [0.05] * 100)
+    assert info.value.phase == "between tokens" and time.perf_counter() - start < 2
+
+
+async def test_a_client_that_takes_nothing_past_the_deadline_is_a_client_timeout_not_the_runtimes():
+    class Stuck(Client):
+        async def __call__(self, msg):
+            await super().__call__(msg)
+            if len(self.messages) >= 2:
+                await asyncio.Event().wait()  # flow control: the client reads nothing
+
+    t = TimeoutConfig(first_token_s=5, between_tokens_s=0.1, total_s=5)
+    with pytest.raises(ClientTimeout):
+        await relay([CHUNK % b"a", CHUNK % b"b", CHUNK % b"c", DONE], timeouts=t, client=Stuck())

@@ -10,6 +10,7 @@ import pytest
 from passerelle.config import DEFAULT_CLASSES, ClassConfig
 from passerelle.errors import NoBackend, QueueFull, QueueTimeout
 from passerelle.runtimes.base import Backend, BackendStats
+from passerelle.runtimes.breaker import BreakerState, CircuitBreaker, Outcome
 from passerelle.scheduling.scheduler import Job, Scheduler
 
 CLS = {c.name: c for c in DEFAULT_CLASSES}
@@ -24,14 +25,11 @@ class FakeBackend:
     in_flight: int = 0
     stats: BackendStats = field(default_factory=lambda: BackendStats(up=True))
     draining: bool = False
-    failures: int = 0
-    ejected_until: float = 0.0
-    probing: bool = False
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    fenced: bool = False
+    last_used: float = 0.0
     slot_ids: bool = False
-    EJECT_AFTER = Backend.EJECT_AFTER
     routable = Backend.routable
-    record_failure = Backend.record_failure
-    record_success = Backend.record_success
 
 
 class Clock:
@@ -345,11 +343,15 @@ async def test_round_robin_policy_alternates(clock):
     assert got in (["b1", "b2", "b1", "b2"], ["b2", "b1", "b2", "b1"])
 
 
+def fail(b, clock, times=1):
+    for _ in range(times):
+        b.breaker.record(Outcome.FAILURE, probe=False, now=clock())
+
+
 async def test_ejected_replica_gets_no_requests_then_one_probe(clock):
     b1, b2 = FakeBackend("b1", capacity=8), FakeBackend("b2", capacity=8)
     s = make(clock)
-    for _ in range(3):
-        b1.record_failure(clock())
+    fail(b1, clock, 3)
     assert not b1.routable(clock())
     jobs = [job([b1, b2]) for _ in range(4)]
     for j in jobs:
@@ -359,9 +361,94 @@ async def test_ejected_replica_gets_no_requests_then_one_probe(clock):
     probe, after = job([b1, b2]), job([b1, b2])
     s.submit(probe)
     s.submit(after)
-    assert probe.backend is b1 and b1.probing and after.backend is b2
-    b1.record_success()
-    assert b1.routable(clock()) and b1.failures == 0
+    assert probe.backend is b1 and probe.probe and b1.breaker.probe_out and after.backend is b2
+    assert not after.probe
+    b1.breaker.record(Outcome.SUCCESS, probe=probe.probe, now=clock())
+    assert b1.routable(clock()) and b1.breaker.failures == 0 and b1.breaker.state is BreakerState.CLOSED
+
+
+@pytest.mark.parametrize("outcome", [Outcome.NEUTRAL, Outcome.FAILURE])
+async def test_a_probe_that_ends_without_success_never_leaves_the_replica_waiting_forever(clock, outcome):
+    # The regression: a probe ended by a client disconnect, a timeout, a 4xx or a disallowed retry
+    # left the replica `probing`, and no request was ever routed to it again.
+    b = FakeBackend("b1", capacity=8)
+    s = make(clock)
+    fail(b, clock, 3)
+    clock.now += 6
+    probe = job([b])
+    s.submit(probe)
+    assert probe.probe
+    s.release(probe)
+    b.breaker.record(outcome, probe=True, now=clock())
+    if outcome is Outcome.FAILURE:  # open again, for longer; then half-open again
+        assert not b.routable(clock())
+        clock.now += 11
+    nxt = job([b])
+    s.submit(nxt)
+    assert nxt.backend is b and nxt.probe
+
+
+async def test_requests_queued_behind_an_open_breaker_go_when_it_lets_a_probe_through():
+    b1, b2 = FakeBackend("b1", capacity=2), FakeBackend("b2", capacity=1)
+    s = Scheduler()
+    for _ in range(3):
+        b1.breaker.record(Outcome.FAILURE, probe=False, now=s.clock())
+    b1.breaker.open_until = s.clock() + 0.05  # (a short backoff, so the test is quick)
+    busy = job([b2])
+    s.submit(busy)
+    j = job([b1, b2])
+    s.submit(j)
+    assert busy.backend is b2 and j.backend is None  # b2 is full, b1 held back by its breaker
+    async with asyncio.timeout(5):  # nothing else happens: only the scheduler's own timer can start it
+        assert await j.future is b1
+    assert j.probe
+
+
+async def test_a_model_whose_replicas_are_all_held_back_is_still_served(clock):
+    # The breaker chooses among replicas: a lone runtime that failed three times still gets the next
+    # request (its own error then reaches the client at once, not a queue timeout a minute later).
+    b = FakeBackend("b1", capacity=2)
+    s = make(clock)
+    fail(b, clock, 3)
+    assert not b.routable(clock())
+    j = job([b])
+    s.submit(j)
+    assert j.backend is b and not j.probe
+    b2 = FakeBackend("b2", capacity=2)
+    fail(b2, clock, 3)
+    k = job([b, b2])
+    s.submit(k)
+    assert k.backend in (b, b2)
+
+
+async def test_a_full_queue_for_one_model_does_not_refuse_another_model(clock):
+    one = ClassConfig("standard", 1, max_queue=2)
+    busy, idle = FakeBackend("busy", capacity=1), FakeBackend("idle", capacity=64)
+    s = make(clock)
+    s.submit(job([busy], cls=one, model="a"))
+    for _ in range(2):
+        s.submit(job([busy], cls=one, model="a"))
+    with pytest.raises(QueueFull, match="model 'a'"):
+        s.submit(job([busy], cls=one, model="a"))
+    other = job([idle], cls=one, model="b")
+    s.submit(other)  # the regression: 429 queue_full although 'b' has 64 idle slots
+    assert other.backend is idle
+
+
+async def test_a_retried_request_is_charged_once_in_fair_share(clock):
+    b1, b2 = FakeBackend("b1", capacity=8), FakeBackend("b2", capacity=8)
+    s = make(clock)
+    j = job([b1, b2], tenant="t", est_prompt_tokens=10, est_output_tokens=20)
+    s.submit(j)
+    first = s.tenants["t"].counter
+    assert first == j.estimate
+    j.exclude.add(j.backend.name)  # what the gateway does before a retry
+    s.release(j)
+    j.future = asyncio.get_running_loop().create_future()  # (acquire() makes a new one per wait)
+    s.submit(j)
+    assert j.backend is not None and s.tenants["t"].counter == first == s.served_tokens["t"]
+    s.release(j, prompt_tokens=10, completion_tokens=5)
+    assert s.tenants["t"].counter == 10 + 2 * 5
 
 
 async def test_excluded_replica_is_skipped_on_retry(clock):

@@ -1,0 +1,184 @@
+"""One try of a request on one replica: send it, check what comes back, take the answer.
+
+Everything the runtime may make the gateway wait for is bounded by one timer per attempt, entered
+before the request is sent: the response head must come by ``deadline.first_at`` (streams, and
+answers assembled from a stream) or ``deadline.total_at`` (an answer the runtime sends whole); then
+the relay moves the same timer token by token (relay.py). What is read is capped (``[limits]``).
+
+    fetch ─► Backend.post ─► check_head ─► error body (capped) ─► UpstreamStatus
+                                        └► a stream: StreamRelay to the client, or to a _Collector
+                                           and assemble() (llama-server's non-streamed answers)
+                                        └► a whole answer: read_body (capped), JSON or 502
+
+Every attempt's end is one :class:`Outcome` for the replica's circuit breaker (``outcome_of``).
+
+Example::
+
+    answer = await fetch(ex, api, backend, body, b"application/json", deadline, cfg, collect=False,
+                         strip_usage=True)
+    if answer is not None:          # (None: streamed to the client already)
+        raw, content_type = answer
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from passerelle.config import Config
+from passerelle.errors import UpstreamError, UpstreamStatus, UpstreamTooLarge
+from passerelle.proxy import grammars
+from passerelle.proxy.assemble import assemble
+from passerelle.proxy.assemble_events import assemble_events
+from passerelle.proxy.deadline import Deadline
+from passerelle.proxy.exchange import Exchange, Send
+from passerelle.proxy.protocols import Api
+from passerelle.proxy.relay import StreamRelay, finish_upstream, read_body, read_error
+from passerelle.proxy.resume import Splice
+from passerelle.runtimes.breaker import Outcome
+from passerelle.runtimes.kinds import Backend
+from passerelle.upstream.client import Response
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+class _Collector:
+    """An ASGI ``send`` that keeps the body, for answers assembled from a stream; at most ``limit``
+    bytes (``[limits] max_answer_bytes``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.limit = limit
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        body = message.get("body", b"")
+        self.size += len(body)
+        if self.size > self.limit:
+            raise UpstreamTooLarge("answer", self.limit, "max_answer_bytes")
+        self.parts.append(body)
+
+
+def outcome_of(err: BaseException | None) -> Outcome:
+    """What an attempt's end says about the runtime, for its circuit breaker: a failure when the
+    runtime could not answer properly, nothing at all when the client, its request, a cap or the
+    gateway ended it."""
+    if err is None:
+        return Outcome.SUCCESS
+    if isinstance(err, UpstreamStatus):
+        return Outcome.FAILURE if err.status >= 500 or err.status == 429 else Outcome.NEUTRAL
+    if isinstance(err, UpstreamTooLarge) or not isinstance(err, UpstreamError):
+        return Outcome.NEUTRAL
+    return Outcome.FAILURE
+
+
+async def fetch(ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: bytes, deadline: Deadline, cfg: Config,
+                *, collect: bool, strip_usage: bool, splice: Splice | None = None, dialect: str = "",
+                on_streaming: Callable[[], None] | None = None) -> tuple[bytes, bytes] | None:
+    """Send the request and take the runtime's answer within the attempt's one timer (the
+    response head, then the stream it moves): a stream is relayed to the client (None); a
+    non-streamed answer is returned whole, with its content type, for the caller to send.
+
+    With a ``splice`` (a preemptible stream, resume.py) the events pass through it, the
+    scheduler may cut the attempt once ``on_streaming`` was called, and a cut attempt returns
+    None (or raises) with ``splice.suspended`` set; an assembled answer keeps its collector
+    across attempts."""
+    rec, limits = ex.rec, cfg.limits
+    streamed = rec.stream or collect
+    deadline.start_attempt()
+    head_at = deadline.head_at(streamed=streamed)
+    resp: Response | None = None
+    relay: StreamRelay | None = None
+    sink: _Collector | None = None
+    if collect:
+        sink = splice.collector if splice is not None and splice.collector is not None else \
+            _Collector(limits.max_answer_bytes)
+        if splice is not None:
+            splice.collector = sink
+    finishing = False  # the answer is whole; only what follows [DONE] is being read
+    try:
+        async with asyncio.timeout_at(head_at) as budget:
+            resp = await backend.post(api.upstream, body, request_id=rec.id, content_type=ctype)
+            check_head(resp, backend, streamed=streamed, json=not api.form)
+            if resp.status != 200:
+                raw = await read_error(resp, rec, limit=limits.max_error_bytes)
+                raise UpstreamStatus(resp.status, raw, resp.header(b"content-type") or b"")
+            if not streamed:
+                raw = await read_body(resp, rec, limit=limits.max_answer_bytes)
+                if not api.form and raw.lstrip()[:1] not in (b"{", b"["):
+                    raise UpstreamError(f"The model runtime '{backend.name}' answered with a body that is not "
+                                        "JSON.")
+                if not rec.usage_from_server and b"_tokens" in raw:  # Responses', Anthropic's, llama-server's
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        p, c = grammars.usage_of(orjson.loads(raw))
+                        if p is not None or c is not None:
+                            rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
+                return raw, resp.header(b"content-type") or b"application/json"
+            send: Send = sink if sink is not None else ex.send
+            if splice is not None:
+                send = splice.watch(resp, send, dialect, streaming=on_streaming)
+            if sink is not None:
+                relay = StreamRelay(rec, send, cfg.timeouts, strip_usage=False,
+                                    grammar=grammars.make(api.grammar), max_event=limits.max_event_bytes)
+                await relay.run(resp, deadline, budget)
+                if splice is not None and splice.suspended:
+                    return None
+            else:
+                relay = StreamRelay(rec, send, cfg.timeouts, strip_usage=strip_usage,
+                                    before_first=None if ex.started else lambda: ex.start(200, SSE_HEADERS),
+                                    on_done=ex.mark_finishing, grammar=grammars.make(api.grammar),
+                                    max_event=limits.max_event_bytes)
+                await relay.run(resp, deadline, budget)
+                if splice is not None and splice.suspended:
+                    return None
+                ex.mark_finishing()
+                with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
+                    await ex.send_body(b"", more=False)
+            finishing = True
+            await finish_upstream(resp, budget)
+    except TimeoutError:
+        if not finishing:
+            if resp is None:
+                raise deadline.expired(head_at, detail=f"runtime '{backend.name}' sent no response head") \
+                    from None
+            if relay is not None:
+                raise relay.timed_out(deadline) from None
+            raise deadline.expired(head_at, detail=f"its HTTP {resp.status} answer was still arriving") from None
+    finally:
+        if resp is not None:
+            resp.close()  # drops the connection if unread: the runtime stops generating
+    if sink is None:
+        return None
+    sse = b"".join(sink.parts)
+    sink.parts.clear()
+    raw = assemble(sse, api.name) if api.grammar == "chat" else assemble_events(sse, api.grammar)
+    return raw, b"application/json"
+
+
+def check_head(resp: Response, backend: Backend, *, streamed: bool, json: bool = True) -> None:
+    """Refuse what is not an answer to relay: a redirect (never followed: it could point
+    anywhere), a status that is neither 200 nor an error, or a 200 whose type is not an event
+    stream (streams) or JSON (the rest), such as an HTML page from a proxy in front."""
+    status = resp.status
+    if status == 200:
+        raw = resp.header(b"content-type")
+        if not raw:
+            return
+        ctype = raw.decode("latin-1").lower()
+        if streamed and "event-stream" not in ctype:
+            raise UpstreamError(f"The model runtime '{backend.name}' answered a streaming request with "
+                                f"'{ctype[:80]}', not an event stream.")
+        if not streamed and json and "json" not in ctype:
+            raise UpstreamError(f"The model runtime '{backend.name}' answered with '{ctype[:80]}', not JSON.")
+        return
+    if 400 <= status < 600:
+        return  # the runtime's error: passed on by the caller
+    where = resp.headers.get("Location", "")
+    to = f" to '{where[:200]}'" if where else ""
+    raise UpstreamError(f"The model runtime '{backend.name}' answered HTTP {status}{to}; passerelle does not "
+                        "follow redirects or relay other statuses. Check the backend's url.")

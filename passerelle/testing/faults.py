@@ -1,0 +1,155 @@
+"""Scripted misbehaviours of the fake runtime: a runtime written to break the gateway, on purpose.
+
+A request picks one with a ``"fake_fault": NAME`` field in its JSON body (the gateway passes bodies
+through), or the whole server with ``passerelle fake-backend --fault NAME [--fault-rate F]``:
+
+==================  ======================================================================
+``never-answer``    reads the request, then says nothing, ever (the connection stays open)
+``continue-forever`` ``100 Continue`` every ``drip_ms``, never a final answer
+``head-then-silence`` a 200 head (an event stream, or JSON with a length), then nothing
+``drip``            a 200 head, then one byte every ``drip_ms`` of an event (or body) that never ends
+``reset-mid-chunk`` a few tokens, half a chunk, then a TCP reset
+``huge-event``      an event stream whose next event is ``fault_bytes`` long, with no newline
+``huge-body``       a 200 JSON answer of ``fault_bytes``, chunked (no length to refuse it by)
+``huge-error``      a 500 answer of ``fault_bytes``, with its length
+``redirect``        302 to another host
+``html``            200 ``text/html``: a proxy's error page in place of an answer
+``after-done``      a complete stream, then events after ``[DONE]``, then silence with the body unended
+==================  ======================================================================
+
+Large bodies are written as the reader takes them (flow control), so the fake's own memory stays
+small whatever ``fault_bytes`` says.
+
+Example::
+
+    curl -s localhost:9000/v1/chat/completions -d '{"model":"fake-model","messages":[],
+         "fake_fault":"redirect"}'      # HTTP/1.1 302 Found, Location: http://example.invalid/...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any, Protocol
+
+FAULTS = ("never-answer", "continue-forever", "head-then-silence", "drip", "reset-mid-chunk", "huge-event",
+          "huge-body", "huge-error", "redirect", "html", "after-done")
+
+_PIECE = 1 << 16
+
+
+class Conn(Protocol):
+    """What a fault needs of the fake's connection (fake_runtime.Connection)."""
+
+    transport: asyncio.Transport | None
+    closed: bool
+
+    def start_stream(self) -> None: ...
+
+    async def write_chunk(self, data: bytes) -> None: ...
+
+    async def write_raw(self, data: bytes) -> None: ...
+
+    def respond(self, status: int, body: bytes, keep_alive: bool, content_type: bytes = ...) -> None: ...
+
+
+def _chunk(text: str, chat: bool) -> bytes:
+    if chat:
+        return b'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n' % text.encode()
+    return b'data: {"choices":[{"index":0,"text":"%s","finish_reason":null}]}\n\n' % text.encode()
+
+
+async def _forever() -> None:
+    await asyncio.get_running_loop().create_future()
+
+
+def _reset(conn: Conn) -> None:
+    """Close with a TCP reset (SO_LINGER 0), not a graceful FIN."""
+    transport = conn.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+    conn.closed = True
+
+
+async def misbehave(conn: Conn, fault: str, *, chat: bool, stream: bool, fault_bytes: int, drip_ms: float) -> None:
+    """Play ``fault`` on ``conn`` (one of FAULTS). Returns, or waits until the connection closes."""
+    drip = drip_ms / 1000
+    if fault == "never-answer":
+        await _forever()
+    elif fault == "continue-forever":
+        while True:
+            await conn.write_raw(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await asyncio.sleep(drip)
+    elif fault == "head-then-silence":
+        if stream:
+            conn.start_stream()
+        else:
+            await conn.write_raw(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        await _forever()
+    elif fault == "drip":
+        if stream:
+            conn.start_stream()
+            await conn.write_chunk(_chunk("a", chat))
+            await conn.write_chunk(b'data: {"choices":[{"index":0,"delta":{"content":"')
+            while True:
+                await asyncio.sleep(drip)
+                await conn.write_chunk(b"b")
+        await conn.write_raw(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+        while True:
+            await asyncio.sleep(drip)
+            await conn.write_raw(b" ")
+    elif fault == "reset-mid-chunk":
+        conn.start_stream()
+        for word in ("one", "two", "three"):
+            await conn.write_chunk(_chunk(word, chat))
+        half = _chunk("four", chat)
+        await conn.write_raw(b"%x\r\n%s" % (len(half), half[: len(half) // 2]))
+        _reset(conn)
+    elif fault == "huge-event":
+        conn.start_stream()
+        await conn.write_chunk(_chunk("a", chat))
+        await conn.write_chunk(b'data: {"choices":[{"index":0,"delta":{"content":"')
+        await _fill(conn, fault_bytes, chunked=True)
+        await _forever()  # a huge event that never ends: no newline, no end of body
+    elif fault == "huge-body":  # chunked: no length to refuse it by, only the bytes as they come
+        await conn.write_raw(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                             b"\r\n")
+        await conn.write_chunk(b'{"choices":[{"index":0,"message":{"role":"assistant","content":"')
+        await _fill(conn, fault_bytes, chunked=True)
+        await conn.write_raw(b'5\r\n"}}]}\r\n0\r\n\r\n')
+    elif fault == "huge-error":
+        await conn.write_raw(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
+                             b"Content-Length: %d\r\n\r\n" % fault_bytes)
+        await _fill(conn, fault_bytes, chunked=False)
+    elif fault == "redirect":
+        await conn.write_raw(b"HTTP/1.1 302 Found\r\nLocation: http://example.invalid/v1/chat/completions\r\n"
+                             b"Content-Length: 0\r\n\r\n")
+    elif fault == "html":
+        page = b"<html><body><h1>502 Bad Gateway</h1>nginx</body></html>"
+        conn.respond(200, page, True, b"text/html")
+    elif fault == "after-done":
+        conn.start_stream()
+        await conn.write_chunk(_chunk("a", chat) + _chunk("b", chat) + b"data: [DONE]\n\n")
+        await conn.write_chunk(_chunk("after", chat) + b'data: {"error":{"message":"after the end"}}\n\n')
+        await _forever()
+    else:
+        raise ValueError(f"unknown fault {fault!r}; expected one of {', '.join(FAULTS)}")
+
+
+async def _fill(conn: Conn, size: int, *, chunked: bool) -> None:
+    piece = b"x" * _PIECE
+    sent = 0
+    while sent < size:
+        part = piece if size - sent >= _PIECE else piece[: size - sent]
+        await (conn.write_chunk(part) if chunked else conn.write_raw(part))
+        sent += len(part)
+
+
+def fault_of(body: dict[str, Any]) -> str:
+    value = body.get("fake_fault")
+    return value if isinstance(value, str) else ""

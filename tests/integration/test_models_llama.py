@@ -1,0 +1,312 @@
+"""Several models on one box, with real llama-servers: swaps under a memory budget decided by the
+scheduler, measured memory, and the model catalogue (aliases, rewrite, overrides, fallbacks).
+
+The two models are two launched llama-servers of the same Gemma 3 270M GGUF under different
+names; each holds about 0.35 GiB once loaded (measured), so a 0.55 GiB budget holds one at a time.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL_ID, free_port, wait_until
+from tests.integration.test_replicas_llama import replica, runtimes
+
+pytestmark = pytest.mark.llama
+
+BUDGET = 0.55
+
+
+def on_demand(binary, model, name: str, *, extra: str = "") -> str:
+    return replica(name, binary, model, models=(f"model-{name}",),
+                   extra=f"on_demand = true\n{extra}")
+
+
+def admin(gw) -> dict:
+    return httpx.get(gw.url + "/admin/runtimes", timeout=10).json()
+
+
+def swaps(gw) -> list[dict]:
+    return admin(gw)["swaps"]["recent"]
+
+
+def stream_text(client, model: str, content: str, max_tokens: int = 6, **kw) -> str:
+    chunks = list(client.chat.completions.create(model=model, max_tokens=max_tokens, stream=True,
+                                                 messages=[{"role": "user", "content": content}], **kw))
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_alternating_bursts_swap_per_burst_and_never_under_a_stream(gateway, llama_paths):
+    binary, model = llama_paths
+    gw = gateway(f"[runtimes]\nmax_loaded_gib = {BUDGET}\nmin_resident_s = 3\ndrain_timeout_s = 60\n"
+                 + on_demand(binary, model, "a") + on_demand(binary, model, "b"))
+    client = gw.openai()
+    bursts, per_burst = 4, 3
+    results: dict[str, list[str]] = {"one": [], "two": []}
+    errors: list[BaseException] = []
+
+    def user(name: str, order: tuple[str, str]) -> None:
+        try:
+            for i in range(bursts):
+                target = f"model-{order[i % 2]}"
+                for j in range(per_burst):
+                    results[name].append(stream_text(client, target, f"{name} burst {i} request {j}"))
+        except BaseException as exc:  # reported below, with the others
+            errors.append(exc)
+
+    threads = [threading.Thread(target=user, args=("one", ("a", "b"))),
+               threading.Thread(target=user, args=("two", ("b", "a")))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    # every request was served, none timed out in the queue
+    assert len(results["one"]) == len(results["two"]) == bursts * per_burst
+    log = gw.access_log()
+    assert len(log) == 2 * bursts * per_burst and {r["cause"] for r in log} == {"ok"}
+    state = admin(gw)
+    done = state["swaps"]
+    assert 1 <= done["swaps"] <= 2 * bursts  # at most one swap per burst
+    events = swaps(gw)
+    assert events and all(e["cut"] == 0 and not e["error"] for e in events)  # never stopped under a stream
+    # the premise: measured, each fits the budget alone and not beside the other
+    rows = {r["name"]: r for r in state["runtimes"]}
+    measured = [rows[n]["measured_gib"] for n in ("a", "b")]
+    assert all(m is not None and m <= BUDGET for m in measured) and sum(measured) > BUDGET
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert "passerelle_swaps_total{" in metrics and 'passerelle_runtime_loaded{backend="a"}' in metrics
+
+
+def test_a_start_deferred_for_memory_runs_as_soon_as_the_holder_goes_idle(gateway, llama_paths):
+    binary, model = llama_paths
+    # a long residency: only the holder going idle can let b in
+    gw = gateway(f"[runtimes]\nmax_loaded_gib = {BUDGET}\nmin_resident_s = 600\n"
+                 + on_demand(binary, model, "a") + on_demand(binary, model, "b"))
+    client = gw.openai()
+    assert stream_text(client, "model-a", "warm up", max_tokens=2) is not None
+    ended: dict[str, float] = {}
+
+    def long_stream() -> None:
+        stream_text(client, "model-a", "A long story", max_tokens=48, extra_body={"ignore_eos": True})
+        ended["a"] = time.time()
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    wait_until(lambda: runtimes(gw)["a"]["in_flight"] == 1, 30, what="a streaming")
+    got: dict[str, object] = {}
+    tb = threading.Thread(target=lambda: got.setdefault("b", stream_text(client, "model-b", "hello", max_tokens=2)))
+    tb.start()
+    wait_until(lambda: admin(gw)["swaps"]["waiting_for_load"].get("b") == 1, 30, what="b waiting for a load")
+    assert runtimes(gw)["b"]["state"] == "stopped" and runtimes(gw)["a"]["in_flight"] == 1  # deferred
+    t.join(300)
+    tb.join(300)
+    assert "b" in got
+    event = swaps(gw)[0]
+    assert (event["unloaded"], event["loaded"], event["reason"], event["cut"]) == (["a"], "b", "idle", 0)
+    # retried on the release (after the idle grace), not when a's 600 s residency ran out
+    assert event["at"] - ended["a"] < 30
+    assert {r["state"] for r in runtimes(gw).values()} == {"stopped", "ready"}
+
+
+def test_a_swap_lets_the_running_stream_finish_before_stopping_its_model(gateway, llama_paths):
+    binary, model = llama_paths
+    gw = gateway(f"[runtimes]\nmax_loaded_gib = {BUDGET}\nmin_resident_s = 0\n"
+                 + on_demand(binary, model, "a") + on_demand(binary, model, "b"))
+    client = gw.openai()
+    got: dict[str, object] = {}
+
+    def long_stream() -> None:
+        chunks = list(client.chat.completions.create(
+            model="model-a", max_tokens=40, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "A long story"}], extra_body={"ignore_eos": True}))
+        got["a"] = chunks[-1].usage.completion_tokens
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    wait_until(lambda: runtimes(gw)["a"]["in_flight"] == 1, 60, what="a streaming")
+    assert stream_text(client, "model-b", "hello", max_tokens=2)  # a is outranked: it drains, then b loads
+    t.join(300)
+    assert got["a"] == 40  # the stream ran to its end on the model being swapped out
+    event = swaps(gw)[0]
+    assert (event["unloaded"], event["loaded"], event["reason"], event["cut"]) == (["a"], "b", "outranked", 0)
+    assert event["drain_s"] > 0
+    b_line = next(r for r in gw.access_log() if r["model"] == "model-b")
+    assert b_line["queue_ms"] / 1000 >= event["drain_s"]  # b waited for the drain
+
+
+class Recorder(ThreadingHTTPServer):
+    """A pass-through HTTP proxy in front of a real llama-server that keeps the request bodies it
+    forwards, to see what the runtime received."""
+
+    daemon_threads = True
+
+    def __init__(self, target: str) -> None:
+        self.target = urlsplit(target)
+        self.bodies: list[dict] = []
+        super().__init__(("127.0.0.1", free_port()), _Forward)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Forward(BaseHTTPRequestHandler):
+    server: Recorder
+    protocol_version = "HTTP/1.1"
+
+    def _forward(self, method: str) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if body:
+            self.server.bodies.append(json.loads(body))
+        conn = http.client.HTTPConnection(self.server.target.hostname, self.server.target.port, timeout=120)
+        conn.request(method, self.path, body=body or None, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        self.send_response(resp.status)
+        self.send_header("Content-Type", resp.getheader("Content-Type") or "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._forward("GET")
+
+    def do_POST(self) -> None:
+        self._forward("POST")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def recorder(llama_server):
+    rec = Recorder(llama_server.url)
+    yield rec
+    rec.shutdown()
+    rec.server_close()
+
+
+def test_aliases_rewrite_overrides_fallback_and_model_metadata(gateway, llama_server, recorder):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: the "big" pool is down
+    gw = gateway(f"""
+[[backends]]
+name = "small"
+kind = "openai"
+url = "{recorder.url}"
+models = ["{MODEL_ID}"]
+max_concurrency = 4
+
+[[backends]]
+name = "direct"
+kind = "llama-server"
+url = "{llama_server.url}"
+models = ["{MODEL_ID}-direct"]
+max_concurrency = 4
+
+[[backends]]
+name = "big"
+kind = "openai"
+url = "{dead}"
+models = ["big-model"]
+
+[[models]]
+name = "chat"
+aliases = ["gpt-4o*"]
+served_name = "{MODEL_ID}"
+cap = {{ max_tokens = 3 }}
+set = {{ temperature = 0.25 }}
+strip = ["logit_bias"]
+context_length = 2048
+capabilities = ["chat", "tools"]
+
+[[models]]
+name = "smart"
+aliases = ["claude-*"]
+served_name = "big-model"
+fallbacks = ["chat"]
+
+[[models]]
+name = "direct"
+served_name = "{MODEL_ID}-direct"
+set = {{ top_k = 7 }}
+""")
+    client = gw.openai()
+    resp = client.chat.completions.create(model="gpt-4o-mini", max_tokens=50, logit_bias={"1": 1},
+                                          messages=[{"role": "user", "content": "Hello"}],
+                                          extra_body={"ignore_eos": True})
+    sent = recorder.bodies[-1]
+    assert sent["model"] == MODEL_ID  # the runtime got its served name, not the alias
+    assert sent["max_tokens"] == 3 and sent["temperature"] == 0.25 and "logit_bias" not in sent
+    assert resp.usage.completion_tokens == 3  # the cap held at the runtime (ignore_eos would go on)
+    # fallback: "smart"'s pool is down, so a claude-* request is served by "chat" (with chat's rules)
+    n = len(recorder.bodies)
+    assert stream_text(client, "claude-3-5-sonnet-latest", "Hi", max_tokens=20)
+    assert len(recorder.bodies) == n + 1 and recorder.bodies[-1]["model"] == MODEL_ID
+    assert recorder.bodies[-1]["max_tokens"] == 3
+    lines = gw.access_log()
+    assert [(r["model"], r["backend"], r["cause"]) for r in lines[-2:]] == [("chat", "small", "ok")] * 2
+    # an override seen by llama-server itself: its last task's sampling parameters
+    client.chat.completions.create(model="direct", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    params = [s["params"] for s in httpx.get(llama_server.url + "/slots").json() if "params" in s]
+    assert any(p["top_k"] == 7 for p in params)
+    # /v1/models and /v1/models/{id} through the official client
+    assert [m.id for m in client.models.list()] == ["chat", "smart", "direct"]
+    chat = client.models.retrieve("gpt-4o-2024-08-06")
+    extra = chat.model_extra or {}
+    assert chat.id == "chat" and extra["context_length"] == 2048 and extra["capabilities"] == ["chat", "tools"]
+    assert extra["loaded"] is True and extra["routes"] == ["/v1/chat/completions", "/v1/completions",
+                                                           "/v1/embeddings"]
+    direct = client.models.retrieve("direct").model_extra or {}
+    assert direct["context_length"] == 2048  # as llama-server reports it (slot n_ctx)
+    smart = client.models.retrieve("smart").model_extra or {}
+    assert smart["loaded"] is False and smart["state"] == "down" and smart["fallbacks"] == ["chat"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nothing-like-this")
+
+
+def test_measured_memory_replaces_the_estimate_and_matches_rss(gateway, llama_paths):
+    binary, model = llama_paths
+    gw = gateway(f"[runtimes]\nmax_loaded_gib = {BUDGET}\n" + on_demand(binary, model, "a"))
+    before = runtimes(gw)["a"]
+    assert before["measured_gib"] is None and before["need_gib"] == before["estimated_gib"]
+    assert stream_text(gw.openai(), "model-a", "Hello", max_tokens=4)
+    row = runtimes(gw)["a"]
+    pid = row["pid"]
+    rss = sum(int(line.split()[1]) * 1024 for p in [pid, *children(pid)]
+              for line in open_status(p) if line.startswith("VmRSS:")) / 2**30
+    assert row["measured_gib"] is not None and row["need_gib"] == row["measured_gib"]
+    assert row["measured_gib"] != row["estimated_gib"]
+    assert abs(row["measured_gib"] - rss) <= 0.2 * rss
+    out = subprocess.run([sys.executable, "-m", "passerelle", "runtime", "list", "--url", gw.url],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "EST GiB" in out.stdout and "MEASURED" in out.stdout
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("a "))
+    assert f"{row['estimated_gib']:.2f}" in line and f"{row['measured_gib']:.2f}" in line
+    assert "memory budget" in out.stdout
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'passerelle_runtime_memory_bytes{backend="a",kind="measured"}' in metrics
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def open_status(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/status") as f:
+        return f.read().splitlines()

@@ -1,0 +1,183 @@
+"""The model catalogue: names, aliases, rewrite, parameters, fallbacks, metadata. No servers."""
+
+from __future__ import annotations
+
+import textwrap
+
+import orjson
+import pytest
+
+from passerelle.config import load_config
+from passerelle.errors import ConfigError, InvalidRequest, UnknownModel
+from passerelle.observe.metrics import Metrics
+from passerelle.runtimes.catalogue import Catalogue
+from passerelle.runtimes.kinds import make_backend
+from passerelle.runtimes.registry import Registry
+
+CONFIG = """
+[[backends]]
+name = "big"
+url = "http://127.0.0.1:9"
+models = ["qwen-14b"]
+endpoints = ["chat", "completions"]
+
+[[backends]]
+name = "small"
+url = "http://127.0.0.1:9"
+models = ["gemma-270m"]
+
+[[backends]]
+name = "embed"
+url = "http://127.0.0.1:9"
+models = ["bge-m3"]
+endpoints = ["embeddings"]
+
+[[models]]
+name = "chat"
+aliases = ["gpt-4o*", "claude-*", "gpt-3.5-turbo"]
+served_name = "qwen-14b"
+defaults = { temperature = 0.7 }
+set = { top_k = 20 }
+cap = { max_tokens = 512 }
+strip = ["logit_bias"]
+context_length = 32768
+capabilities = ["chat", "tools"]
+fallbacks = ["chat-small"]
+owned_by = "alibaba"
+
+[[models]]
+name = "chat-small"
+served_name = "gemma-270m"
+aliases = ["gpt-4o-mini"]
+
+[[models]]
+name = "text-embedding-3-small"
+served_name = "bge-m3"
+"""
+
+
+@pytest.fixture
+def cat(tmp_path):
+    def make(eta=None, text: str = CONFIG) -> Catalogue:
+        path = tmp_path / "c.toml"
+        path.write_text(textwrap.dedent(text))
+        cfg = load_config(path, env={})
+        backends = [make_backend(b, cfg.timeouts) for b in cfg.backends]
+        return Catalogue(cfg.models, Registry(backends, Metrics()), eta=eta)
+
+    return make
+
+
+def chat(model: str, **extra) -> tuple[dict, bytes]:
+    data = {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+    return data, orjson.dumps(data)
+
+
+def always(_pool) -> float:
+    return 0.0
+
+
+def test_names_aliases_and_globs_resolve_to_one_public_model(cat):
+    c = cat(always)
+    for asked in ("chat", "gpt-4o", "gpt-4o-2024-08-06", "claude-3-5-sonnet-latest", "gpt-3.5-turbo", "qwen-14b"):
+        data, body = chat(asked)
+        route = c.resolve(asked, "chat", data, body)
+        assert (route.name, route.served, [b.name for b in route.pool]) == ("chat", "qwen-14b", ["big"])
+        assert orjson.loads(route.body)["model"] == "qwen-14b" and route.requested == asked
+    # an exact alias wins over a glob that would also match
+    data, body = chat("gpt-4o-mini")
+    assert c.resolve("gpt-4o-mini", "chat", data, body).name == "chat-small"
+
+
+def test_unknown_model_lists_the_public_names(cat):
+    data, body = chat("llama-9000")
+    with pytest.raises(UnknownModel) as err:
+        cat().resolve("llama-9000", "chat", data, body)
+    assert "chat, chat-small, text-embedding-3-small" in err.value.message and err.value.status == 404
+
+
+def test_a_model_not_served_on_the_endpoint_is_a_400(cat):
+    data = {"model": "text-embedding-3-small", "prompt": "x"}
+    with pytest.raises(InvalidRequest, match="not served on /v1/completions"):
+        cat().resolve("text-embedding-3-small", "completions", data, orjson.dumps(data))
+
+
+def test_parameters_defaults_set_cap_and_strip(cat):
+    c = cat(always)
+    data, body = chat("gpt-4o", max_tokens=4000, temperature=0.1, top_k=99, logit_bias={"1": 5})
+    out = orjson.loads(c.resolve("gpt-4o", "chat", data, body).body)
+    assert out["max_tokens"] == 512  # capped
+    assert out["temperature"] == 0.1  # a default does not override the client
+    assert out["top_k"] == 20  # set does
+    assert "logit_bias" not in out
+    assert data["max_tokens"] == 4000 and "logit_bias" in data  # the client's dict is left alone
+    data, body = chat("gpt-4o")
+    out = orjson.loads(c.resolve("gpt-4o", "chat", data, body).body)
+    assert out["max_tokens"] == 512 and out["temperature"] == 0.7  # no limit asked: the cap is the limit
+    data, body = chat("gpt-4o", max_completion_tokens=100)
+    out = orjson.loads(c.resolve("gpt-4o", "chat", data, body).body)
+    assert out["max_completion_tokens"] == 100 and "max_tokens" not in out  # under the cap, kept as sent
+
+
+def test_a_request_needing_no_change_keeps_its_exact_bytes(cat):
+    body = b'{"model":"gemma-270m",  "messages":[{"role":"user","content":"hi"}]}'
+    data = orjson.loads(body)
+    route = cat().resolve("gemma-270m", "chat", data, body)
+    assert route.body is body and route.name == "chat-small"
+
+
+def test_fallback_when_the_pool_cannot_serve_in_time(cat):
+    etas = {"big": None, "small": 0.0}
+    c = cat(lambda pool: etas[pool[0].name])
+    data, body = chat("gpt-4o", max_tokens=9999)
+    route = c.resolve("gpt-4o", "chat", data, body, wait_s=60)
+    assert (route.name, route.served, route.fallback_from) == ("chat-small", "gemma-270m", "chat")
+    assert orjson.loads(route.body)["max_tokens"] == 9999  # the fallback's own parameters apply
+    etas["big"] = 300.0  # a load (and the swap it needs) longer than the request may wait
+    assert c.resolve("gpt-4o", "chat", data, body, wait_s=60).name == "chat-small"
+    assert c.resolve("gpt-4o", "chat", data, body, wait_s=600).name == "chat"
+    etas["small"] = None  # nothing can serve: the model asked for answers (no_backend or a wait)
+    assert c.resolve("gpt-4o", "chat", data, body, wait_s=60).name == "chat"
+
+
+def test_model_metadata_for_v1_models(cat):
+    c = cat(always)
+    d = c.describe("gpt-4o-2024-08-06", created=123)
+    assert d is not None
+    assert (d["id"], d["owned_by"], d["context_length"], d["capabilities"]) == ("chat", "alibaba", 32768,
+                                                                                ["chat", "tools"])
+    assert d["routes"] == ["/v1/chat/completions", "/v1/completions"] and d["backends"] == ["big"]
+    assert d["loaded"] is False and d["state"] == "down" and d["fallbacks"] == ["chat-small"]
+    embed = c.describe("text-embedding-3-small")
+    assert embed is not None and embed["capabilities"] == ["embeddings"]
+    assert [m["id"] for m in c.listing()] == ["chat", "chat-small", "text-embedding-3-small"]
+    assert c.describe("nope") is None
+
+
+def test_without_a_catalogue_every_served_model_is_a_public_name(cat):
+    c = cat(text=CONFIG.split("[[models]]")[0])
+    assert c.names == ["qwen-14b", "gemma-270m", "bge-m3"]
+    data, body = chat("qwen-14b")
+    route = c.resolve("qwen-14b", "chat", data, body)
+    assert route.name == "qwen-14b" and route.body is body
+
+
+@pytest.mark.parametrize(("extra", "key", "expect"), [
+    ('[[models]]\nname = "x"\nserved_name = "nope"\n', "models[3].served_name", "no backend serves 'nope'"),
+    ('[[models]]\nname = "x"\nserved_name = "bge-m3"\nfallbacks = ["ghost"]\n', "models[3].fallbacks",
+     "unknown fallback 'ghost'"),
+    ('[[models]]\nname = "x"\nserved_name = "bge-m3"\naliases = ["gpt-3.5-turbo"]\n', "models[3].aliases",
+     "already used"),
+    ('[[models]]\nname = "x"\nserved_name = "bge-m3"\ncap = { max_tokens = "lots" }\n', "models[3].cap",
+     "non-negative numbers"),
+    ('[[models]]\nname = "x"\nserved_name = "bge-m3"\ncapabilities = ["telepathy"]\n', "models[3].capabilities",
+     "unknown capability"),
+    ('[[models]]\nname = "x"\nserved_name = "bge-m3"\nset = { model = "y" }\n', "models[3].set", "served_name"),
+])
+def test_catalogue_errors_name_the_key_and_line(tmp_path, extra, key, expect):
+    path = tmp_path / "c.toml"
+    path.write_text(textwrap.dedent(CONFIG) + extra)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert err.value.key == key and expect in str(err.value)
+    assert err.value.line is not None and err.value.line > textwrap.dedent(CONFIG).count("\n")
