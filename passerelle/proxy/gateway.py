@@ -437,11 +437,15 @@ class Gateway:
             ctype = (header(ex.scope, b"content-type") or "").encode("latin-1")
         elif api.scheduled:  # (vLLM's priority, llama-server's slot: for requests that take one)
             body = backend.prepare(body, cls.rank, job.slot)
+        on_streaming: Callable[[], None] | None = None
+        if splice is not None:
+            sp = splice
+
+            def on_streaming() -> None:  # its first token went out: from now on it may be cut
+                self.scheduler.allow_suspend(job, sp.suspend, lambda: sp.tokens)
         try:
             answer = await fetch(ex, api, backend, body, ctype, deadline, self.cfg, collect=collect,
-                                 strip_usage=strip_usage, splice=splice, dialect=dialect,
-                                 on_streaming=None if splice is None else
-                                 lambda sp=splice: self.scheduler.allow_suspend(job, sp.suspend, lambda: sp.tokens))
+                                 strip_usage=strip_usage, splice=splice, dialect=dialect, on_streaming=on_streaming)
         finally:
             if splice is not None:
                 self.scheduler.forbid_suspend(job)
