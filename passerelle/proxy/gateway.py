@@ -29,7 +29,6 @@ Races worth knowing:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -39,7 +38,6 @@ import orjson
 
 from passerelle.config import ClassConfig, Config
 from passerelle.errors import (
-    BodyTooLarge,
     Cause,
     ClientDisconnect,
     ClientTimeout,
@@ -55,6 +53,13 @@ from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.attempt import fetch, outcome_of
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
+from passerelle.proxy.intake import (
+    affinity_key,
+    output_estimate,
+    priority_class,
+    read_request_body,
+    with_usage_requested,
+)
 from passerelle.proxy.protocols import Api, Parsed, api_for
 from passerelle.proxy.resume import Splice, suspendable
 from passerelle.proxy.retry import RetryBudget, may_retry
@@ -67,56 +72,6 @@ from passerelle.tenants.names import user_tenant
 from passerelle.tenants.policy import KeyPolicy, Ticket
 
 log = logging.getLogger("passerelle.proxy.gateway")
-
-
-async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body, refused as soon as it is known to exceed ``limit`` bytes."""
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                if int(value) > limit:
-                    raise BodyTooLarge(limit)
-            except ValueError:
-                raise InvalidRequest("Content-Length is not a number.") from None
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ClientDisconnect("client left while sending the body")
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
-        if not msg.get("more_body"):
-            return b"".join(chunks)
-
-
-def output_estimate(data: dict[str, Any] | None, length: int | None) -> int:
-    """Tokens the request may generate, for admission (tokens per minute, quotas) and fair share:
-    its length limit (else 256) times the sequences generated (``n``, and ``best_of``, which
-    generates that many to return ``n``).
-
-    >>> output_estimate({"max_tokens": 500, "n": 1000}, 500)
-    500000
-    """
-    sequences = 1
-    for name in ("n", "best_of"):
-        v = (data or {}).get(name)
-        if isinstance(v, int) and not isinstance(v, bool) and v > sequences:
-            sequences = v
-    return (length or 256) * sequences
-
-
-def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
-    """``body`` with ``stream_options.include_usage = true`` (spliced in when absent, so the
-    rest of the body keeps its exact bytes)."""
-    if "stream_options" not in data:
-        i = body.index(b"{")
-        return body[: i + 1] + b'"stream_options":{"include_usage":true},' + body[i + 1 :]
-    data = dict(data, stream_options={**(data["stream_options"] or {}), "include_usage": True})  # null is valid
-    return orjson.dumps(data)
 
 
 class Gateway:
@@ -147,46 +102,6 @@ class Gateway:
     def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:
         """The caller's key; None when keys are not in use. Raises Unauthorized / RateLimited."""
         return self.keys.authenticate(scope, rec)
-
-    def priority_class(self, scope: Scope, key: ApiKey | None) -> ClassConfig:
-        """The key's class (or the anonymous one), lowered by X-Priority, raised only up to the
-        key's ``max_priority``."""
-        auth = self.cfg.auth
-        base = self.classes[(key.priority if key and key.priority in self.classes else None)
-                            or auth.anonymous_priority]
-        ceiling = self.classes[(key.max_priority if key and key.max_priority in self.classes else None)
-                               or (base.name if key else auth.anonymous_max_priority)]
-        asked = header(scope, b"x-priority")
-        if not asked:
-            return base
-        wanted = self.classes.get(asked.strip().lower())
-        if wanted is None:
-            raise InvalidRequest(f"X-Priority must be one of: {', '.join(self.classes)}.", param="X-Priority")
-        if wanted.rank < min(ceiling.rank, base.rank):
-            return ceiling if ceiling.rank < base.rank else base
-        return wanted
-
-    def affinity_key(self, scope: Scope, data: dict[str, Any] | None, endpoint: str) -> str:
-        """What keeps related requests on one replica: a session header, else the conversation's
-        opening (system prompt and first user message, shared by every turn, so llama-server's
-        prompt cache is reused: chat, Anthropic messages, Responses input), else the ``user``."""
-        r = self.cfg.routing
-        session = header(scope, r.session_header.lower().encode()) if r.session_header else None
-        if session:  # hashed, like the others: a client's string never sets an entry's size
-            return "s:" + hashlib.blake2b(session.encode("latin-1"), digest_size=12).hexdigest()
-        if data is None:
-            return ""
-        if r.prefix_affinity and endpoint in ("chat", "messages", "responses"):
-            turns = data.get("input" if endpoint == "responses" else "messages")
-            opening: list[Any] = [data.get("system" if endpoint == "messages" else "instructions")]
-            for m in turns if isinstance(turns, list) else [turns]:
-                opening.append(m)
-                if not isinstance(m, dict) or m.get("role") == "user":
-                    break
-            return "p:" + hashlib.blake2b(orjson.dumps(opening), digest_size=12).hexdigest()
-        user = data.get("user")
-        return "u:" + hashlib.blake2b(user.encode(errors="surrogatepass"), digest_size=12).hexdigest() \
-            if isinstance(user, str) else ""
 
     # -- the request's life ----------------------------------------------------------------
     def _read(self, api: Api, body: bytes, scope: Scope) -> Parsed:
@@ -221,7 +136,7 @@ class Gateway:
                 rec.model = model = req.model or ""
                 rec.stream = req.stream
                 rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
-                cls = self.priority_class(scope, key)
+                cls = priority_class(self.classes, self.cfg.auth, scope, key)
                 rec.priority = cls.name
                 if key is not None:
                     rec.tenant = key.tenant
@@ -259,7 +174,7 @@ class Gateway:
                 job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
                           est_prompt_tokens=est_prompt, est_output_tokens=est_output,
                           can_wait_for_start=any(b.supervised for b in pool), slotted=api.scheduled and not api.form,
-                          affinity=self.affinity_key(scope, req.data, endpoint)
+                          affinity=affinity_key(self.cfg.routing, scope, req.data, endpoint)
                           if len(pool) > 1 or any(b.slot_ids for b in pool) else "")
                 if self.on_demand is not None and not any(b.stats.up for b in pool):
                     self.on_demand(pool)
