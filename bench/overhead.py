@@ -30,6 +30,9 @@ round records the generator's own CPU, so a run shows whether the generator coul
     .venv/bin/python bench/overhead.py --profile [--native]         # py-spy on passerelle at 64, 256
     .venv/bin/python bench/overhead.py --no-litellm --also-src ../other-checkout   # A/B two versions
     .venv/bin/python bench/overhead.py --no-litellm --also-toml $'[server]\naccess_log = false'
+    .venv/bin/python bench/overhead.py --no-litellm --upstream [openai] --concurrency 64   # capacity
+        # from the runtime: `passerelle serve --upstream URL` (no max_concurrency) in front of a fake
+        # that runs 64 streams at once (reported by its /props; with "openai": learned)
 
 Writes ``results.json`` (``soak.json``, ``profile.json``) and the printed table (``report.md``) to
 ``--out`` (default bench/out/overhead). Figures, not a pass/fail test.
@@ -188,19 +191,31 @@ def spawn(name: str, argv: list[str], work: Path, env: dict[str, str] | None = N
     return Service(name, url, proc, log)
 
 
-def start_fake(work: Path, ttft_ms: float, itl_ms: float, tokens: int, tag: str = "fake") -> Service:
+def start_fake(work: Path, ttft_ms: float, itl_ms: float, tokens: int, tag: str = "fake", slots: int = 0) -> Service:
     port = free_port()
     svc = spawn(tag, [sys.executable, "-m", "passerelle", "fake-backend", "--port", str(port), "--ttft-ms",
-                      str(ttft_ms), "--itl-ms", str(itl_ms), "--tokens", str(tokens), "--model", MODEL],
+                      str(ttft_ms), "--itl-ms", str(itl_ms), "--tokens", str(tokens), "--model", MODEL,
+                      *(["--slots", str(slots)] if slots else [])],
                 work, url=f"http://127.0.0.1:{port}")
     svc.wait_ready("/health", 30)
     return svc
 
 
 def start_passerelle(work: Path, backend_url: str, extra_toml: str = "", *, name: str = "passerelle",
-                     src: Path | None = None, env: dict[str, str] | None = None) -> Service:
-    """passerelle from this checkout, or from the source tree ``src`` (an A/B against another copy)."""
+                     src: Path | None = None, env: dict[str, str] | None = None, upstream: str = "") -> Service:
+    """passerelle from this checkout, or from the source tree ``src`` (an A/B against another copy).
+    ``upstream``: instead of a configuration, ``passerelle serve --upstream [KIND=]URL`` with no
+    max_concurrency ("detect": the kind it detects; else the KIND to force, e.g. "openai")."""
     port = free_port()
+    if upstream:
+        state = work / f"{name}-state"
+        shutil.rmtree(state, ignore_errors=True)
+        spec = backend_url if upstream == "detect" else f"{upstream}={backend_url}"
+        cfg_env = {"PASSERELLE_STATE": str(state), **(env or {})}
+        if src is not None:
+            cfg_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src.resolve()), os.environ.get("PYTHONPATH")]))
+        return spawn(name, [sys.executable, "-m", "passerelle", "serve", "--upstream", spec, "--port", str(port)],
+                     work, env=cfg_env, url=f"http://127.0.0.1:{port}")
     cfg = work / f"{name}.toml"
     cfg.write_text(f"""{extra_toml}
 [[backends]]
@@ -638,7 +653,10 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
     results: dict[str, Any] = {
         "benchmark": "overhead", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
         "loadavg_start": loadavg(), "cpu_pressure_start": cpu_pressure(),
-        "fake": {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms, "tokens": args.tokens, "slots": "unlimited"},
+        "fake": {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms, "tokens": args.tokens,
+                 "slots": (args.fake_slots or max(levels)) if args.upstream else "unlimited"},
+        "passerelle": (f"serve --upstream ({args.upstream})" if args.upstream
+                       else "a configuration, max_concurrency 1024"),
         "rounds": args.rounds, "requests_per_level": counts, "levels": [], "loadavg": []}
     exe = None
     if not args.no_litellm:
@@ -659,9 +677,10 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
               f"streams; generator CPU {c['generator_cpu_pct']} %, fake CPU {c['fake_cpu_pct']} %", flush=True)
     services: list[Service] = []
     try:
-        fake = start_fake(work, args.ttft_ms, args.itl_ms, args.tokens)
+        fake = start_fake(work, args.ttft_ms, args.itl_ms, args.tokens,
+                          slots=(args.fake_slots or max(levels)) if args.upstream else 0)
         services.append(fake)
-        gw = start_passerelle(work, fake.url, args.passerelle_toml, src=args.src)
+        gw = start_passerelle(work, fake.url, args.passerelle_toml, src=args.src, upstream=args.upstream)
         services.append(gw)
         gwb = (start_passerelle(work, fake.url, args.also_toml, name="passerelle-b", src=args.also_src or args.src,
                                 env=dict(kv.split("=", 1) for kv in args.also_env)) if variant else None)
@@ -1043,6 +1062,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--native", action="store_true", help="py-spy --native (C frames too; pauses the process)")
     p.add_argument("--passerelle-toml", default="", metavar="TOML",
                    help="extra configuration for passerelle, e.g. $'[server]\\naccess_log = false'")
+    p.add_argument("--upstream", nargs="?", const="detect", default="", metavar="KIND",
+                   help="passerelle as `serve --upstream URL` with no max_concurrency, in front of a fake that "
+                        "runs as many streams at once as the highest level and queues the rest (its capacity "
+                        "comes from the runtime: reported, or learned with KIND=openai)")
+    p.add_argument("--fake-slots", type=int, default=0, metavar="N",
+                   help="with --upstream: the fake runs N streams at once (default: the highest level)")
     p.add_argument("--src", type=Path, help="run passerelle from this source tree (default: the installed one)")
     p.add_argument("--also-src", type=Path, metavar="DIR",
                    help="A/B: also run passerelle from this source tree, as target passerelle-b")
