@@ -8,8 +8,9 @@ particular. Instead, at the end of the grace period (uvicorn's own timeout is se
 see ``serving.py``), :func:`end_open_requests` takes each request the gateway still has open
 (``Gateway.open``) and:
 
-* sends a stream that began an SSE error event, then ends it (``[DONE]`` is never sent);
-* answers a request that got nothing yet (queued, or waiting for its first token) with 503;
+* sends a stream that began its API's error event, then ends it (``[DONE]`` is never sent);
+* answers a request that got nothing yet (queued, or waiting for its first token) with 503 in
+  its API's error shape;
 * records the cause ``shutdown`` and ends the request's task, which releases its slot as usual.
 
 Writes go through the request's :class:`StreamGate`, closed first so that nothing the request's
@@ -30,7 +31,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from passerelle.errors import Cause, GatewayError
+from passerelle.proxy import grammars
 from passerelle.proxy.exchange import Exchange
+from passerelle.proxy.protocols import OPENAI, error_body
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -71,13 +74,14 @@ class StreamGate:
 async def _end(ex: Exchange, gate: StreamGate, err: GatewayError, write_timeout_s: float) -> None:
     ex.rec.finish(err.cause, err.status, err.message)
     gate.closed = True
-    if ex.started:
-        final = [{"type": "http.response.body", "body": err.sse_event(), "more_body": False}]
-    else:
-        body = err.body()
-        final = [{"type": "http.response.start", "status": err.status,
-                  "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                              (b"x-request-id", ex.rec.id.encode()), *err.headers()]},
+    if ex.started:  # the error event of the stream's own API (Chat, Responses, Anthropic Messages)
+        final = [{"type": "http.response.body", "body": grammars.error_event(ex.grammar, err), "more_body": False}]
+    else:  # an error response in the API's shape
+        body, ctype = error_body(err, ex.errors)
+        rid = ex.rec.id.encode()
+        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode()), (b"x-request-id", rid),
+                   *err.headers(), *([] if ex.errors == OPENAI else [(b"request-id", rid)])]
+        final = [{"type": "http.response.start", "status": err.status, "headers": headers},
                  {"type": "http.response.body", "body": body, "more_body": False}]
     with contextlib.suppress(TimeoutError, OSError, RuntimeError):  # gone, or not reading
         async with asyncio.timeout(write_timeout_s):

@@ -287,6 +287,27 @@ async def test_requests_running_past_the_grace_period_end_with_an_error_and_the_
         assert not gw.app.gateway.open and settled(gw)
 
 
+async def test_the_shutdown_speaks_each_apis_own_error_shape():
+    msg = {"model": "fake-model", "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}]}
+    async with fake_runtime(itl_ms=50.0) as fake, \
+            gateway(fake.backend_config(kind="llama-server", max_concurrency=1),
+                    server=ServerConfig(shutdown_grace_s=0.2)) as gw:
+        streaming = asyncio.create_task(gw.post("/v1/messages", {**msg, "stream": True}))
+        queued = asyncio.create_task(gw.post("/v1/messages", msg))
+        async with asyncio.timeout(3):
+            while len(gw.app.gateway.open) < 2 or not gw.app.scheduler.waiting:
+                await asyncio.sleep(0.01)
+        gw.app.begin_shutdown()
+        async with asyncio.timeout(5):
+            stream, waiting = await streaming, await queued
+        last = stream.body.rstrip().split(b"\n\n")[-1]
+        assert last.startswith(b"event: error\ndata: ")  # Anthropic's error event, not OpenAI's
+        assert orjson.loads(last.split(b"data: ", 1)[1])["error"]["type"] == "overloaded_error"
+        assert waiting.status == 503 and waiting.json()["type"] == "error"
+        assert waiting.headers[b"request-id"] == waiting.headers[b"x-request-id"]
+        assert [r.cause for r in gw.records] == [Cause.SHUTDOWN, Cause.SHUTDOWN] and settled(gw)
+
+
 @pytest.mark.parametrize(("text", "key"), [
     ("[server]\nmax_head_bytes = 100\n", "server.max_head_bytes"),
     ("[server]\nhead_timeout_s = 0\n", "server.head_timeout_s"),
