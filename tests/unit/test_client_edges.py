@@ -129,7 +129,7 @@ async def test_bodies_held_at_once_have_a_budget():
         over = Client([body])
         await gw.app(over.scope(), over.receive, over.send)
         assert over.status == 503 and over.error()["code"] == "server_busy" and over.resp_headers[b"retry-after"]
-        assert gw.records[-1].cause is Cause.QUEUE_FULL and gw.app.body_budget.used == 1000
+        assert gw.records[-1].cause is Cause.SERVER_BUSY and gw.app.body_budget.used == 1000
 
 
 async def test_stream_options_null_is_valid():
