@@ -36,16 +36,20 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from passerelle.bench.stats import percentile
+from passerelle.runtimes.memory import process_tree as tree
+from passerelle.runtimes.memory import rss_bytes
 from passerelle.runtimes.supervisor import free_port
 
-__all__ = ["free_port"]  # (one free_port for the project: the supervisor's)
+# The project's own, one definition each: free_port(); tree(pid), a process and all its descendants
+# (LiteLLM may run workers; passerelle runs one process); rss_bytes(pids), their resident memory
+# summed (the supervisor measures its runtimes so).
+__all__ = ["free_port", "rss_bytes", "tree"]
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
@@ -55,22 +59,6 @@ WORK = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "passere
 
 
 # --- processes: CPU and memory from /proc --------------------------------------------------------
-def tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (LiteLLM may run workers; passerelle runs one process)."""
-    children: dict[int, list[int]] = defaultdict(list)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children[ppid].append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, ()))
-    return out
-
-
 def cpu_s(pids: list[int]) -> float:
     """CPU seconds (user + system) these processes have used so far; gone ones count 0."""
     total = 0.0
@@ -78,16 +66,6 @@ def cpu_s(pids: list[int]) -> float:
         with contextlib.suppress(OSError, IndexError):
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
-    return total
-
-
-def rss_bytes(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
     return total
 
 
@@ -163,17 +141,27 @@ class NotReady(RuntimeError):
     pass
 
 
-def wait_http(url: str, timeout: float = 120) -> None:
-    """Until ``url`` answers 200 (a runtime or gateway started elsewhere); exits the script if not."""
+def until_ok(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> str | None:
+    """Ask ``url`` until it answers 200: None once it has, else why not (``proc``, the server's
+    process, exited; or the time ran out)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return f"exited with {proc.returncode}"
         try:
-            with urllib.request.urlopen(url, timeout=1) as r:
+            req = urllib.request.Request(url, headers={"Authorization": f"Bearer {MASTER_KEY}"})
+            with urllib.request.urlopen(req, timeout=2) as r:
                 if r.status == 200:
-                    return
+                    return None
         except OSError:
             time.sleep(0.1)
-    raise SystemExit(f"{url} not ready")
+    return f"not ready after {timeout:.0f} s"
+
+
+def wait_http(url: str, timeout: float = 120) -> None:
+    """Until ``url`` answers 200 (a runtime or gateway started elsewhere); exits the script if not."""
+    if until_ok(url, timeout) is not None:
+        raise SystemExit(f"{url} not ready")
 
 
 @dataclass
@@ -191,18 +179,9 @@ class Service:
 
     def wait_ready(self, path: str, timeout: float) -> None:
         """Until ``path`` answers 200; :class:`NotReady` if the process exits or time runs out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise NotReady(f"{self.name} exited with {self.proc.returncode}; see {self.log}")
-            try:
-                req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {MASTER_KEY}"})
-                with urllib.request.urlopen(req, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
-        raise NotReady(f"{self.name} not ready after {timeout:.0f} s; see {self.log}")
+        why = until_ok(self.url + path, timeout, self.proc)
+        if why is not None:
+            raise NotReady(f"{self.name} {why}; see {self.log}")
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s`` (a gateway stops the runtimes it launched
@@ -269,3 +248,19 @@ def serve(work: Path, config: Path, *, name: str = "passerelle", src: Path | Non
     extra_env = {"PASSERELLE_STATE": str(state), **(env or {}), **source_env(src)}
     return spawn(name, [sys.executable, "-m", "passerelle", "serve", "--config", str(config), "--port", str(port)],
                  work, env=extra_env, url=f"http://127.0.0.1:{port}")
+
+
+@contextlib.contextmanager
+def fake_and_passerelle(work: Path, ttft_ms: float, itl_ms: float, tokens: int, extra_toml: str = "", *,
+                        src: Path | None = None) -> Iterator[tuple[Service, Service]]:
+    """The fake runtime and passerelle in front of it, both ready; both stopped on the way out."""
+    fake = start_fake(work, ttft_ms, itl_ms, tokens)
+    gw = None
+    try:
+        gw = start_passerelle(work, fake.url, extra_toml, src=src)
+        gw.wait_ready("/ready", 60)
+        yield fake, gw
+    finally:
+        if gw is not None:
+            gw.stop()
+        fake.stop()

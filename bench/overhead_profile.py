@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from harness import ROOT, cpu_s, loadavg, machine, pct, start_fake, start_passerelle, write_json
+from harness import ROOT, cpu_s, fake_and_passerelle, loadavg, machine, pct, write_json
 from loadgen import run_async, run_load
 
 # Where a py-spy sample's time goes. A sample is charged by the region of the request's life it is
@@ -136,11 +136,8 @@ def profile(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
     levels = [int(x) for x in args.profile_levels.split(",")]
     duration = (args.ttft_ms + (args.tokens - 1) * args.itl_ms) / 1000
     res: dict[str, Any] = {"benchmark": "overhead-profile", "machine": machine(), "levels": []}
-    fake = start_fake(work, args.ttft_ms, args.itl_ms, args.tokens)
-    gw = None
-    try:
-        gw = start_passerelle(work, fake.url, args.passerelle_toml, src=args.src)
-        gw.wait_ready("/ready", 60)
+    with fake_and_passerelle(work, args.ttft_ms, args.itl_ms, args.tokens, args.passerelle_toml,
+                             src=args.src) as (_, gw):
         run_async(run_load(gw.url, 8, 32, args.tokens, stagger_s=duration, timeout=args.timeout))
         for conc in levels:
             raw = out / f"profile-{conc}.txt"
@@ -186,10 +183,6 @@ def profile(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
             print("top self (leaf) frames:")
             for k, v in list(lvl["self_top_pct"].items())[:15]:
                 print(f"  {v:5.1f} %  {k}")
-    finally:
-        if gw is not None:
-            gw.stop()
-        fake.stop()
     write_json(out / "profile.json", res)
     print(f"wrote {out / 'profile.json'} and the raw py-spy stacks (profile-N.txt)")
     return res

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import cpu_s, loadavg, machine, rss_bytes, start_fake, start_passerelle, write_json
+from harness import cpu_s, fake_and_passerelle, loadavg, machine, rss_bytes, write_json
 from loadgen import Round, run_async, run_load
 
 
@@ -38,11 +38,8 @@ def soak(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     done = {"n": 0, "tokens": 0}
     window = dashboard_window(args.passerelle_toml)
-    fake = start_fake(work, args.ttft_ms, args.itl_ms, args.tokens)
-    gw = None
-    try:
-        gw = start_passerelle(work, fake.url, args.passerelle_toml, src=args.src)
-        gw.wait_ready("/ready", 60)
+    with fake_and_passerelle(work, args.ttft_ms, args.itl_ms, args.tokens, args.passerelle_toml,
+                             src=args.src) as (_, gw):
         print(f"soak: {args.soak_concurrency} streams through passerelle for {args.soak:g} min; RSS every "
               f"{args.soak_interval:g} s after {args.soak_warmup:g} s of warm-up", flush=True)
 
@@ -71,10 +68,6 @@ def soak(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
             return r
 
         r = run_async(both())
-    finally:
-        if gw is not None:
-            gw.stop()
-        fake.stop()
     res: dict[str, Any] = {"benchmark": "overhead-soak", "machine": machine(), "loadavg_end": loadavg(),
                            "minutes": args.soak, "concurrency": args.soak_concurrency, "warmup_s": args.soak_warmup,
                            "dashboard_window_s": window, "requests": r.requests, "errors": dict(r.errors),
