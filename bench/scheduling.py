@@ -30,7 +30,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -42,12 +41,12 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ttft_gateway_vs_direct import free_port, pct, wait_http
+from harness import free_port, pct, wait_http
 
+from passerelle.chunks import CHAT  # a content event: a token, not the empty delta some chunks carry
 from passerelle.runtimes import embedded
 
 MODEL = "gemma-3-270m"
-_CONTENT = re.compile(rb'"content":"[^"]')  # a token, not the empty delta some chunks carry
 
 
 class Load:
@@ -93,7 +92,7 @@ class Load:
                     await resp.read()
                     return
                 async for line in resp.content:
-                    if _CONTENT.search(line):
+                    if CHAT.search(line):
                         now = time.perf_counter()
                         times.append(now)
                         if first is None:
