@@ -32,7 +32,8 @@ round records the generator's own CPU, so a run shows whether the generator coul
     .venv/bin/python bench/overhead.py --no-litellm --also-toml $'[server]\naccess_log = false'
     .venv/bin/python bench/overhead.py --no-litellm --upstream [openai] --concurrency 64   # capacity
         # from the runtime: `passerelle serve --upstream URL` (no max_concurrency) in front of a fake
-        # that runs 64 streams at once (reported by its /props; with "openai": learned)
+        # that runs 64 streams at once (reported by its /props; with "openai": learned); add
+        # --fake-openai-only for a runtime with no /props at all, --also-src OLD to compare
 
 Writes ``results.json`` (``soak.json``, ``profile.json``) and the printed table (``report.md``) to
 ``--out`` (default bench/out/overhead). Figures, not a pass/fail test.
@@ -157,7 +158,8 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
     results: dict[str, Any] = {
         **report_head("overhead"),
         "fake": {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms, "tokens": args.tokens,
-                 "slots": (args.fake_slots or max(levels)) if args.upstream else "unlimited"},
+                 "slots": (args.fake_slots or max(levels)) if args.upstream else "unlimited",
+                 "openai_only": args.fake_openai_only},
         "passerelle": (f"serve --upstream ({args.upstream})" if args.upstream
                        else "a configuration, max_concurrency 1024"),
         "rounds": args.rounds, "requests_per_level": counts, "levels": [], "loadavg": []}
@@ -181,7 +183,8 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
     services: list[Service] = []
     try:
         fake = start_fake(work, args.ttft_ms, args.itl_ms, args.tokens,
-                          slots=(args.fake_slots or max(levels)) if args.upstream else 0)
+                          slots=(args.fake_slots or max(levels)) if args.upstream else 0,
+                          extra=["--openai-only"] if args.fake_openai_only else [])
         services.append(fake)
         gw = start_passerelle(work, fake.url, args.passerelle_toml, src=args.src, upstream=args.upstream)
         services.append(gw)
@@ -292,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                         "comes from the runtime: reported, or learned with KIND=openai)")
     p.add_argument("--fake-slots", type=int, default=0, metavar="N",
                    help="with --upstream: the fake runs N streams at once (default: the highest level)")
+    p.add_argument("--fake-openai-only", action="store_true",
+                   help="the fake serves only the OpenAI routes (no /props, /slots, /metrics): a runtime that "
+                        "does not say how many requests it runs at once")
     p.add_argument("--src", type=Path, help="run passerelle from this source tree (default: the installed one)")
     p.add_argument("--also-src", type=Path, metavar="DIR",
                    help="A/B: also run passerelle from this source tree, as target passerelle-b")

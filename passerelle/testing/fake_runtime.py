@@ -106,6 +106,9 @@ class FakeConfig:
     fault_rate: float = 1.0
     fault_bytes: int = 200 * 1024 * 1024  # size of huge-event / huge-body / huge-error
     drip_ms: float = 100.0  # pace of drip / continue-forever
+    # only the OpenAI routes: no /props, /slots or /metrics, like a runtime that says nothing
+    # about how many requests it runs at once (its capacity must be learned)
+    openai_only: bool = False
 
 
 class Slots:
@@ -419,6 +422,9 @@ class FakeBackend:
             (b"GET", b"/props"): self.props,
             (b"GET", b"/fake/stats"): self.stats,
         }
+        if self.config.openai_only:
+            for path in (b"/slots", b"/metrics", b"/props"):
+                del self.routes[(b"GET", path)]
 
     async def dispatch(self, conn: Connection, method: bytes, path: bytes, body: bytes, keep_alive: bool) -> None:
         handler = self.routes.get((method, path))
@@ -767,6 +773,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--close-after-stream-ms", type=_non_negative, default=None, metavar="MS",
                         help="close the connection MS ms after each streamed answer, dropping requests "
                              "sent on it meanwhile (llama-server does so without notice)")
+    parser.add_argument("--openai-only", action="store_true",
+                        help="serve only the OpenAI routes (no /props, /slots, /metrics): a runtime that does not "
+                             "say how many requests it runs at once")
     parser.add_argument("--prefix-cache", type=int, default=0, metavar="N",
                         help="act as if the last N prompts were cached: report the words a prompt shares "
                              "with one as usage.prompt_tokens_details.cached_tokens (default 0: off)")
@@ -787,6 +796,7 @@ def config_from_args(args: argparse.Namespace) -> FakeConfig:
                       fail_rate=args.fail_rate, abort_rate=args.abort_rate, seed=args.seed,
                       usage=args.usage, embedding_dim=args.embedding_dim,
                       close_after_stream_ms=args.close_after_stream_ms, prefix_cache=max(args.prefix_cache, 0),
+                      openai_only=args.openai_only,
                       fault=args.fault, fault_rate=args.fault_rate, fault_bytes=args.fault_bytes,
                       drip_ms=args.drip_ms)
 
@@ -844,6 +854,9 @@ def start_fake_backend(timeout: float = 30.0, **options: Any) -> Iterator[FakePr
         if key == "usage":
             if not value:
                 argv.append("--no-usage")
+            continue
+        if isinstance(value, bool):  # a flag
+            argv += [f"--{key.replace('_', '-')}"] if value else []
             continue
         argv += [f"--{key.replace('_', '-')}", str(value)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -263,3 +263,11 @@ def test_expect_100_continue_is_answered(fast):
         while b'"usage"' not in answer:
             answer += sock.recv(4096)
     assert answer.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_openai_only_hides_the_side_api_a_gateway_reads_capacity_from():
+    with start_fake_backend(ttft_ms=0, itl_ms=0, slots=4, openai_only=True) as fake:
+        for path in ("/props", "/slots", "/metrics"):
+            assert httpx.get(fake.url + path).status_code == 404, path
+        r = httpx.post(fake.url + "/v1/chat/completions", json=chat(stream=False))
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
