@@ -1,8 +1,10 @@
 """Several models on one box, with real llama-servers: swaps under a memory budget decided by the
 scheduler, measured memory, and the model catalogue (aliases, rewrite, overrides, fallbacks).
 
-The two models are two launched llama-servers of the same Gemma 3 270M GGUF under different
-names; each holds about 0.35 GiB once loaded (measured), so a 0.55 GiB budget holds one at a time.
+The two models are different GGUFs: Gemma 3 270M (runtime "a", served as ``gemma-3-270m``, about
+0.35 GiB once loaded, estimated 0.53 from its file) and the small random-weight Llama the tests
+write (runtime "b", ``tiny-llama``, about 0.30 GiB, estimated 0.40); a 0.55 GiB budget holds one at
+a time.
 """
 
 from __future__ import annotations
@@ -20,17 +22,23 @@ import httpx
 import openai
 import pytest
 
+from passerelle.testing.tiny_llama_gguf import MODEL_ID as TINY_ID
 from tests.conftest import MODEL_ID, free_port, wait_until
 from tests.integration.test_replicas_llama import replica, runtimes
 
 pytestmark = pytest.mark.llama
 
 BUDGET = 0.55
+NAMES = {"a": MODEL_ID, "b": TINY_ID}  # runtime -> the model it serves
 
 
 def on_demand(binary, model, name: str, *, extra: str = "") -> str:
-    return replica(name, binary, model, models=(f"model-{name}",),
-                   extra=f"on_demand = true\n{extra}")
+    return replica(name, binary, model, models=(NAMES[name],), extra=f"on_demand = true\n{extra}")
+
+
+def two_models(binary, gemma, tiny) -> str:
+    """Runtime "a" serves Gemma, "b" the tiny Llama, both on demand (2 slots, 4,096 tokens)."""
+    return on_demand(binary, gemma, "a") + on_demand(binary, tiny, "b")
 
 
 def admin(gw) -> dict:
@@ -48,10 +56,10 @@ def stream_text(client, model: str, content: str, max_tokens: int = 6, **kw) -> 
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def test_alternating_bursts_swap_per_burst_and_never_under_a_stream(gateway, llama_paths):
+def test_alternating_bursts_swap_per_burst_and_never_under_a_stream(gateway, llama_paths, tiny_llama_path):
     binary, model = llama_paths
     gw = gateway(f"[runtimes]\nmax_loaded_gib = {BUDGET}\nmin_resident_s = 3\ndrain_timeout_s = 60\n"
-                 + on_demand(binary, model, "a") + on_demand(binary, model, "b"))
+                 + two_models(binary, model, tiny_llama_path))
     client = gw.openai()
     bursts, per_burst = 4, 3
     results: dict[str, list[str]] = {"one": [], "two": []}
@@ -60,7 +68,7 @@ def test_alternating_bursts_swap_per_burst_and_never_under_a_stream(gateway, lla
     def user(name: str, order: tuple[str, str]) -> None:
         try:
             for i in range(bursts):
-                target = f"model-{order[i % 2]}"
+                target = NAMES[order[i % 2]]
                 for j in range(per_burst):
                     results[name].append(stream_text(client, target, f"{name} burst {i} request {j}"))
         except BaseException as exc:  # reported below, with the others
@@ -86,28 +94,31 @@ def test_alternating_bursts_swap_per_burst_and_never_under_a_stream(gateway, lla
     rows = {r["name"]: r for r in state["runtimes"]}
     measured = [rows[n]["measured_gib"] for n in ("a", "b")]
     assert all(m is not None and m <= BUDGET for m in measured) and sum(measured) > BUDGET
+    # two different models: different files, footprints and served names
+    assert abs(measured[0] - measured[1]) > 0.02 and rows["a"]["estimated_gib"] > rows["b"]["estimated_gib"]
+    assert (rows["a"]["models"], rows["b"]["models"]) == ([MODEL_ID], [TINY_ID])
     metrics = httpx.get(gw.url + "/metrics").text
     assert "passerelle_swaps_total{" in metrics and 'passerelle_runtime_loaded{backend="a"}' in metrics
 
 
-def test_a_start_deferred_for_memory_runs_as_soon_as_the_holder_goes_idle(gateway, llama_paths):
+def test_a_start_deferred_for_memory_runs_as_soon_as_the_holder_goes_idle(gateway, llama_paths, tiny_llama_path):
     binary, model = llama_paths
     # a long residency: only the holder going idle can let b in
     gw = gateway(f"[runtimes]\nmax_loaded_gib = {BUDGET}\nmin_resident_s = 600\n"
-                 + on_demand(binary, model, "a") + on_demand(binary, model, "b"))
+                 + two_models(binary, model, tiny_llama_path))
     client = gw.openai()
-    assert stream_text(client, "model-a", "warm up", max_tokens=2) is not None
+    assert stream_text(client, MODEL_ID, "warm up", max_tokens=2) is not None
     ended: dict[str, float] = {}
 
     def long_stream() -> None:
-        stream_text(client, "model-a", "A long story", max_tokens=48, extra_body={"ignore_eos": True})
+        stream_text(client, MODEL_ID, "A long story", max_tokens=48, extra_body={"ignore_eos": True})
         ended["a"] = time.time()
 
     t = threading.Thread(target=long_stream)
     t.start()
     wait_until(lambda: runtimes(gw)["a"]["in_flight"] == 1, 30, what="a streaming")
     got: dict[str, object] = {}
-    tb = threading.Thread(target=lambda: got.setdefault("b", stream_text(client, "model-b", "hello", max_tokens=2)))
+    tb = threading.Thread(target=lambda: got.setdefault("b", stream_text(client, TINY_ID, "hello", max_tokens=2)))
     tb.start()
     wait_until(lambda: admin(gw)["swaps"]["waiting_for_load"].get("b") == 1, 30, what="b waiting for a load")
     assert runtimes(gw)["b"]["state"] == "stopped" and runtimes(gw)["a"]["in_flight"] == 1  # deferred
@@ -121,29 +132,29 @@ def test_a_start_deferred_for_memory_runs_as_soon_as_the_holder_goes_idle(gatewa
     assert {r["state"] for r in runtimes(gw).values()} == {"stopped", "ready"}
 
 
-def test_a_swap_lets_the_running_stream_finish_before_stopping_its_model(gateway, llama_paths):
+def test_a_swap_lets_the_running_stream_finish_before_stopping_its_model(gateway, llama_paths, tiny_llama_path):
     binary, model = llama_paths
     gw = gateway(f"[runtimes]\nmax_loaded_gib = {BUDGET}\nmin_resident_s = 0\n"
-                 + on_demand(binary, model, "a") + on_demand(binary, model, "b"))
+                 + two_models(binary, model, tiny_llama_path))
     client = gw.openai()
     got: dict[str, object] = {}
 
     def long_stream() -> None:
         chunks = list(client.chat.completions.create(
-            model="model-a", max_tokens=40, stream=True, stream_options={"include_usage": True},
+            model=MODEL_ID, max_tokens=40, stream=True, stream_options={"include_usage": True},
             messages=[{"role": "user", "content": "A long story"}], extra_body={"ignore_eos": True}))
         got["a"] = chunks[-1].usage.completion_tokens
 
     t = threading.Thread(target=long_stream)
     t.start()
     wait_until(lambda: runtimes(gw)["a"]["in_flight"] == 1, 60, what="a streaming")
-    assert stream_text(client, "model-b", "hello", max_tokens=2)  # a is outranked: it drains, then b loads
+    assert stream_text(client, TINY_ID, "hello", max_tokens=2)  # a is outranked: it drains, then b loads
     t.join(300)
     assert got["a"] == 40  # the stream ran to its end on the model being swapped out
     event = swaps(gw)[0]
     assert (event["unloaded"], event["loaded"], event["reason"], event["cut"]) == (["a"], "b", "outranked", 0)
     assert event["drain_s"] > 0
-    b_line = next(r for r in gw.access_log() if r["model"] == "model-b")
+    b_line = next(r for r in gw.access_log() if r["model"] == TINY_ID)
     assert b_line["queue_ms"] / 1000 >= event["drain_s"]  # b waited for the drain
 
 
@@ -284,7 +295,7 @@ def test_measured_memory_replaces_the_estimate_and_matches_rss(gateway, llama_pa
     gw = gateway(f"[runtimes]\nmax_loaded_gib = {BUDGET}\n" + on_demand(binary, model, "a"))
     before = runtimes(gw)["a"]
     assert before["measured_gib"] is None and before["need_gib"] == before["estimated_gib"]
-    assert stream_text(gw.openai(), "model-a", "Hello", max_tokens=4)
+    assert stream_text(gw.openai(), MODEL_ID, "Hello", max_tokens=4)
     row = runtimes(gw)["a"]
     pid = row["pid"]
     rss = sum(int(line.split()[1]) * 1024 for p in [pid, *children(pid)]
