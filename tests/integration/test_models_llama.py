@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from passerelle.proxy.protocols import form_fields, form_parts
 from passerelle.testing.tiny_llama_gguf import MODEL_ID as TINY_ID
 from tests.conftest import MODEL_ID, free_port, wait_until
 from tests.integration.test_replicas_llama import replica, runtimes
@@ -160,13 +161,15 @@ def test_a_swap_lets_the_running_stream_finish_before_stopping_its_model(gateway
 
 class Recorder(ThreadingHTTPServer):
     """A pass-through HTTP proxy in front of a real llama-server that keeps the request bodies it
-    forwards, to see what the runtime received."""
+    forwards, to see what the runtime received: JSON ones decoded in ``bodies``, every one as its
+    (content type, bytes) in ``raw``."""
 
     daemon_threads = True
 
     def __init__(self, target: str) -> None:
         self.target = urlsplit(target)
         self.bodies: list[dict] = []
+        self.raw: list[tuple[str, bytes]] = []
         super().__init__(("127.0.0.1", free_port()), _Forward)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -181,10 +184,13 @@ class _Forward(BaseHTTPRequestHandler):
 
     def _forward(self, method: str) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        ctype = self.headers.get("Content-Type") or "application/json"
         if body:
-            self.server.bodies.append(json.loads(body))
+            self.server.raw.append((ctype, body))
+            if ctype.startswith("application/json"):
+                self.server.bodies.append(json.loads(body))
         conn = http.client.HTTPConnection(self.server.target.hostname, self.server.target.port, timeout=120)
-        conn.request(method, self.path, body=body or None, headers={"Content-Type": "application/json"})
+        conn.request(method, self.path, body=body or None, headers={"Content-Type": ctype})
         resp = conn.getresponse()
         data = resp.read()
         conn.close()
@@ -284,10 +290,57 @@ set = {{ top_k = 7 }}
                                                            "/v1/embeddings"]
     direct = client.models.retrieve("direct").model_extra or {}
     assert direct["context_length"] == 2048  # as llama-server reports it (slot n_ctx)
+    # every route a llama-server model is served on, not only the classic three
+    assert direct["routes"] == ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+                                "/v1/responses/input_tokens", "/v1/messages", "/v1/messages/count_tokens",
+                                "/v1/rerank", "/tokenize", "/detokenize", "/apply-template", "/infill",
+                                "/v1/audio/transcriptions"]
+    listed = {m["id"]: m for m in httpx.get(gw.url + "/v1/models", timeout=10).json()["data"]}
+    assert listed["direct"]["routes"] == direct["routes"] and listed["chat"]["routes"] == extra["routes"]
+    # ... and routes beyond the classic three answer for it through the gateway
+    tokens = httpx.post(gw.url + "/tokenize", json={"model": "direct", "content": "Hello"}, timeout=30)
+    assert tokens.status_code == 200 and tokens.json()["tokens"]
+    msg = gw.anthropic().messages.create(model="direct", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert msg.usage.output_tokens >= 1
     smart = client.models.retrieve("smart").model_extra or {}
     assert smart["loaded"] is False and smart["state"] == "down" and smart["fallbacks"] == ["chat"]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nothing-like-this")
+
+
+def test_an_alias_reaches_the_runtime_in_an_upload_with_only_its_model_field_changed(gateway, recorder):
+    gw = gateway(f"""
+[[backends]]
+name = "speech"
+kind = "llama-server"
+url = "{recorder.url}"
+models = ["{MODEL_ID}"]
+
+[[models]]
+name = "transcribe"
+aliases = ["whisper-*"]
+served_name = "{MODEL_ID}"
+""")
+    audio = b"RIFF" + bytes(range(256)) * 64 + b"\r\n--not-the-boundary\r\n" + b"\x00" * 3000
+    files = {"file": ("a.wav", audio, "audio/wav")}
+    r = httpx.post(gw.url + "/v1/audio/transcriptions", data={"model": "whisper-1", "language": "fr"}, files=files,
+                   timeout=30)
+    # llama-server got the form (its Gemma has no audio: its own 501 is passed on)
+    assert r.status_code == 501 and "audio" in r.json()["error"]["message"]
+    ctype, sent = recorder.raw[-1]
+    assert form_fields(sent, ctype, ("model", "language")) == {"model": MODEL_ID, "language": "fr"}
+    file_part = next(p for p in form_parts(sent, ctype) if p.is_file)
+    assert sent[file_part.start:file_part.end] == audio  # the upload itself, byte for byte
+    line = gw.log_for(r.headers["x-request-id"])
+    assert (line["endpoint"], line["model"], line["backend"]) == ("transcriptions", "transcribe", "speech")
+    # the public name and the served name pass as they are
+    for name in ("transcribe", MODEL_ID):
+        r = httpx.post(gw.url + "/v1/audio/transcriptions", data={"model": name}, files=files, timeout=30)
+        assert r.status_code == 501
+        ctype, sent = recorder.raw[-1]
+        assert form_fields(sent, ctype, ("model",)) == {"model": MODEL_ID}
+    r = httpx.post(gw.url + "/v1/audio/transcriptions", data={"model": "parakeet"}, files=files, timeout=30)
+    assert r.status_code == 404 and "transcribe" in r.json()["error"]["message"]
 
 
 def test_measured_memory_replaces_the_estimate_and_matches_rss(gateway, llama_paths):
