@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -364,6 +365,50 @@ def test_measured_memory_replaces_the_estimate_and_matches_rss(gateway, llama_pa
     assert "memory budget" in out.stdout
     metrics = httpx.get(gw.url + "/metrics").text
     assert 'passerelle_runtime_memory_bytes{backend="a",kind="measured"}' in metrics
+
+
+NVIDIA_SMI = """#!/bin/sh
+# A stand-in for nvidia-smi on a box without an NVIDIA GPU: one 8 GiB card, on which each
+# llama-server its caller (the gateway) launched holds 3 GiB, or 1 GiB for the tiny Llama.
+for pid in $(pgrep -P "$PPID" -x llama-server); do
+  if grep -q tiny-llama "/proc/$pid/cmdline"; then mib=1024; else mib=3072; fi
+  apps="$apps$pid, $mib
+"
+  used=$(( ${used:-500} + mib ))
+done
+case "$*" in
+  *--query-compute-apps=pid,used_memory*) printf "%s" "$apps" ;;
+  *--query-gpu=memory.used,memory.total*) echo "${used:-500}, 8192" ;;
+  *) exit 2 ;;
+esac
+"""
+
+
+def test_gpu_memory_from_nvidia_smi_is_counted_per_runtime_and_sizes_the_budget(gateway, llama_paths,
+                                                                                tiny_llama_path, tmp_path):
+    """The GPU path end to end: the gateway runs the ``nvidia-smi`` it finds on PATH (a script
+    here, answering what the real one answers), reads the budget as a share of the card, and counts
+    each runtime's own processes' GPU memory, found by pid in its process tree."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text(NVIDIA_SMI)
+    (tools / "nvidia-smi").chmod(0o755)
+    gw = gateway('[runtimes]\nmax_loaded = "50%"\nmemory = "gpu"\n' + two_models(*llama_paths, tiny_llama_path),
+                 env={"PATH": f"{tools}:{os.environ['PATH']}"})
+    assert admin(gw)["budget"]["max_loaded_gib"] == 4.0  # 50 % of the card's 8 GiB
+    client = gw.openai()
+    assert stream_text(client, MODEL_ID, "Hello", max_tokens=2)
+    assert stream_text(client, TINY_ID, "Hello", max_tokens=2)  # 3 GiB + 0.40 estimated: fits beside a
+    rows = runtimes(gw)
+    for name, gib in (("a", 3.0), ("b", 1.0)):
+        row = rows[name]
+        assert (row["memory_source"], row["gpu_gib"], row["measured_gib"], row["need_gib"]) == (
+            "nvidia-smi", gib, gib, gib)  # memory = "gpu": the budget counts the card's memory
+        assert 0.1 < row["rss_gib"] < 1  # RAM read from /proc as well, shown, not counted
+    assert admin(gw)["budget"]["loaded_gib"] == 4.0
+    metrics = httpx.get(gw.url + "/metrics").text.splitlines()
+    gpu_b = next(x for x in metrics if x.startswith('passerelle_runtime_memory_bytes{backend="b",kind="gpu"}'))
+    assert float(gpu_b.rsplit(" ", 1)[1]) == 2**30
 
 
 def children(pid: int) -> list[int]:
