@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,10 +23,9 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+from harness import ROOT, NotReady, Service, free_port, pct, serve, spawn
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ttft_gateway_vs_direct import free_port, pct, wait_http
-
+from passerelle.chunks import CHAT
 from passerelle.runtimes import embedded
 
 MODEL = "gemma-3-270m"
@@ -48,7 +44,7 @@ async def turn(session: aiohttp.ClientSession, base: str, messages: list[dict],
         async for line in resp.content:
             if not line.startswith(b"data: {"):
                 continue
-            if ttft is None and b'"content":"' in line:
+            if ttft is None and CHAT.search(line):  # a content event (passerelle/chunks.py)
                 ttft = time.perf_counter() - t0
             obj = orjson.loads(line[6:])
             for ch in obj.get("choices") or []:
@@ -95,15 +91,14 @@ def main() -> int:
     args = ap.parse_args()
     binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
     work = Path(tempfile.mkdtemp(prefix="passerelle-affinity-"))
-    procs: list[subprocess.Popen] = []
+    procs: list[Service] = []
     replicas = []
     for i in range(2):
         port = free_port()
-        with open(work / f"replica{i}.log", "wb") as log:
-            procs.append(subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL, "--port", str(port),
+        procs.append(spawn(f"replica{i}", [str(binary), "-m", str(model), "--alias", MODEL, "--port", str(port),
                                            "-np", "2", "-c", "8192", "-t", "1", "--metrics", "--slots", "--no-webui"],
-                                          stdout=log, stderr=subprocess.STDOUT))
-        replicas.append(f"http://127.0.0.1:{port}")
+                           work, url=f"http://127.0.0.1:{port}"))
+        replicas.append(procs[-1].url)
     gateways = {}
     slack = "" if args.affinity_slack is None else f"[routing]\naffinity_slack = {args.affinity_slack}\n"
     for name, routing in (("affinity", slack), ("round robin", '[routing]\npolicy = "round_robin"\n')):
@@ -111,19 +106,13 @@ def main() -> int:
         cfg.write_text(routing + "[server]\naccess_log = false\n" + "".join(
             f'[[backends]]\nname = "r{i}"\nkind = "llama-server"\nurl = "{url}"\nmodels = ["{MODEL}"]\n'
             f'max_concurrency = 2\n' for i, url in enumerate(replicas)))
-        port = free_port()
-        with open(work / f"{name.replace(' ', '-')}.log", "wb") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(port)],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PASSERELLE_STATE": str(work)}))
-        gateways[name] = f"http://127.0.0.1:{port}"
+        procs.append(serve(work, cfg, name=name.replace(" ", "-"), src=ROOT))  # this checkout's passerelle
+        gateways[name] = procs[-1].url
     results: dict[str, dict] = {name: {"ttft": [], "processed": 0, "per_turn": [0] * args.turns}
                                 for name in gateways}
     try:
-        for url in replicas:
-            wait_http(url + "/health")
-        for url in gateways.values():
-            wait_http(url + "/ready")
+        for svc in procs:
+            svc.wait_ready("/ready" if svc.url in gateways.values() else "/health", 120)
         for r in range(args.rounds):
             order = list(gateways.items()) if r % 2 == 0 else list(gateways.items())[::-1]
             for name, base in order:
@@ -133,11 +122,11 @@ def main() -> int:
                 results[name]["processed"] += got["processed"]
                 results[name]["per_turn"] = [a + b for a, b in zip(results[name]["per_turn"], got["per_turn"],
                                                                     strict=True)]
+    except NotReady as exc:
+        raise SystemExit(str(exc)) from None
     finally:
-        for p in procs[::-1]:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait(60)
+        for svc in reversed(procs):
+            svc.stop(60)
     print(f"\n{args.users} users x {args.turns}-turn chats on 2 llama-server replicas (Gemma 3 270M, 2 slots, "
           f"1 thread each), {args.rounds} alternating rounds, think time mean {args.think_s:g} s\n")
     print(f"{'routing':14}{'requests':>9}{'TTFT p50 ms':>13}{'TTFT p95 ms':>13}{'prompt tokens processed':>25}")

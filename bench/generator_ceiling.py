@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import resource
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import cpu_s, machine, own_cpu_s
 
 from passerelle.bench.processes import run_levels
 from passerelle.bench.progress import Progress
@@ -29,28 +28,17 @@ from passerelle.bench.target import Target
 from passerelle.bench.workload import TrafficClass, Workload
 from passerelle.testing.fake_runtime import start_fake_backend
 
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
-
-
-def own_cpu_s() -> float:
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
 
 def measure(url: str, fake_pid: int, concurrency: int, tokens: int, processes: int, duration: float) -> dict:
     workload = Workload(prompt_tokens=16, max_tokens=tokens, tokens_per_word=1.0, prompt_overhead=9)
     level = Level((TrafficClass(None, workload, concurrency=concurrency),), duration=duration,
                   concurrency=concurrency)
     target = Target("fake", url, model="fake-model")
-    fake0, gen0, t0 = proc_cpu_s(fake_pid), own_cpu_s(), time.perf_counter()
+    # the generator's CPU includes its worker processes' (with --processes > 1)
+    fake0, gen0, t0 = cpu_s([fake_pid]), own_cpu_s(children=True), time.perf_counter()
     result = run_levels(target, [level], RunOptions(warmup=concurrency, processes=processes), Progress(False))[0]
     wall = time.perf_counter() - t0
-    fake_cpu, gen_cpu = proc_cpu_s(fake_pid) - fake0, own_cpu_s() - gen0
+    fake_cpu, gen_cpu = cpu_s([fake_pid]) - fake0, own_cpu_s(children=True) - gen0
     ok = [r for r in result.results if r.ok]
     chunks = sum(r.chunks for r in ok)
     return {
@@ -81,9 +69,8 @@ def main() -> int:
                     row = measure(fake.url, fake.process.pid, conc, tokens, procs, args.duration)
                     rows.append(row)
                     print(row, file=sys.stderr, flush=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
-    print(f"\nMachine: {cpu}, {os.cpu_count()} cores; Python {platform.python_version()}; fake-backend with "
+    m = machine()
+    print(f"\nMachine: {m['cpu']}, {m['cores']} cores; Python {m['python']}; fake-backend with "
           f"zero delays on the same machine; {args.duration:g} s per point.\n")
     print("| processes | concurrency | tokens/request | requests/s | content chunks/s | errors | "
           "generator CPU | fake CPU |")

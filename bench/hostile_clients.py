@@ -23,7 +23,6 @@ import contextlib
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from harness import free_port
 
 from passerelle.testing import hostile_clients as hc
 from passerelle.testing.fake_runtime import start_fake_backend
@@ -43,12 +43,6 @@ LIMITS = {  # short, so a case ends in seconds
     "PASSERELLE_SERVER_BODY_TIMEOUT_S": "3",
     "PASSERELLE_SERVER_KEEP_ALIVE_S": "3",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -22,67 +22,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
+from harness import MODEL, ROOT, NotReady, Service, cpu_s, start_fake, start_passerelle
 
-from passerelle.runtimes.supervisor import free_port
-from passerelle.testing.fake_runtime import start_fake_backend
-
-MODEL = "fake-model"
+from passerelle.chunks import CHAT
 
 
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"gateway exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"{url} not ready after {timeout} s")
-
-
-def start_gateway(backend_url: str, enabled: bool, workdir: Path) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    cfg = workdir / f"gateway-{'on' if enabled else 'off'}.toml"
-    cfg.write_text(f"""
-[metrics]
-enabled = {"true" if enabled else "false"}
-
-[[backends]]
-name = "fake"
-kind = "openai"
-url = "{backend_url}"
-models = ["{MODEL}"]
-max_concurrency = 256
-""")
-    log = open(workdir / f"gateway-{'on' if enabled else 'off'}.log", "wb")  # noqa: SIM115 - owned by the child
-    proc = subprocess.Popen([sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                                                        "PASSERELLE_STATE": str(workdir / "state")})
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url, proc)
-    return url, proc
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def start_gateway(backend_url: str, enabled: bool, workdir: Path) -> Service:
+    """This checkout's passerelle in front of the fake, its metrics on or off; ready."""
+    gw = start_passerelle(workdir, backend_url, f"[metrics]\nenabled = {'true' if enabled else 'false'}\n",
+                          name=f"gateway-{'on' if enabled else 'off'}", src=ROOT)
+    try:
+        gw.wait_ready("/ready", 60)
+    except NotReady as exc:
+        gw.stop()
+        raise SystemExit(str(exc)) from None
+    return gw
 
 
 async def one_round(url: str, concurrency: int, requests: int, tokens: int) -> tuple[float, int, int]:
@@ -100,7 +60,7 @@ async def one_round(url: str, concurrency: int, requests: int, tokens: int) -> t
                     await r.read()
                     continue
                 async for line in r.content:
-                    if line.startswith(b"data: {") and b'"content":"' in line:
+                    if CHAT.search(line):  # a content event (passerelle/chunks.py), not the role chunk
                         received += 1
 
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -111,7 +71,7 @@ async def one_round(url: str, concurrency: int, requests: int, tokens: int) -> t
     return received / elapsed, received, errors
 
 
-async def run(args: argparse.Namespace, urls: dict[str, str], pids: dict[str, int]
+async def run(args: argparse.Namespace, urls: dict[str, str], pids: dict[str, list[int]]
               ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per setting: tokens/s of each round, and the gateway's CPU microseconds per token."""
     results: dict[str, list[float]] = {"on": [], "off": []}
@@ -121,9 +81,9 @@ async def run(args: argparse.Namespace, urls: dict[str, str], pids: dict[str, in
     for i in range(args.rounds):
         order = ["on", "off"] if i % 2 == 0 else ["off", "on"]
         for name in order:
-            c0 = cpu_seconds(pids[name])
+            c0 = cpu_s(pids[name])
             tps, n, errors = await one_round(urls[name], args.concurrency, args.requests, args.tokens)
-            us = (cpu_seconds(pids[name]) - c0) / max(n, 1) * 1e6
+            us = (cpu_s(pids[name]) - c0) / max(n, 1) * 1e6
             if errors:
                 raise SystemExit(f"round {i + 1}, metrics {name}: {errors} failed requests")
             results[name].append(tps)
@@ -140,27 +100,23 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200, help="requests per round and setting")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per request")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="passerelle-metrics-cost-") as tmp, \
-            start_fake_backend(ttft_ms=0, itl_ms=0, tokens=args.tokens) as fake:
-        procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="passerelle-metrics-cost-") as tmp:
+        services: list[Service] = []
         try:
+            fake = start_fake(Path(tmp), 0, 0, args.tokens, src=ROOT)
+            services.append(fake)
             urls, pids = {}, {}
             for name, enabled in (("on", True), ("off", False)):
-                url, proc = start_gateway(fake.url, enabled, Path(tmp))
-                urls[name], pids[name] = url, proc.pid
-                procs.append(proc)
+                gw = start_gateway(fake.url, enabled, Path(tmp))
+                services.append(gw)
+                urls[name], pids[name] = gw.url, gw.pids
             print(f"fake-backend (no delays) at {fake.url}; gateways: metrics on {urls['on']}, off {urls['off']}")
             print(f"{args.rounds} rounds x {args.requests} streams x {args.tokens} tokens, "
                   f"{args.concurrency} concurrent, alternating order; {os.cpu_count()} CPUs")
             results, cpu = asyncio.run(run(args, urls, pids))
         finally:
-            for proc in procs:
-                proc.send_signal(signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            for svc in reversed(services):
+                svc.stop(30)
     on, off = statistics.median(results["on"]), statistics.median(results["off"])
     cpu_on, cpu_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
     print(f"\nmedian tokens/s through the gateway: metrics on {on:.0f}, metrics off {off:.0f}; "

@@ -1,18 +1,22 @@
-"""Priority and fair share in front of a real llama-server, measured side by side in one run.
+"""Priority, preemption and fair share in front of a real llama-server, side by side in one run.
 
-1. Interactive TTFT p95 alone, then under a batch flood (3x the slots, long outputs), one
-   interactive request about every second: straight to llama-server (its FIFO) vs through passerelle.
+1. Interactive TTFT p50/p95 alone, then under a batch flood (3x the slots, long outputs), one
+   interactive request about every second: straight to llama-server (its FIFO); through passerelle
+   without preemption (batch may hold 3 of 4 slots, the default then); through passerelle with
+   preemption at its defaults (batch may hold every slot; an interactive request that waited
+   50 ms suspends a batch stream, which resumes later as a continuation).
 2. Two backlogged batch tenants of equal weight, one with 4x the concurrency of the other:
    each one's share of generated tokens through passerelle (and straight, for reference), counted
    over the steady part of the phase (not the start, when whoever came first holds every slot).
-3. Aggregate tokens/s under the flood, through passerelle vs direct.
+3. Tokens/s under the flood (all of them, and the batch tenant's alone) against direct FIFO;
+   with preemption, suspensions per minute and the prompt tokens llama-server computed again per
+   resume (the rest of a continuation's prompt comes from the slot's cache).
 
-Every prompt is fresh, so that no run profits from llama-server's prompt cache. The slot kept free
-of batch work for interactive requests costs batch throughput; ``--also-batch-share 1.0`` runs the
-flood through a second gateway without that reservation too, so the trade-off shows in one run.
-A reference phase sends only slots - 1 batch streams straight to llama-server: the interactive
-request always finds a free slot, as through passerelle, so its TTFT there is the runtime's own
-slowdown under the remaining batch work, which no gateway in front of it can remove.
+Every prompt is fresh, so that no run profits from llama-server's prompt cache. A reference phase
+sends only slots - 1 batch streams straight to llama-server: the interactive request always finds
+a free slot, so its TTFT there is the runtime's own slowdown under the remaining batch work, which
+no gateway in front of it can remove. ``--also-batch-share S`` adds a gateway without preemption
+whose batch class may hold that share of the slots.
 
     .venv/bin/python bench/scheduling.py [--slots 4] [--phase-s 40] [--only alone,flood,fair]
                                          [--also-batch-share 1.0] [--toml ...]
@@ -22,9 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -36,12 +41,12 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ttft_gateway_vs_direct import free_port, pct, wait_http
+from harness import free_port, pct, wait_http
 
+from passerelle.chunks import CHAT  # a content event: a token, not the empty delta some chunks carry
 from passerelle.runtimes import embedded
 
 MODEL = "gemma-3-270m"
-_CONTENT = re.compile(rb'"content":"[^"]')  # a token, not the empty delta some chunks carry
 
 
 class Load:
@@ -66,6 +71,12 @@ class Load:
         total = sum(counts.values()) or 1
         return {t: n / total for t, n in counts.items()}
 
+    def rate(self, skip_s: float, seconds: float, tenant: str | None = None) -> float:
+        """Tokens/s in the steady part of the phase: all tenants', or one's."""
+        counts = self.steady(skip_s, seconds)
+        n = counts.get(tenant, 0) if tenant else sum(counts.values())
+        return n / (seconds - skip_s)
+
     async def one(self, *, tenant: str, cls: str, max_tokens: int, record_ttft: bool = False) -> None:
         body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "user": tenant,
                 "stream_options": {"include_usage": True},
@@ -81,16 +92,15 @@ class Load:
                     await resp.read()
                     return
                 async for line in resp.content:
-                    if _CONTENT.search(line):
+                    if CHAT.search(line):
                         now = time.perf_counter()
                         times.append(now)
                         if first is None:
                             first = now - t0
+                            if record_ttft:
+                                self.ttfts.append(first)
         except aiohttp.ClientError:
             self.errors += 1
-            return
-        if record_ttft and first is not None:
-            self.ttfts.append(first)
 
     async def closed_loop(self, stop: float, *, tenant: str, cls: str, max_tokens: int) -> None:
         while time.perf_counter() < stop:
@@ -106,7 +116,7 @@ class Load:
 
 
 async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, int] | None = None,
-                interactive: bool = True) -> tuple[Load, float]:
+                interactive: bool = True, every_s: float = 1.0) -> tuple[Load, float]:
     connector = aiohttp.TCPConnector(force_close=True, limit=0)  # llama-server drops reused connections
     async with aiohttp.ClientSession(connector=connector) as session:
         load = Load(base, session)
@@ -117,9 +127,27 @@ async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, i
             jobs += [load.closed_loop(stop, tenant="tenant-a", cls="batch", max_tokens=64) for _ in range(fair[0])]
             jobs += [load.closed_loop(stop, tenant="tenant-b", cls="batch", max_tokens=64) for _ in range(fair[1])]
         if interactive:
-            jobs.append(load.interactive(stop))
-        await asyncio.gather(*jobs)
+            jobs.append(load.interactive(stop, every_s))
+        # At the end the clients leave (what is still streaming or queued is cut): only the phase's
+        # window is measured, and a drain of queued 64-token requests on a slow CPU takes minutes.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*jobs), timeout=seconds + 0.5)
         return load, time.perf_counter() - t0
+
+
+def settle(llama: str, timeout: float = 30.0) -> None:
+    """Until llama-server is idle (the last phase's cut requests have left their slots)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(llama + "/slots", timeout=5) as resp:
+            if not any(s.get("is_processing") for s in json.loads(resp.read())):
+                return
+        time.sleep(0.2)
+
+
+def admin_stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/admin/stats", timeout=5) as resp:
+        return json.loads(resp.read())
 
 
 def main() -> int:
@@ -127,6 +155,11 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--phase-s", type=float, default=40.0)
     ap.add_argument("--only", default="", help="comma-separated phases to run: alone, flood, fair (default: all)")
+    ap.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                    help="one more llama-server argument (repeatable), e.g. --llama-arg=-t --llama-arg=2")
+    ap.add_argument("--interactive-every", type=float, default=1.0, metavar="S",
+                    help="an interactive request every S seconds (default 1)")
+    ap.add_argument("--keep", action="store_true", help="keep the access logs and the work folder (printed)")
     ap.add_argument("--toml", default="", help="extra gateway configuration, e.g. $'[scheduler]\\nhold_s = 0'")
     ap.add_argument("--also-batch-share", type=float, action="append", default=[],
                     help="also run the flood through a gateway whose batch class may hold this share of the "
@@ -137,40 +170,47 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="passerelle-sched-"))
     llama = subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL, "--port", str(lport),
                               "-np", str(args.slots), "-c", str(args.slots * 2048), "--metrics", "--slots",
-                              "--no-webui"], stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+                              # --swa-full, as the embedded runtime: a continuation reuses its cache
+                              "--no-webui", "--swa-full", *args.llama_arg],
+                             stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     gateways: list[subprocess.Popen] = []
 
     def start_gateway(tag: str, extra: str) -> str:
         port = free_port()
         cfg = work / f"{tag}.toml"
+        # no max_concurrency: llama-server reports its slots (/props total_slots)
         cfg.write_text(args.toml + "\n" + extra + '\n[auth]\nanonymous_max_priority = "interactive"\n'
-                       f'[server]\naccess_log = false\n'
+                       f'[server]\naccess_log = {"true" if args.keep else "false"}\n'
                        f'[[backends]]\nname = "b"\nkind = "llama-server"\nurl = "http://127.0.0.1:{lport}"\n'
-                       f'models = ["{MODEL}"]\nmax_concurrency = {args.slots}\n')
+                       f'models = ["{MODEL}"]\n')
         gateways.append(subprocess.Popen(
             [sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(port)],
             stdout=open(work / f"{tag}.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PASSERELLE_STATE": str(work / tag)}))
         return f"http://127.0.0.1:{port}"
 
-    direct, gateway = f"http://127.0.0.1:{lport}", start_gateway("gateway", "")
-    variants = {f"flood share {s:g}": start_gateway(f"share-{s:g}", f'[[classes]]\nname = "batch"\nrank = 2\n'
-                                                                    f'max_queue = 4096\nslot_share = {s}\n')
+    no_preempt = "[scheduler]\npreemption = false\n"
+    direct, gateway = f"http://127.0.0.1:{lport}", start_gateway("gateway", "")  # the defaults: preemption on
+    shared = start_gateway("share", no_preempt)  # preemption off: batch holds 0.75 of the slots
+    variants = {f"flood share {s:g}": start_gateway(f"share-{s:g}", no_preempt + f'[[classes]]\nname = "batch"\n'
+                                                                    f'rank = 2\nmax_queue = 4096\nslot_share = {s}\n')
                 for s in args.also_batch_share}
     flood = 3 * args.slots
     results: dict[str, tuple[Load, float]] = {}
     try:
         wait_http(direct + "/health")
-        for url in (gateway, *variants.values()):
+        for url in (gateway, shared, *variants.values()):
             wait_http(url + "/ready")
         asyncio.run(phase(direct, 5, interactive=True))  # warm-up
         only = set(args.only.split(",")) if args.only else {"alone", "flood", "fair"}
+        preempt: dict[str, dict[str, float]] = {}
         for name, base, kw in [
             ("alone direct", direct, {}),
             ("alone gateway", gateway, {}),
             ("flood direct", direct, {"flood": flood}),
             (f"flood direct {args.slots - 1}", direct, {"flood": args.slots - 1}),
-            ("flood gateway", gateway, {"flood": flood}),
+            ("flood share 0.75", shared, {"flood": flood}),
+            ("flood preemption", gateway, {"flood": flood}),
             *((name, url, {"flood": flood}) for name, url in variants.items()),
             ("fair direct", direct, {"fair": (8, 2), "interactive": False}),
             ("fair gateway", gateway, {"fair": (8, 2), "interactive": False}),
@@ -178,9 +218,14 @@ def main() -> int:
             if name.split()[0] not in only:
                 continue
             print(f"running: {name} ({args.phase_s:g} s)", file=sys.stderr, flush=True)
-            results[name] = asyncio.run(phase(base, args.phase_s, **kw))
-        with urllib.request.urlopen(gateway + "/admin/stats", timeout=5) as resp:
-            holds = json.loads(resp.read()).get("slot_holds")
+            settle(direct)
+            before = admin_stats(gateway)["preemption"] if base == gateway else None
+            results[name] = asyncio.run(phase(base, args.phase_s, every_s=args.interactive_every, **kw))
+            if before is not None:
+                after = admin_stats(gateway)["preemption"]
+                preempt[name] = {k: after[k] - before[k] for k in after if isinstance(after[k], int | float)
+                                 and not isinstance(after[k], bool)}
+        holds = admin_stats(gateway).get("slot_holds")
     finally:
         for gw in gateways:
             gw.send_signal(signal.SIGTERM)
@@ -190,7 +235,10 @@ def main() -> int:
         llama.wait(30)
 
     def p95(name: str) -> float:
-        return pct(results[name][0].ttfts, 95) * 1000
+        xs = results[name][0].ttfts
+        return pct(xs, 95) * 1000 if xs else math.nan
+
+    floods = ["flood share 0.75", "flood preemption", *variants]
 
     skip = min(10.0, args.phase_s / 4)
 
@@ -198,21 +246,22 @@ def main() -> int:
         return name in results
 
     print(f"\nGemma 3 270M on llama-server, {args.slots} slots; batch flood = {flood} closed-loop streams of 64 "
-          f"tokens; interactive = 1 request/s, 16 tokens; {args.phase_s:g} s per phase; fresh prompts.\n")
+          f"tokens; interactive = a request every {args.interactive_every:g} s, 16 tokens; {args.phase_s:g} s per "
+          f"phase; fresh prompts.\n")
     print("1. Interactive TTFT (ms)")
-    print(f"   {'':16}{'n':>4}{'p50':>9}{'p95':>9}")
+    print(f"   {'':20}{'n':>4}{'p50':>9}{'p95':>9}{'p95/alone':>11}{'p95/ref':>9}")
     reference = f"flood direct {args.slots - 1}"
-    for name in ("alone direct", "alone gateway", "flood direct", reference, "flood gateway", *variants):
+    for name in ("alone direct", "alone gateway", "flood direct", reference, *floods):
         if report(name):
-            xs = results[name][0].ttfts
-            print(f"   {name:16}{len(xs):>4}{pct(xs, 50) * 1000:9.0f}{pct(xs, 95) * 1000:9.0f}")
-    if report("alone direct") and report("flood direct"):
-        print(f"   flood/alone p95: direct {p95('flood direct') / p95('alone direct'):.2f}x, "
-              f"through passerelle {p95('flood gateway') / p95('alone gateway'):.2f}x (goal <= 2x)"
-              + "".join(f", {n} {p95(n) / p95('alone gateway'):.2f}x" for n in variants if report(n)))
+            xs = results[name][0].ttfts or [math.nan]  # (none in the phase: a runtime far too slow)
+            alone = "alone direct" if "direct" in name or "alone" in name else "alone gateway"
+            rel = f"{p95(name) / p95(alone):10.2f}x" if report(alone) and "alone" not in name else " " * 11
+            ref = f"{p95(name) / p95(reference):8.2f}x" if report(reference) and name.startswith("flood") else ""
+            print(f"   {name:20}{len(xs):>4}{pct(xs, 50) * 1000:9.0f}{pct(xs, 95) * 1000:9.0f}{rel}{ref}")
+    if report(reference):
         print(f"   {reference}: only {args.slots - 1} batch streams straight to llama-server, so one slot is "
-              f"always free for the\n   interactive request, as passerelle keeps it: "
-              f"{p95(reference) / p95('alone direct'):.2f}x, the runtime's own slowdown, the least a gateway can give")
+              f"always free for the\n   interactive request: the runtime's own slowdown, the least a gateway can "
+              f"give (goal with preemption: p95 <= 1.2x this)")
     if report("fair direct"):
         print("\n2. Share of generated tokens, tenant-a (8 streams) vs tenant-b (2 streams), equal weight")
         print(f"   (tokens streamed between {skip:g} s and {args.phase_s:g} s into the phase)")
@@ -222,16 +271,27 @@ def main() -> int:
                   f"   (goal through passerelle: 50% +/- 10%)")
         print(f"   freed slots held for a returning tenant: {holds}")
     if report("flood direct"):
-        print(f"\n3. Aggregate tokens/s under the flood (streamed between {skip:g} s and {args.phase_s:g} s)")
-        rates = {n: sum(results[n][0].steady(skip, args.phase_s).values()) / (args.phase_s - skip)
-                 for n in ("flood direct", "flood gateway", *variants) if report(n)}
-        print(f"   direct {rates['flood direct']:.1f}   through passerelle {rates['flood gateway']:.1f}   "
-              f"ratio {rates['flood gateway'] / rates['flood direct']:.3f} (goal >= 0.95)")
-        for n in variants:
-            if n in rates:
-                print(f"   {n}: {rates[n]:.1f}, ratio {rates[n] / rates['flood direct']:.3f}")
+        print(f"\n3. Tokens/s under the flood (streamed between {skip:g} s and {args.phase_s:g} s), vs direct FIFO")
+        print(f"   {'':20}{'all':>8}{'ratio':>8}{'batch':>8}{'ratio':>8}")
+        base_all = results["flood direct"][0].rate(skip, args.phase_s)
+        base_batch = results["flood direct"][0].rate(skip, args.phase_s, "bulk")
+        for n in ("flood direct", *floods):
+            if report(n):
+                load = results[n][0]
+                a, b = load.rate(skip, args.phase_s), load.rate(skip, args.phase_s, "bulk")
+                print(f"   {n:20}{a:8.1f}{a / base_all:8.3f}{b:8.1f}{b / base_batch:8.3f}")
+        print("   (goal with preemption: batch >= 0.97 of direct FIFO)")
+        if "flood preemption" in preempt:
+            p = preempt["flood preemption"]
+            resumes = max(p.get("resumed_streams", 0), 1)
+            print(f"   preemption: {p.get('suspended', 0)} suspensions ({p.get('suspended', 0) * 60 / args.phase_s:.1f}"
+                  f" a minute), {p.get('resumed', 0)} resumes; prompt tokens computed again per resumed stream "
+                  f"{p.get('resume_prompt_tokens_processed', 0) / resumes:.1f} (from cache: "
+                  f"{p.get('resume_prompt_tokens_cached', 0) / resumes:.1f})")
     errors = {n: r[0].errors for n, r in results.items() if r[0].errors}
     print(f"\nerrors: {errors or 'none'}")
+    if args.keep:
+        print(f"logs (access logs, llama-server's): {work}")
     return 0
 
 

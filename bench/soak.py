@@ -39,7 +39,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import select
 import signal
 import socket
@@ -55,12 +54,12 @@ from typing import Any
 import httptools
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import Service, free_port, machine, spawn  # (bench/ scripts share one harness)
+from harness import MODEL, ROOT, report_head, rss_bytes, serve, start_fake, write_json
+from loadgen import run_async
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = "fake-model"
+from passerelle.chunks import CHAT  # a content event: a token (the role chunk's "content":"" is not one)
+
 MiB = 1 << 20
-_CONTENT = re.compile(rb'"content"\s*:\s*"[^"]')  # a token (the role chunk's "content":"" is not one)
 
 
 @dataclass
@@ -184,7 +183,7 @@ async def user(host: str, port: int, stop_at: float, tally: Tally, rng: random.R
                     rid = reader.headers[b"x-request-id"].decode()
                     tally.ids.add(rid)
                     tally.kind_of[rid] = kind
-                if kind == "left" and _CONTENT.search(reader.body):
+                if kind == "left" and CHAT.search(reader.body):
                     break
             if kind == "left" and not reader.done:
                 w.transport.abort()
@@ -223,11 +222,7 @@ def in_flight(url: str) -> tuple[int, float]:
 
 
 def rss_fds(pid: int) -> tuple[float, int]:
-    rss = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) * 1024
-    return rss / MiB, len(os.listdir(f"/proc/{pid}/fd"))
+    return rss_bytes([pid]) / MiB, len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def threads_and_heap(pid: int) -> tuple[int, float, float]:
@@ -281,23 +276,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for old in work.glob("*"):
         if old.is_file():
             old.unlink()
+    head = report_head("soak-with-faults")
     # Both processes run this checkout's passerelle (the work folder is their current directory).
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    port = free_port()
-    fake = spawn("fake", [sys.executable, "-m", "passerelle", "fake-backend", "--port", str(port), "--ttft-ms",
-                          str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--tokens", str(args.tokens),
-                          "--fault", "reset-mid-chunk", "--fault-rate", str(args.reset_rate), "--seed", "1"],
-                 work, env=env, url=f"http://127.0.0.1:{port}")
-    fake.wait_ready("/health", 30)
+    fake = start_fake(work, args.ttft_ms, args.itl_ms, args.tokens, src=ROOT,
+                      extra=["--fault", "reset-mid-chunk", "--fault-rate", str(args.reset_rate), "--seed", "1"])
     db = work / "passerelle.db"
     cfg = work / "gateway.toml"
     capacity = 1024
     cfg.write_text(config_text(fake.url, db, capacity))
-    gport = free_port()
-    gw: Service = spawn("passerelle", [sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port",
-                                       str(gport)], work, env={**env, "PASSERELLE_STATE": str(work / "state"),
-                                                           **dict(kv.split("=", 1) for kv in args.gateway_env)},
-                        url=f"http://127.0.0.1:{gport}")
+    gw = serve(work, cfg, src=ROOT, env=dict(kv.split("=", 1) for kv in args.gateway_env))
+    gport = int(gw.url.rsplit(":", 1)[1])
     tally = Tally()
     samples: list[dict[str, float]] = []
     reloads: list[float] = []
@@ -339,12 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     next_sample += args.interval
             await asyncio.gather(*users)
 
-        try:
-            import uvloop
-
-            uvloop.run(main())
-        except ImportError:
-            asyncio.run(main())
+        run_async(main())
         # The load has stopped: everything must come back.
         deadline = time.monotonic() + 60
         while in_flight(gw.url) != (0, 0.0) and time.monotonic() < deadline:
@@ -373,7 +356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         usage_rows = conn.execute("SELECT COUNT(*) FROM usage").fetchone()[0]
         usage_causes = dict(conn.execute("SELECT cause, COUNT(*) FROM usage GROUP BY cause").fetchall())
     res: dict[str, Any] = {
-        "benchmark": "soak-with-faults", "machine": machine(), "minutes": args.minutes, "streams": args.streams,
+        **head, "minutes": args.minutes, "streams": args.streams,
         "rates": {"upstream_reset": args.reset_rate, "client_disconnect": args.disconnect_rate,
                   "client_stops_reading": args.stop_reading_rate},
         "reloads_at_s": reloads, "requests_sent": tally.sent, "runtime_resets_injected": injected["faults"],
@@ -395,7 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                 if s["t_s"] >= args.window_s + 10]) > 1 else None},
         "samples": samples,
     }
-    (out / "soak.json").write_text(json.dumps(res, indent=2) + "\n")
+    write_json(out / "soak.json", res)
     print()
     print(f"requests sent {tally.sent}; access-log lines {len(lines)}; usage rows {usage_rows}; "
           f"resets injected by the runtime {injected['faults']}")

@@ -22,11 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,14 +30,12 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+from harness import ROOT, NotReady, pct, serve
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ttft_gateway_vs_direct import free_port, pct, wait_http
-
+from passerelle.chunks import CHAT  # a content event: a token, not the empty delta some chunks carry
 from passerelle.runtimes import embedded
 from passerelle.testing.tiny_llama_gguf import ensure_tiny_llama
 
-_CONTENT = re.compile(rb'"content":"[^"]')  # a token, not the empty delta some chunks carry
 # Gemma 3 270M (0.35 GiB measured, 0.53 estimated) fits, the tiny Llama (0.30, 0.40) fits, both do not
 BUDGET_GIB = 0.55
 
@@ -69,7 +63,7 @@ class Workload:
                     self.failed[model] += 1
                     return
                 async for line in resp.content:
-                    if first is None and _CONTENT.search(line):
+                    if first is None and CHAT.search(line):
                         first = time.perf_counter() - t0
         except aiohttp.ClientError:
             self.failed[model] += 1
@@ -117,27 +111,23 @@ def runtime(name: str, binary: Path, model: Path) -> str:
 
 
 def run_policy(policy: str, args: argparse.Namespace, work: Path, binary: Path, models: dict[str, Path]) -> dict:
-    port = free_port()
     cfg = work / f"{policy}.toml"
     cfg.write_text(f'[runtimes]\nmax_loaded_gib = {BUDGET_GIB}\nswap_policy = "{policy}"\n'
                    f'min_resident_s = {args.min_resident}\ndrain_timeout_s = 60\n'
                    '[server]\naccess_log = false\n'
                    + runtime("chat", binary, models["chat"]) + runtime("coder", binary, models["coder"]))
-    log = open(work / f"{policy}.log", "wb")  # noqa: SIM115 - the gateway's, closed below
-    gw = subprocess.Popen([sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(port)],
-                          stdout=log, stderr=subprocess.STDOUT,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PASSERELLE_STATE": str(work / policy)})
-    base = f"http://127.0.0.1:{port}"
+    gw = serve(work, cfg, name=policy, src=ROOT)  # this checkout's passerelle; its log: POLICY.log
+    base = gw.url
     try:
-        wait_http(base + "/ready")
+        gw.wait_ready("/ready", 120)
         print(f"running: {policy} ({args.duration:g} s)", file=sys.stderr, flush=True)
         w, elapsed = asyncio.run(drive(base, args.duration, args.chat_users, args.coders, args.seed))
         with urllib.request.urlopen(base + "/admin/runtimes", timeout=10) as resp:
             state = json.loads(resp.read())
+    except NotReady as exc:
+        raise SystemExit(str(exc)) from None
     finally:
-        gw.send_signal(signal.SIGTERM)
-        gw.wait(60)
-        log.close()
+        gw.stop(60)  # (it stops the runtimes it launched first)
     swaps = state["swaps"]
     events = swaps["recent"]  # the last 10, for the mean costs
     return {

@@ -5,7 +5,8 @@ the same kind of streaming request to each in turn (fresh prompts, so the prompt
 neither side) and prints median / p95 TTFT for both and their ratio, per API: OpenAI chat
 completions, OpenAI Responses and Anthropic Messages (``--apis``), interleaved in one run so all
 see the same machine. TTFT ends at the first event with generated text in that API's grammar
-(``content`` delta, ``response.output_text.delta``, ``text_delta``).
+(a content event as passerelle/chunks.py defines it for the gateway too: a ``content`` delta,
+``response.output_text.delta`` or a reasoning delta, ``text_delta`` or ``thinking_delta``).
 
 With ``--runtime fake`` the runtime is ``passerelle fake-backend`` (first token at 50 ms, every
 API's events on the same schedule): no model's variance, only the gateway's cost is left.
@@ -18,42 +19,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+from harness import ROOT, NotReady, free_port, pct, serve, source_env, spawn
 
+from passerelle.chunks import PATTERNS
 from passerelle.runtimes import embedded
-from passerelle.runtimes.supervisor import free_port
-
-
-def wait_http(url: str, timeout: float = 120) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} not ready")
-
 
 # per API: path, the body's text and budget fields, and what marks the first generated text
+# (for chat a non-empty content: the fake's first chat chunk carries the role and "content":"")
 APIS = {
-    # (a non-empty content: the fake's first chat chunk carries the role and "content":"")
-    "chat": ("/v1/chat/completions", "messages", "max_tokens", re.compile(rb'"content":"[^"]')),
-    "responses": ("/v1/responses", "input", "max_output_tokens", re.compile(rb'"type":"response.output_text.delta"')),
-    "messages": ("/v1/messages", "messages", "max_tokens", re.compile(rb'"type":"text_delta"')),
+    "chat": ("/v1/chat/completions", "messages", "max_tokens", PATTERNS["chat"]),
+    "responses": ("/v1/responses", "input", "max_output_tokens", PATTERNS["responses"]),
+    "messages": ("/v1/messages", "messages", "max_tokens", PATTERNS["messages"]),
 }
 
 
@@ -70,11 +53,6 @@ async def ttft(session: aiohttp.ClientSession, base: str, prompt: str, max_token
                 first = time.perf_counter() - t0
     assert first is not None
     return first
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
 async def run(direct: str, gateway: str, n: int, max_tokens: int,
@@ -108,7 +86,7 @@ def main() -> int:
     apis = [a for a in args.apis.split(",") if a]
     if not apis or set(apis) - set(APIS):
         ap.error(f"--apis: choose among {', '.join(APIS)}")
-    lport, gport = free_port(), free_port()
+    lport = free_port()
     work = Path(tempfile.mkdtemp(prefix="passerelle-bench-"))
     if args.runtime == "fake":
         cmd = [sys.executable, "-m", "passerelle", "fake-backend", "--port", str(lport), "--ttft-ms", "50",
@@ -119,26 +97,23 @@ def main() -> int:
         cmd = [str(binary), "-m", str(model), "--alias", "gemma-3-270m", "--port", str(lport),
                "-np", "4", "-c", "8192", "--metrics", "--slots", "--no-webui"]
         kind, routes = "llama-server", ""
-    llama = subprocess.Popen(cmd, stdout=open(work / "runtime.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    runtime = spawn("runtime", cmd, work, env=source_env(ROOT), url=f"http://127.0.0.1:{lport}")
     cfg = work / "gw.toml"
-    cfg.write_text(f'[[backends]]\nname = "b"\nkind = "{kind}"\nurl = "http://127.0.0.1:{lport}"\n'
+    cfg.write_text(f'[[backends]]\nname = "b"\nkind = "{kind}"\nurl = "{runtime.url}"\n'
                    f'models = ["gemma-3-270m"]\nmax_concurrency = 4\n{routes}')
-    gw = subprocess.Popen([sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(gport)],
-                          stdout=open(work / "gateway.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    gw = serve(work, cfg, name="gateway", src=ROOT)  # this checkout's passerelle
     try:
-        wait_http(f"http://127.0.0.1:{lport}/health")  # (the fake answers it too)
-        wait_http(f"http://127.0.0.1:{gport}/ready")
-        res = asyncio.run(run(f"http://127.0.0.1:{lport}", f"http://127.0.0.1:{gport}", args.requests,
-                              args.max_tokens, apis))
+        runtime.wait_ready("/health", 120)  # (the fake answers it too)
+        gw.wait_ready("/ready", 120)
+        res = asyncio.run(run(runtime.url, gw.url, args.requests, args.max_tokens, apis))
+    except NotReady as exc:
+        raise SystemExit(str(exc)) from None
     finally:
-        gw.send_signal(signal.SIGTERM)
-        gw.wait(30)
-        llama.terminate()
-        llama.wait(30)
-    runtime = ("passerelle fake-backend (TTFT 50 ms)" if args.runtime == "fake"
-               else "Gemma 3 270M on llama-server (4 slots)")
-    print(f"TTFT over {args.requests} streaming requests each, alternating, {runtime}")
+        gw.stop(30)
+        runtime.stop(30)
+    what = ("passerelle fake-backend (TTFT 50 ms)" if args.runtime == "fake"
+            else "Gemma 3 270M on llama-server (4 slots)")
+    print(f"TTFT over {args.requests} streaming requests each, alternating, {what}")
     for api in apis:
         d, g = res[(api, "direct")], res[(api, "gateway")]
         print(f"\n{api} ({APIS[api][0]})")

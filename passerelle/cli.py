@@ -41,13 +41,13 @@ def _parse_upstream(spec: str, index: int):
         raise ConfigError(f"unknown kind '{kind}'; expected one of {', '.join(KINDS)}", file="--upstream")
     url = url.rstrip("/").removesuffix("/v1")
     try:
-        detected, models, slots = asyncio.run(detect_upstream(url))
+        detected, models = asyncio.run(detect_upstream(url))
     except Exception as exc:
         raise ConfigError(f"cannot read {url}/v1/models: {exc}", file="--upstream") from None
     if not models:
         raise ConfigError(f"{url}/v1/models lists no model", file="--upstream")
-    return BackendConfig(name=f"upstream{index}", kind=kind or detected, url=url, models=tuple(models),
-                         max_concurrency=slots or 16)
+    # No max_concurrency: the backend asks the runtime, or learns it (runtimes/capacity.py).
+    return BackendConfig(name=f"upstream{index}", kind=kind or detected, url=url, models=tuple(models))
 
 
 def build_app(cfg, loader=None):

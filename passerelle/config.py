@@ -114,7 +114,7 @@ class BackendConfig:
     models: tuple[str, ...] = ()
     endpoints: tuple[str, ...] = ()  # the inference APIs it serves (ENDPOINT_KINDS); empty: its kind's
     extra_routes: tuple[str, ...] = ()  # more POST paths forwarded to it as they are (see ServerConfig)
-    max_concurrency: int = 4
+    max_concurrency: int = 0  # requests at once; 0: what the runtime reports, else learned (capacity.py)
     health_path: str = ""  # default by kind
     ready_timeout_s: float = 600.0
     api_key: str = ""  # sent upstream as Bearer, for remote OpenAI-compatible servers
@@ -199,6 +199,12 @@ class SchedulerConfig:
     aging_s: float = 30.0  # a waiting request moves up one class per aging_s waited (0: never)
     hold_s: float = 0.05  # a freed slot waits this long for the next request of an under-served tenant (0: off)
     max_tenants: int = 10000  # tenants remembered for fair share; the least recently seen idle one goes first
+    # Preemption (scheduling/preemption.py): a request of a better class that waited preempt_after_ms
+    # while every slot it may use is busy suspends a stream of a preemptible class, which resumes
+    # later as a continuation, the client seeing one unbroken stream.
+    preemption: bool = True
+    preempt_after_ms: float = 50.0
+    min_run_s: float = 2.0  # a stream is not suspended twice within this
 
 
 @dataclass(frozen=True)
@@ -277,13 +283,17 @@ class ClassConfig:
     max_queue: int = 512  # waiting requests; past it: 429 queue_full
     max_queue_wait_s: float = 120.0  # past it: 429 queue_timeout
     slot_share: float = 1.0  # fraction of each backend's slots the class may hold (at least one)
+    preemptible: bool = False  # its streams may be suspended for a better class, and resumed
 
 
+# With preemption on (the default) batch may use every slot: a better class that arrives takes
+# one back within preempt_after_ms. With it off, batch keeps a quarter of the slots free.
 DEFAULT_CLASSES = (
     ClassConfig("interactive", 0, max_queue=256, max_queue_wait_s=60.0, slot_share=1.0),
     ClassConfig("standard", 1, max_queue=512, max_queue_wait_s=120.0, slot_share=1.0),
-    ClassConfig("batch", 2, max_queue=4096, max_queue_wait_s=1800.0, slot_share=0.75),
+    ClassConfig("batch", 2, max_queue=4096, max_queue_wait_s=1800.0, slot_share=1.0, preemptible=True),
 )
+BATCH_SLOT_SHARE_WITHOUT_PREEMPTION = 0.75
 
 
 @dataclass(frozen=True)
@@ -502,13 +512,18 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
            key="metrics.window_s", text=text, header="metrics", field_name="window_s")
 
-    classes = _load_classes(data.get("classes", []), sections["auth"], file=file, text=text)
+    classes = _load_classes(data.get("classes", []), sections["auth"], file=file, text=text,
+                            preemption=sections["scheduler"].preemption)
     _check(sections["routing"].policy in ("least_loaded", "round_robin"), "expected 'least_loaded' or 'round_robin'",
            file=file, key="routing.policy", text=text, header="routing", field_name="policy")
     _check(sections["scheduler"].aging_s >= 0, "expected zero or a positive number of seconds", file=file,
            key="scheduler.aging_s", text=text, header="scheduler", field_name="aging_s")
     _check(0 <= sections["scheduler"].hold_s <= 1, "expected seconds between 0 and 1", file=file,
            key="scheduler.hold_s", text=text, header="scheduler", field_name="hold_s")
+    _check(0 <= sections["scheduler"].preempt_after_ms <= 60_000, "expected milliseconds between 0 and 60000",
+           file=file, key="scheduler.preempt_after_ms", text=text, header="scheduler", field_name="preempt_after_ms")
+    _check(sections["scheduler"].min_run_s >= 0, "expected zero or a positive number of seconds", file=file,
+           key="scheduler.min_run_s", text=text, header="scheduler", field_name="min_run_s")
     _check(sections["scheduler"].max_tenants >= 100, "expected at least 100", file=file,
            key="scheduler.max_tenants", text=text, header="scheduler", field_name="max_tenants")
     _check(sections["routing"].affinity_max_bytes >= 65536, "expected at least 65536 bytes", file=file,
@@ -548,7 +563,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                f"expected a list drawn from {', '.join(ENDPOINT_KINDS)}", key=f"{key}.endpoints",
                field_name="endpoints", **ck)
         _check_routes(b.extra_routes, key=f"{key}.extra_routes", **ck)
-        _check(b.max_concurrency > 0, "expected a positive integer", key=f"{key}.max_concurrency",
+        _check(b.max_concurrency >= 0, "expected 0 (from the runtime) or a positive integer",
+               key=f"{key}.max_concurrency",
                field_name="max_concurrency", **ck)
         _check(not b.on_demand or bool(b.launch), "on_demand needs a 'launch' command", key=f"{key}.on_demand",
                field_name="on_demand", **ck)
@@ -703,13 +719,19 @@ def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: s
            field_name="key", **ck)
 
 
-def _load_classes(raw: Any, auth: AuthConfig, *, file: str, text: str) -> tuple[ClassConfig, ...]:
-    """``[[classes]]`` entries replace the default class of the same name or add a class."""
+def _load_classes(raw: Any, auth: AuthConfig, *, file: str, text: str, preemption: bool = True
+                  ) -> tuple[ClassConfig, ...]:
+    """``[[classes]]`` entries replace the default class of the same name or add a class. An
+    entry that does not say ``preemptible`` keeps the default class's (batch: true)."""
     if not isinstance(raw, list):
         raise ConfigError("expected an array of tables ([[classes]])", file=file, key="classes")
     by_name = {c.name: c for c in DEFAULT_CLASSES}
+    if not preemption:
+        by_name["batch"] = dataclasses.replace(by_name["batch"], slot_share=BATCH_SLOT_SHARE_WITHOUT_PREEMPTION)
     for i, table in enumerate(raw):
         c: ClassConfig = _build(ClassConfig, table, file=file, text=text, header="classes", nth=i)
+        if "preemptible" not in table and c.name in by_name:
+            c = dataclasses.replace(c, preemptible=by_name[c.name].preemptible)
         ck: dict[str, Any] = dict(file=file, text=text, header="classes", nth=i)
         _check(c.max_queue > 0, "expected a positive integer", key=f"classes[{i}].max_queue",
                field_name="max_queue", **ck)

@@ -60,6 +60,7 @@ class Cause(enum.StrEnum):
     SHUTDOWN = "shutdown"  # cut short: the gateway stopped past server.shutdown_grace_s
     INTERNAL_ERROR = "internal_error"  # a fault of the gateway itself, never blamed on the runtime
     CLIENT_TIMEOUT = "client_timeout"  # the client stopped reading: the gateway cut the connection
+    SERVER_BUSY = "server_busy"  # the gateway's own capacity (bodies held at once), not a model's queue
 
 
 class PasserelleError(Exception):

@@ -14,13 +14,14 @@ What the runtime says it took from its prompt cache is kept per request for the 
 vLLM with ``--enable-prompt-tokens-details`` send it), else llama-server's ``timings.cache_n``
 (tokens reused) and ``timings.prompt_n`` (tokens evaluated) from the stream's last chunk.
 
-The stream is scanned as bytes: a content chunk is recognised by a ``"content":"x`` (or
-``"text":``) field with a non-empty string, without decoding its JSON. JSON inside a string
+The stream is scanned as bytes: a content chunk is recognised in place, without decoding its
+JSON, by the same definition the gateway's relay uses (passerelle/chunks.py: a ``"content":"x``,
+``"text"`` or reasoning field with a non-empty string, or a tool call). JSON inside a string
 escapes its quotes, so generated text cannot fake the pattern. Only the rare chunks without
 content (role, finish, usage, error) are decoded.
 
 The Responses and Anthropic Messages APIs (``--api responses|messages``) say it in their own
-events (the table below): a content event is ``response.*.delta`` or a ``text``/``thinking``/
+events (chunks.py again): a content event is ``response.*.delta`` or a ``text``/``thinking``/
 ``input_json`` delta; ``response.completed`` and ``message_stop`` end the stream; usage is
 ``input_tokens``/``output_tokens`` (in ``response.completed``, or ``message_start`` plus
 ``message_delta``).
@@ -36,15 +37,9 @@ from typing import Any
 
 import orjson
 
-# A non-empty string value of a field that carries generated text.
-_CONTENT = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"[^"]')
+from passerelle.chunks import PATTERNS
+
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
-# Per API: what marks a content event (matched in place, never decoded), by the path's last part.
-CONTENT_BY_API = {
-    "chat": _CONTENT, "completions": _CONTENT,
-    "responses": re.compile(rb'"type"\s*:\s*"response\.[a-z_.]+\.delta"'),
-    "messages": re.compile(rb'"type"\s*:\s*"(?:text_delta|thinking_delta|input_json_delta)"'),
-}
 _END_TYPES = ("response.completed", "response.incomplete", "message_stop")
 _ERROR_TYPES = ("error", "response.failed")
 
@@ -94,7 +89,7 @@ class StreamScanner:
                  "last", "prompt_n", "prompt_tokens", "sep", "usage_tokens")
 
     def __init__(self, api: str = "chat") -> None:
-        self.content = CONTENT_BY_API[api]
+        self.content = PATTERNS[api]  # what marks a content event, matched in place
         self.buf = b""
         self.sep: bytes | None = None
         self.first: float | None = None

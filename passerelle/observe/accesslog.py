@@ -64,6 +64,7 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "endpoint": rec.endpoint,
         "model": clip(rec.model),
         "backend": rec.backend,
+        **({"slot": rec.slot} if rec.slot is not None else {}),
         "tenant": rec.tenant,
         **({"key_id": rec.key_id} if rec.key_id else {}),
         "priority": rec.priority,
@@ -77,6 +78,8 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "completion_tokens": rec.completion_tokens if rec.completion_tokens is not None else rec.content_chunks,
         "tokens_per_s": round((tokens - 1) / gen_time, 2) if gen_time > 0 and tokens > 1 else None,
         "client": rec.client,
+        **({"suspensions": rec.suspensions, "suspended_ms": _ms(rec.suspended_s),
+            "resume_prompt_tokens": rec.resume_prompt_tokens} if rec.suspensions else {}),
         **({"error": clip(rec.error, 512)} if rec.error else {}),
     }
 
@@ -101,7 +104,8 @@ class AccessLog:
             line = (f"{time.strftime('%H:%M:%S')} {rec.id} {rec.endpoint} {printable(clip(rec.model))} -> {rec.status} "
                     f"{fields['cause']} ttft={fields['ttft_ms']}ms dur={fields['duration_ms']}ms "
                     f"tokens={fields['prompt_tokens']}/{fields['completion_tokens']} backend={rec.backend or '-'} "
-                    f"tenant={printable(rec.tenant)} class={rec.priority}\n").encode()
+                    f"tenant={printable(rec.tenant)} class={rec.priority}"
+                    f"{f' suspended={rec.suspensions}x' if rec.suspensions else ''}\n").encode()
         self._buf.append(line)
         if self._flush_at is None or self._flush_loop is None or self._flush_loop.is_closed():
             try:

@@ -1,8 +1,8 @@
 """One request's record: its state machine and everything measured about it.
 
     RECEIVED ──► QUEUED ──► DISPATCHED ──► STREAMING ──► DONE
-        │           ▲ retry on    │               │
-        │           └─another ────┘               │
+        │           ▲ retry on    │   ▲           │ ▲
+        │           └─another ────┘   └─resumed── SUSPENDED   (cut for a better class, queued)
         └───────────┴─replica────┴──────────────┴───────► DONE   (with a cause other than ok)
 
 The record is created when the request arrives and written once, when it ends, to the access
@@ -25,14 +25,16 @@ class State(enum.Enum):
     QUEUED = "queued"  # waiting in passerelle's queue for a backend slot
     DISPATCHED = "dispatched"  # sent to a backend, no content yet
     STREAMING = "streaming"  # content is flowing to the client
+    SUSPENDED = "suspended"  # its stream was cut upstream for a better class; queued to resume
     DONE = "done"
 
 
 _ALLOWED = {
     State.RECEIVED: {State.QUEUED, State.DISPATCHED, State.DONE},
     State.QUEUED: {State.DISPATCHED, State.DONE},
-    State.DISPATCHED: {State.STREAMING, State.QUEUED, State.DONE},  # QUEUED again: retry elsewhere
-    State.STREAMING: {State.DONE},
+    State.DISPATCHED: {State.STREAMING, State.QUEUED, State.SUSPENDED, State.DONE},  # QUEUED: retry elsewhere
+    State.STREAMING: {State.SUSPENDED, State.DONE},
+    State.SUSPENDED: {State.DISPATCHED, State.STREAMING, State.DONE},  # resumed as a continuation
     State.DONE: set(),
 }
 
@@ -65,6 +67,7 @@ class RequestRecord:
     tenant: str = "anonymous"
     key_id: str = ""  # the API key's id (never its secret); "" without a key
     backend: str = ""
+    slot: int | None = None  # the runtime's slot it ran in, where passerelle names it (llama-server)
     max_tokens: int | None = None
     status: int = 0
     cause: Cause | None = None
@@ -82,6 +85,9 @@ class RequestRecord:
     completion_tokens: int | None = None
     usage_from_server: bool = False
     retries: int = 0
+    suspensions: int = 0  # times its stream was cut for a better class and resumed
+    suspended_s: float = 0.0  # time spent suspended, waiting to resume
+    resume_prompt_tokens: int = 0  # prompt tokens the runtime processed again to resume (not cached)
 
     def to(self, state: State) -> None:
         if state not in _ALLOWED[self.state]:

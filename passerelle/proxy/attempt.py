@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -34,9 +35,10 @@ from passerelle.proxy import grammars
 from passerelle.proxy.assemble import assemble
 from passerelle.proxy.assemble_events import assemble_events
 from passerelle.proxy.deadline import Deadline
-from passerelle.proxy.exchange import Exchange
+from passerelle.proxy.exchange import Exchange, Send
 from passerelle.proxy.protocols import Api
 from passerelle.proxy.relay import StreamRelay, finish_upstream, read_body, read_error
+from passerelle.proxy.resume import Splice
 from passerelle.runtimes.breaker import Outcome
 from passerelle.runtimes.kinds import Backend
 from passerelle.upstream.client import Response
@@ -76,17 +78,28 @@ def outcome_of(err: BaseException | None) -> Outcome:
 
 
 async def fetch(ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: bytes, deadline: Deadline, cfg: Config,
-                *, collect: bool, strip_usage: bool) -> tuple[bytes, bytes] | None:
+                *, collect: bool, strip_usage: bool, splice: Splice | None = None, dialect: str = "",
+                on_streaming: Callable[[], None] | None = None) -> tuple[bytes, bytes] | None:
     """Send the request and take the runtime's answer within the attempt's one timer (the
     response head, then the stream it moves): a stream is relayed to the client (None); a
-    non-streamed answer is returned whole, with its content type, for the caller to send."""
+    non-streamed answer is returned whole, with its content type, for the caller to send.
+
+    With a ``splice`` (a preemptible stream, resume.py) the events pass through it, the
+    scheduler may cut the attempt once ``on_streaming`` was called, and a cut attempt returns
+    None (or raises) with ``splice.suspended`` set; an assembled answer keeps its collector
+    across attempts."""
     rec, limits = ex.rec, cfg.limits
     streamed = rec.stream or collect
     deadline.start_attempt()
     head_at = deadline.head_at(streamed=streamed)
     resp: Response | None = None
     relay: StreamRelay | None = None
-    sink = _Collector(limits.max_answer_bytes) if collect else None
+    sink: _Collector | None = None
+    if collect:
+        sink = splice.collector if splice is not None and splice.collector is not None else \
+            _Collector(limits.max_answer_bytes)
+        if splice is not None:
+            splice.collector = sink
     finishing = False  # the answer is whole; only what follows [DONE] is being read
     try:
         async with asyncio.timeout_at(head_at) as budget:
@@ -106,15 +119,23 @@ async def fetch(ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: by
                         if p is not None or c is not None:
                             rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
                 return raw, resp.header(b"content-type") or b"application/json"
+            send: Send = sink if sink is not None else ex.send
+            if splice is not None:
+                send = splice.watch(resp, send, dialect, streaming=on_streaming)
             if sink is not None:
-                relay = StreamRelay(rec, sink, cfg.timeouts, strip_usage=False,
+                relay = StreamRelay(rec, send, cfg.timeouts, strip_usage=False,
                                     grammar=grammars.make(api.grammar), max_event=limits.max_event_bytes)
                 await relay.run(resp, deadline, budget)
+                if splice is not None and splice.suspended:
+                    return None
             else:
-                relay = StreamRelay(rec, ex.send, cfg.timeouts, strip_usage=strip_usage,
-                                    before_first=lambda: ex.start(200, SSE_HEADERS), on_done=ex.mark_finishing,
-                                    grammar=grammars.make(api.grammar), max_event=limits.max_event_bytes)
+                relay = StreamRelay(rec, send, cfg.timeouts, strip_usage=strip_usage,
+                                    before_first=None if ex.started else lambda: ex.start(200, SSE_HEADERS),
+                                    on_done=ex.mark_finishing, grammar=grammars.make(api.grammar),
+                                    max_event=limits.max_event_bytes)
                 await relay.run(resp, deadline, budget)
+                if splice is not None and splice.suspended:
+                    return None
                 ex.mark_finishing()
                 with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
                     await ex.send_body(b"", more=False)

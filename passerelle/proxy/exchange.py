@@ -169,6 +169,14 @@ class Exchange:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         transport.abort()  # (also when closing: a graceful close may still be flushing)
 
+    def unsent(self) -> int:
+        """Bytes the client's connection still holds in the gateway, written but not yet handed to
+        the kernel (0 where the server does not say): a complete answer to a client that does not
+        read stays there, and its connection cannot close until they leave."""
+        transport = _transport_of(self._asgi_send)
+        size = getattr(transport, "get_write_buffer_size", None)
+        return int(size()) if size is not None else 0
+
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()

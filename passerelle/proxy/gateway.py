@@ -29,7 +29,6 @@ Races worth knowing:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -39,7 +38,6 @@ import orjson
 
 from passerelle.config import ClassConfig, Config
 from passerelle.errors import (
-    BodyTooLarge,
     Cause,
     ClientDisconnect,
     ClientTimeout,
@@ -54,7 +52,15 @@ from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.attempt import fetch, outcome_of
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
+from passerelle.proxy.intake import (
+    affinity_key,
+    output_estimate,
+    priority_class,
+    read_request_body,
+    with_usage_requested,
+)
 from passerelle.proxy.protocols import Api, Parsed, api_for, replace_form_field
+from passerelle.proxy.resume import Splice, suspendable
 from passerelle.proxy.retry import RetryBudget, may_retry
 from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.kinds import Backend
@@ -65,56 +71,6 @@ from passerelle.tenants.names import user_tenant
 from passerelle.tenants.policy import KeyPolicy, Ticket
 
 log = logging.getLogger("passerelle.proxy.gateway")
-
-
-async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body, refused as soon as it is known to exceed ``limit`` bytes."""
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                if int(value) > limit:
-                    raise BodyTooLarge(limit)
-            except ValueError:
-                raise InvalidRequest("Content-Length is not a number.") from None
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ClientDisconnect("client left while sending the body")
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
-        if not msg.get("more_body"):
-            return b"".join(chunks)
-
-
-def output_estimate(data: dict[str, Any] | None, length: int | None) -> int:
-    """Tokens the request may generate, for admission (tokens per minute, quotas) and fair share:
-    its length limit (else 256) times the sequences generated (``n``, and ``best_of``, which
-    generates that many to return ``n``).
-
-    >>> output_estimate({"max_tokens": 500, "n": 1000}, 500)
-    500000
-    """
-    sequences = 1
-    for name in ("n", "best_of"):
-        v = (data or {}).get(name)
-        if isinstance(v, int) and not isinstance(v, bool) and v > sequences:
-            sequences = v
-    return (length or 256) * sequences
-
-
-def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
-    """``body`` with ``stream_options.include_usage = true`` (spliced in when absent, so the
-    rest of the body keeps its exact bytes)."""
-    if "stream_options" not in data:
-        i = body.index(b"{")
-        return body[: i + 1] + b'"stream_options":{"include_usage":true},' + body[i + 1 :]
-    data = dict(data, stream_options={**(data["stream_options"] or {}), "include_usage": True})  # null is valid
-    return orjson.dumps(data)
 
 
 class Gateway:
@@ -131,6 +87,8 @@ class Gateway:
         self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
         self._watchdog: asyncio.TimerHandle | None = None
         self.catalogue = Catalogue((), registry)  # model names -> pools; the app sets the configured one
+        self.preemption_stats = {"suspensions": 0, "resumed_streams": 0, "resume_prompt_tokens_processed": 0,
+                                 "resume_prompt_tokens_cached": 0}
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
         self.on_demand: Callable[[list[Backend]], None] | None = None
         # Called with every finished request's record (usage store, the dashboard's window).
@@ -143,46 +101,6 @@ class Gateway:
     def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:
         """The caller's key; None when keys are not in use. Raises Unauthorized / RateLimited."""
         return self.keys.authenticate(scope, rec)
-
-    def priority_class(self, scope: Scope, key: ApiKey | None) -> ClassConfig:
-        """The key's class (or the anonymous one), lowered by X-Priority, raised only up to the
-        key's ``max_priority``."""
-        auth = self.cfg.auth
-        base = self.classes[(key.priority if key and key.priority in self.classes else None)
-                            or auth.anonymous_priority]
-        ceiling = self.classes[(key.max_priority if key and key.max_priority in self.classes else None)
-                               or (base.name if key else auth.anonymous_max_priority)]
-        asked = header(scope, b"x-priority")
-        if not asked:
-            return base
-        wanted = self.classes.get(asked.strip().lower())
-        if wanted is None:
-            raise InvalidRequest(f"X-Priority must be one of: {', '.join(self.classes)}.", param="X-Priority")
-        if wanted.rank < min(ceiling.rank, base.rank):
-            return ceiling if ceiling.rank < base.rank else base
-        return wanted
-
-    def affinity_key(self, scope: Scope, data: dict[str, Any] | None, endpoint: str) -> str:
-        """What keeps related requests on one replica: a session header, else the conversation's
-        opening (system prompt and first user message, shared by every turn, so llama-server's
-        prompt cache is reused: chat, Anthropic messages, Responses input), else the ``user``."""
-        r = self.cfg.routing
-        session = header(scope, r.session_header.lower().encode()) if r.session_header else None
-        if session:  # hashed, like the others: a client's string never sets an entry's size
-            return "s:" + hashlib.blake2b(session.encode("latin-1"), digest_size=12).hexdigest()
-        if data is None:
-            return ""
-        if r.prefix_affinity and endpoint in ("chat", "messages", "responses"):
-            turns = data.get("input" if endpoint == "responses" else "messages")
-            opening: list[Any] = [data.get("system" if endpoint == "messages" else "instructions")]
-            for m in turns if isinstance(turns, list) else [turns]:
-                opening.append(m)
-                if not isinstance(m, dict) or m.get("role") == "user":
-                    break
-            return "p:" + hashlib.blake2b(orjson.dumps(opening), digest_size=12).hexdigest()
-        user = data.get("user")
-        return "u:" + hashlib.blake2b(user.encode(errors="surrogatepass"), digest_size=12).hexdigest() \
-            if isinstance(user, str) else ""
 
     # -- the request's life ----------------------------------------------------------------
     def _read(self, api: Api, body: bytes, scope: Scope) -> Parsed:
@@ -217,7 +135,7 @@ class Gateway:
                 rec.model = model = req.model or ""
                 rec.stream = req.stream
                 rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
-                cls = self.priority_class(scope, key)
+                cls = priority_class(self.classes, self.cfg.auth, scope, key)
                 rec.priority = cls.name
                 if key is not None:
                     rec.tenant = key.tenant
@@ -247,11 +165,16 @@ class Gateway:
                     grant = await self.keys.admit(key, rec, cls, est_prompt + est_output)
                 job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
                           est_prompt_tokens=est_prompt, est_output_tokens=est_output,
-                          can_wait_for_start=any(b.supervised for b in pool),
-                          affinity=self.affinity_key(scope, req.data, endpoint) if len(pool) > 1 else "")
+                          can_wait_for_start=any(b.supervised for b in pool), slotted=api.scheduled and not api.form,
+                          affinity=affinity_key(self.cfg.routing, scope, req.data, endpoint)
+                          if len(pool) > 1 or any(b.slot_ids for b in pool) else "")
                 if self.on_demand is not None and not any(b.stats.up for b in pool):
                     self.on_demand(pool)
-                await self._dispatch(ex, api, job, req.data, body, cls)
+                # A stream of a preemptible class may be cut for a better one and continued (resume.py).
+                splice = (Splice(req.data, endpoint) if cls.preemptible and self.scheduler.preemption is not None
+                          and req.data is not None and any(b.continuation for b in pool)
+                          and suspendable(req.data, endpoint) else None)
+                await self._dispatch(ex, api, job, req.data, body, cls, splice)
                 rec.finish(Cause.OK, 200)
             except asyncio.CancelledError:
                 if not ex.take_cancel():
@@ -323,55 +246,92 @@ class Gateway:
         return min(usable, key=lambda b: b.in_flight / b.capacity) if usable else None
 
     async def _dispatch(self, ex: Exchange, api: Api, job: Job, data: dict[str, Any] | None, body: bytes,
-                        cls: ClassConfig) -> None:
+                        cls: ClassConfig, splice: Splice | None = None) -> None:
         """Queue for a replica and try it; before the client got a byte, a replica that could not
         take the request is replaced by another (within the retry budget). Each attempt reports
-        its outcome to its replica's circuit breaker exactly once."""
+        its outcome to its replica's circuit breaker exactly once. A stream suspended for a better
+        class queues again and continues where it was cut."""
         rec = ex.rec
         rec.t_queued = rec.t_queued or time.perf_counter()  # set already if it waited in its key's queue
         rec.to(State.QUEUED)
         self.retry_budget.deposit()
         deadline = Deadline(self.cfg.timeouts, rec.t_arrival)
+        suspended_at = 0.0
         while True:
             job.max_wait_s = deadline.left_s  # the queue wait is within the total time too
             backend = None if api.scheduled else self._direct(job)
             if backend is None:
                 backend = await self.scheduler.acquire(job)
-            rec.backend = backend.name
-            rec.t_dispatch = time.perf_counter()
-            rec.to(State.DISPATCHED)
+            rec.backend, rec.slot = backend.name, job.slot
+            if suspended_at:  # resumed
+                rec.suspended_s += time.perf_counter() - suspended_at
+                rec.to(State.STREAMING if rec.content_chunks else State.DISPATCHED)
+            else:
+                rec.t_dispatch = time.perf_counter()
+                rec.to(State.DISPATCHED)
             running = self.metrics.running.labels(backend.name, rec.model)
             running.inc()
+            sent_with = backend.in_flight
             error: BaseException | None = None
             try:
-                await self._attempt(ex, api, backend, data, body, cls, deadline)
-                return
-            except BaseException as err:
+                await self._attempt(ex, api, backend, job, data, body, cls, deadline, splice)
+                if splice is None or not splice.suspended:
+                    break
+            except Exception as err:
+                if splice is None or not splice.suspended:  # (a suspended attempt was cut by the scheduler)
+                    error = err
+                    if not isinstance(err, UpstreamError) or not may_retry(
+                            retryable=err.retryable, started=ex.started, retries=rec.retries,
+                            others_left=any(b.name not in job.exclude and b is not backend for b in job.pool),
+                            time_left_s=deadline.left_s, budget=self.retry_budget):
+                        raise
+                    log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
+                    job.exclude.add(backend.name)
+                    rec.retries += 1
+                    self.scheduler.release(job)
+                    rec.to(State.QUEUED)
+                    continue
+            except BaseException as err:  # (cancelled: the client left, or shutdown)
                 error = err
-                if not isinstance(err, UpstreamError) or not may_retry(
-                        retryable=err.retryable, started=ex.started, retries=rec.retries,
-                        others_left=any(b.name not in job.exclude and b is not backend for b in job.pool),
-                        time_left_s=deadline.left_s, budget=self.retry_budget):
-                    raise
-                log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
-                job.exclude.add(backend.name)
-                rec.retries += 1
-                self.scheduler.release(job)
-                rec.to(State.QUEUED)
+                raise
             finally:
                 running.dec()
                 backend.breaker.record(outcome_of(error), probe=job.probe, now=self.scheduler.clock())
                 job.probe = False
                 error = None  # (no reference cycle through the exception's traceback: see handle)
+                if not suspended_at and rec.t_first > rec.t_dispatch and (rec.stream or backend.stream_always):
+                    # a streamed first token: the signal a runtime's learned capacity follows
+                    backend.observe_first_token(rec.t_first - rec.t_dispatch, sent_with, job.est_prompt_tokens)
+            # Suspended: the scheduler has freed the slot and queued the job again.
+            assert splice is not None
+            splice.resumed()
+            rec.suspensions = splice.suspensions
+            suspended_at = time.perf_counter()
+            ex.finishing = False  # (the cut attempt may have seen its end, the client did not)
+            rec.to(State.SUSPENDED)
+            self.preemption_stats["suspensions"] += 1
+        if splice is not None:
+            rec.prompt_tokens, rec.completion_tokens = splice.totals(rec.prompt_tokens, rec.completion_tokens)
+            rec.resume_prompt_tokens = splice.resume_prompt_processed
+            if splice.suspensions:
+                self.preemption_stats["resumed_streams"] += 1
+                self.preemption_stats["resume_prompt_tokens_processed"] += splice.resume_prompt_processed
+                self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
 
-    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, data: dict[str, Any] | None, body: bytes,
-                       cls: ClassConfig, deadline: Deadline) -> None:
+    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, data: dict[str, Any] | None,
+                       body: bytes, cls: ClassConfig, deadline: Deadline, splice: Splice | None = None) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
-        replica that fails before that can be replaced without the client noticing."""
+        replica that fails before that can be replaced without the client noticing. With a
+        ``splice`` the stream may be cut by the scheduler (then this returns or raises with
+        ``splice.suspended`` set), and a later try continues it."""
         rec = ex.rec
         strip_usage = False
         chat_like = api.grammar == "chat"
         collect = not rec.stream and backend.stream_always and api.collect and data is not None
+        dialect = backend.continuation if splice is not None else ""
+        if dialect and splice is not None:
+            data = splice.request_data(dialect)
+            body = orjson.dumps(data)
         if collect:
             assert data is not None
             extra = {"stream_options": {"include_usage": True}} if chat_like else {}
@@ -382,12 +342,23 @@ class Gateway:
         ctype = b"application/json"
         if api.form:
             ctype = (header(ex.scope, b"content-type") or "").encode("latin-1")
-        elif api.scheduled:  # (vLLM's priority: for requests that queue in the runtime)
-            body = backend.prepare(body, cls.rank)
-        answer = await fetch(ex, api, backend, body, ctype, deadline, self.cfg, collect=collect,
-                             strip_usage=strip_usage)
+        elif api.scheduled:  # (vLLM's priority, llama-server's slot: for requests that take one)
+            body = backend.prepare(body, cls.rank, job.slot)
+        on_streaming: Callable[[], None] | None = None
+        if splice is not None:
+            sp = splice
+
+            def on_streaming() -> None:  # its first token went out: from now on it may be cut
+                self.scheduler.allow_suspend(job, sp.suspend, lambda: sp.tokens)
+        try:
+            answer = await fetch(ex, api, backend, body, ctype, deadline, self.cfg, collect=collect,
+                                 strip_usage=strip_usage, splice=splice, dialect=dialect, on_streaming=on_streaming)
+        finally:
+            if splice is not None:
+                self.scheduler.forbid_suspend(job)
+                splice.done()
         if answer is None:
-            return  # streamed to the client
+            return  # streamed to the client, or suspended
         raw, ctype = answer
         # The client's writes are the watchdog's (client_write_s), no longer the runtime's deadline.
         await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])

@@ -3,7 +3,8 @@ stream, which reports an error, and the error event the gateway sends in that AP
 
 The relay (relay.py) scans OpenAI chat/completions chunks itself; every other stream is read
 through one of these grammars, one instance per stream (Anthropic's usage comes in two events).
-Nothing is buffered and only usage-carrying events are decoded as JSON:
+Nothing is buffered and only usage-carrying events are decoded as JSON. Which event is content is
+defined once for the gateway and the benchmark (passerelle/chunks.py):
 
 * Responses (``/v1/responses``): every ``response.*.delta`` is content (output text, reasoning
   text and summaries, refusals, function-call arguments); ``response.completed`` /
@@ -34,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from passerelle.chunks import LLAMA, MESSAGES, RESPONSES, TRANSCRIPTION
 from passerelle.errors import GatewayError
 from passerelle.proxy.protocols import anthropic_body
 
@@ -43,7 +45,6 @@ _EVENT = re.compile(rb"^event:[ \t]*([^\r\n]*)", re.M)
 _TYPE = re.compile(rb'"type"\s*:\s*"([^"]*)"')
 _DATA_ERROR = re.compile(rb'^data:\s*\{\s*"error"', re.M)
 _DONE = re.compile(rb"^data:\s*\[DONE\]\s*$", re.M)
-_LLAMA_CONTENT = re.compile(rb'"content"\s*:\s*"[^"]')
 _LLAMA_STOP = re.compile(rb'"stop"\s*:\s*true')
 
 
@@ -125,9 +126,9 @@ class ResponsesGrammar(Grammar):
     ends_at_close = False
 
     def scan(self, ev: bytes) -> int:
-        t = event_type(ev)
-        if t.startswith(b"response.") and t.endswith(b".delta"):
+        if RESPONSES.search(ev):
             return CONTENT
+        t = event_type(ev)
         if t in (b"response.completed", b"response.incomplete", b"response.failed"):
             self._take_usage(data_json(ev))
             return END | (ERROR if t == b"response.failed" else 0)
@@ -143,16 +144,13 @@ class ResponsesGrammar(Grammar):
         return b"event: error\ndata: " + orjson.dumps(body) + b"\n\n"
 
 
-_ANTHROPIC_CONTENT = (b'"text_delta"', b'"thinking_delta"', b'"input_json_delta"')
-
-
 class MessagesGrammar(Grammar):
     ends_at_close = False
 
     def scan(self, ev: bytes) -> int:
         t = event_type(ev)
         if t == b"content_block_delta":
-            return CONTENT if any(k in ev for k in _ANTHROPIC_CONTENT) else 0
+            return CONTENT if MESSAGES.search(ev) else 0
         if t == b"message_start":
             self._take_usage(data_json(ev))
             return 0
@@ -181,7 +179,7 @@ class LlamaGrammar(Grammar):
     def scan(self, ev: bytes) -> int:
         if _DATA_ERROR.search(ev):
             return END | ERROR
-        flags = CONTENT if _LLAMA_CONTENT.search(ev) else 0
+        flags = CONTENT if LLAMA.search(ev) else 0
         if _LLAMA_STOP.search(ev):
             self._take_usage(data_json(ev))
             flags |= END
@@ -194,9 +192,9 @@ class TranscriptionGrammar(Grammar):
     ends_at_close = False
 
     def scan(self, ev: bytes) -> int:
-        t = event_type(ev)
-        if t == b"transcript.text.delta":
+        if TRANSCRIPTION.search(ev):
             return CONTENT
+        t = event_type(ev)
         if t == b"transcript.text.done":
             self._take_usage(data_json(ev))
             return END

@@ -4,9 +4,9 @@ No event is decoded as JSON except the one carrying ``usage``. Complete events f
 read are sent to the client in one write; an incomplete trailing event is held only until its end
 arrives (a partial event is of no use to a client). The scan finds:
 
-* content chunks (``"content"``/``"text"``/``"reasoning_content"``/``"reasoning"`` with a non-empty
-  string, or ``tool_calls``): first-token time, inter-chunk gaps, a fallback token count (a
-  reasoning model's thinking is its first tokens: vLLM >= 0.16 names it ``reasoning``);
+* content chunks (what counts as one is defined once, in chunks.py, for the relay and the
+  benchmark alike): first-token time, inter-chunk gaps, a fallback token count (a reasoning
+  model's thinking is its first tokens);
 * the usage chunk: token counts; dropped again when the gateway asked for it and the client did not;
 * ``[DONE]``: the end; nothing after it is relayed or even read, and a stream that ends without
   it was truncated (the client gets an error event).
@@ -35,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from passerelle.chunks import CHAT
 from passerelle.config import TimeoutConfig
 from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, UpstreamTimeout, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
@@ -44,8 +45,6 @@ from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-_CONTENT = re.compile(
-    rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{')
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _ERROR = re.compile(rb'^data:\s*\{\s*"error"')
@@ -158,7 +157,7 @@ class StreamRelay:
         out: list[bytes] | None = None
         for i, ev in enumerate(events):
             keep = True
-            if _CONTENT.search(ev):
+            if CHAT.search(ev):
                 if rec.content_chunks == 0:
                     rec.t_first = now
                     rec.to(State.STREAMING)

@@ -22,6 +22,7 @@ from typing import Any
 from passerelle.config import BackendConfig, TimeoutConfig
 from passerelle.errors import UpstreamError, UpstreamTimeout
 from passerelle.runtimes.breaker import BreakerState, CircuitBreaker
+from passerelle.runtimes.capacity import Capacity
 from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, UpstreamClient
 
 _JSON = b"application/json"
@@ -54,15 +55,22 @@ class Backend:
     # none: the allow-list of what the gateway forwards to it. A generic OpenAI-compatible server
     # is only assumed to serve the three classic routes; list more in `endpoints`.
     serves: tuple[str, ...] = ("chat", "completions", "embeddings")
+    # A request may name the slot it runs in (llama-server's id_slot): passerelle then knows
+    # which slot every stream holds, and resumes a suspended one where its prompt cache is.
+    slot_ids = False
+    # How a cut stream is continued (proxy/resume.py): "" for a runtime that cannot (its streams
+    # are never suspended), else the dialect of the continuation request.
+    continuation = ""
 
     def __init__(self, cfg: BackendConfig, timeouts: TimeoutConfig) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.models = cfg.models
-        self.capacity = cfg.max_concurrency
+        self.capacity_info = Capacity(cfg.max_concurrency)  # declared, reported or learned
         self.url = cfg.url.rstrip("/")
         self.timeouts = timeouts
         self.in_flight = 0  # requests dispatched and not finished; the scheduler keeps it
+        self.peak_in_flight = 0  # the most in flight since the last load poll; the scheduler keeps it
         self.supervised = False  # launched by passerelle: may come back after a crash
         self.draining = False  # removed by a reload: finishes its requests, takes no new one
         self.fenced = False  # being swapped out: finishes its requests, takes no new one
@@ -73,6 +81,7 @@ class Backend:
         # then one request probes it (half-open) and its outcome decides (breaker.py).
         self.breaker = CircuitBreaker()
         self._missed_health = False
+        self._asked_capacity = False
         self._client: UpstreamClient | None = None
         self._started = False
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -81,6 +90,26 @@ class Backend:
         # what the gateway forwards to this runtime: its configured endpoints or its kind's, plus
         # the routes the operator added for every backend ([server] extra_routes) or for this one
         self.endpoints: tuple[str, ...] = (*(cfg.endpoints or self.serves), *cfg.extra_routes)
+
+    @property
+    def capacity(self) -> int:
+        """Requests this backend is sent at once at most (see capacity.py)."""
+        return self.capacity_info.value
+
+    def observe_first_token(self, ttft_s: float, in_flight: int, prompt_tokens: int) -> None:
+        """A request sent with ``in_flight`` requests on this backend (itself included) got its
+        first token ``ttft_s`` after it was sent: the signal of a runtime that says nothing about
+        its own queue (declared and reported capacities do not move on it: a CPU runtime's first
+        tokens slow down with every busy slot without any request waiting)."""
+        cap = self.capacity_info
+        if not cap.declared and not cap.reported:
+            cap.limiter.observe_ttft(ttft_s, in_flight, prompt_tokens)
+            self._fit_pool()
+
+    def _fit_pool(self) -> None:
+        """Room in the connection pool for a capacity that grew (the scheduler never sends more)."""
+        if self._client is not None and self._client.limit < self.capacity + 4:
+            self._client.limit = self.capacity + 4
 
     def routable(self, now: float) -> bool:
         """May this replica take a new request now (up, not draining, not fenced, its breaker lets it through)?"""
@@ -125,8 +154,9 @@ class Backend:
         return self._client
 
     # -- requests --------------------------------------------------------------------------
-    def prepare(self, body: bytes, priority_rank: int) -> bytes:
-        """Rewrite the body for this runtime (e.g. vLLM's ``priority``); default: untouched."""
+    def prepare(self, body: bytes, priority_rank: int, slot: int | None = None) -> bytes:
+        """Rewrite the body for this runtime (e.g. vLLM's ``priority``, llama-server's
+        ``id_slot``); default: untouched."""
         return body
 
     async def post(self, path: str, body: bytes, *, request_id: str = "", content_type: bytes = _JSON) -> Response:
@@ -180,7 +210,13 @@ class Backend:
                 return stats
             self._missed_health = not stats.up and self._missed_health
             if stats.up:
+                if not self.capacity_info.declared and not self._asked_capacity:
+                    self.capacity_info.report(*await self._report_capacity())
+                    self._asked_capacity = True  # once per start: a size does not change while it runs
                 await self._scrape_load(stats)
+                self._follow_queue(stats)
+            else:
+                self._asked_capacity = False
         except Exception as exc:  # garbage from a runtime must never break the gateway
             stats.error = f"{exc.__class__.__name__}: {exc}"
         self.stats = stats
@@ -188,6 +224,19 @@ class Backend:
 
     async def _scrape_load(self, stats: BackendStats) -> None:
         """Kind-specific load figures; the generic OpenAI server reports none."""
+
+    async def _report_capacity(self) -> tuple[int | None, str]:
+        """How many requests the runtime says it runs at once, and where it said so; (None, "")
+        when it does not say (then the capacity is learned)."""
+        return None, ""
+
+    def _follow_queue(self, stats: BackendStats) -> None:
+        """Feed the runtime's waiting gauge, where it has one, to the learned limit."""
+        cap = self.capacity_info
+        if stats.queue_depth is not None and not cap.declared:
+            cap.limiter.observe_gauge(stats.queue_depth, self.in_flight, max(self.peak_in_flight, self.in_flight))
+            self._fit_pool()
+        self.peak_in_flight = self.in_flight
 
 
     def describe(self) -> dict[str, Any]:
@@ -197,7 +246,7 @@ class Backend:
             "name": self.name, "kind": self.kind, "url": self.url, "models": list(self.models),
             "up": s.up, "slots_busy": s.slots_busy, "slots_total": s.slots_total,
             "kv_cache_usage_ratio": s.kv_cache_usage_ratio, "queue_depth": s.queue_depth,
-            "in_flight": self.in_flight, "capacity": self.capacity, "breaker": self.breaker.state.value,
+            "in_flight": self.in_flight, **self.capacity_info.as_dict(), "breaker": self.breaker.state.value,
             "checked_ago_s": round(time.time() - s.scraped_at, 1) if s.scraped_at else None,
             "error": s.error,
         }

@@ -181,4 +181,11 @@ def launch_command(binary: Path, model: Path, *, alias: str, slots: int, ctx_per
         cmd += ["--embeddings", "--pooling", "mean"]
     if reranking:  # a query and a document are scored in one batch: room for the whole context
         cmd += ["--reranking", "-b", str(ctx_per_slot), "-ub", str(ctx_per_slot)]
+    elif not embeddings:
+        # Gemma 3 attends over a sliding window in most layers; by default llama-server keeps only
+        # the window there, and can then reuse a slot's cache only up to a checkpoint near the end
+        # of the last prompt. The full cache (about 18 KiB a token for the 270M model) lets a
+        # continuation reuse everything it had: a stream suspended for a better class resumes
+        # with ~1 prompt token computed again instead of everything it had sent (bench/scheduling.py).
+        cmd += ["--swa-full"]
     return (*cmd, *extra)

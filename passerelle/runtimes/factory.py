@@ -29,24 +29,24 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     # Gemma 3 has no fill-in-the-middle tokens; three of its unused special tokens stand for them,
     # so /infill runs llama-server's real infill path (the text is not a coder model's)
     fim = () if e.model_path else embedded.GEMMA_FIM_OVERRIDES
+    # No max_concurrency: each llama-server reports its slots (/props total_slots), see capacity.py.
     out = [BackendConfig(name="local", kind="llama-server", models=(e.model_id,), endpoints=CHAT_ENDPOINTS,
-                         max_concurrency=e.slots,
                          launch=embedded.launch_command(binary, model, alias=e.model_id, slots=e.slots,
                                                         ctx_per_slot=e.ctx_per_slot, threads=e.threads,
                                                         extra=(*fim, *e.extra_args)))]
     if e.embeddings:
         out.append(BackendConfig(
             name="local-embed", kind="llama-server", models=(e.model_id,), endpoints=("embeddings",),
-            max_concurrency=1, launch=embedded.launch_command(binary, model, alias=e.model_id, slots=1,
-                                                              ctx_per_slot=2048, threads=e.threads, embeddings=True)))
+            launch=embedded.launch_command(binary, model, alias=e.model_id, slots=1, ctx_per_slot=2048,
+                                           threads=e.threads, embeddings=True)))
     if e.rerank:
         ranker = Path(e.rerank_model_path).expanduser() if e.rerank_model_path else tiny_reranker.ensure_tiny_reranker()
         if not ranker.is_file():
             raise ConfigError(f"model file {ranker} does not exist", file=cfg.source, key="embedded.rerank_model_path")
         out.append(BackendConfig(
             name="local-rerank", kind="llama-server", models=(e.rerank_model_id,), endpoints=("rerank",),
-            max_concurrency=1, launch=embedded.launch_command(binary, ranker, alias=e.rerank_model_id, slots=1,
-                                                              ctx_per_slot=2048, threads=e.threads, reranking=True)))
+            launch=embedded.launch_command(binary, ranker, alias=e.rerank_model_id, slots=1, ctx_per_slot=2048,
+                                           threads=e.threads, reranking=True)))
     return tuple(out)
 
 

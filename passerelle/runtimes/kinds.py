@@ -37,12 +37,12 @@ class DetectionFailed(Exception):
 _DETECT_BODY_LIMIT = 8 * 1024 * 1024
 
 
-async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[str], int | None]:
-    """Ask an existing server what it is, which models it serves and, where it says, how many
-    requests it runs at once: ``(kind, model ids, slots)``.
+async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[str]]:
+    """Ask an existing server what it is and which models it serves: ``(kind, model ids)``.
 
     The kind is read from endpoints only one runtime has: llama-server's ``/props``, vLLM's
-    ``/version`` with its metrics, Ollama's ``/api/version``, SGLang's ``/get_model_info``.
+    ``/version`` with its metrics, Ollama's ``/api/version``, SGLang's ``/get_model_info``. How
+    many requests it runs at once is the backend's to find out once it runs (capacity.py).
     It goes through the gateway's own HTTP client: a redirect is never followed (its answer would
     become the served model list, from wherever it points), every answer is capped and every
     question has ``timeout`` seconds. Raises DetectionFailed.
@@ -83,15 +83,8 @@ async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[
             raise DetectionFailed("the answer is not JSON") from None
         listed = data.get("data", []) if isinstance(data, dict) else []
         models = [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        slots = None
         if await ok("/props", b"build_info"):
             kind = "llama-server"
-            try:
-                status, body = await get("/slots")
-                listed_slots = orjson.loads(body) if status == 200 else None
-                slots = len(listed_slots) if isinstance(listed_slots, list) else None
-            except (TimeoutError, HTTPClientError, OSError, orjson.JSONDecodeError):
-                slots = None
         elif await ok("/api/version", b"version"):
             kind = "ollama"
         elif await ok("/get_model_info", b"model_path"):
@@ -100,6 +93,6 @@ async def detect_upstream(url: str, *, timeout: float = 5.0) -> tuple[str, list[
             kind = "vllm"
         else:
             kind = "openai"
-        return kind, models, slots
+        return kind, models
     finally:
         client.close()

@@ -1,4 +1,5 @@
-"""llama.cpp's ``llama-server``: load from ``/slots`` and ``/metrics`` (needs ``--slots --metrics``)."""
+"""llama.cpp's ``llama-server``: load from ``/slots`` and ``/metrics`` (needs ``--slots --metrics``),
+its size from ``/props`` (``total_slots``, the ``-np`` it was started with)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,34 @@ class LlamaServerBackend(Backend):
     # /infill without FIM tokens, is answered by llama-server itself with a 501)
     serves = ("chat", "completions", "embeddings", "responses", "responses_input_tokens", "messages", "count_tokens",
               "rerank", "tokenize", "detokenize", "apply_template", "infill", "transcriptions")
+    slot_ids = True
+    continuation = "llama-server"
+
+    def prepare(self, body: bytes, priority_rank: int, slot: int | None = None) -> bytes:
+        """Name the slot passerelle chose (``id_slot``), replacing any the client gave: only
+        passerelle knows which slots are free (scheduling/slots.py)."""
+        if slot is None:
+            return body
+        if b'"id_slot"' not in body:
+            i = body.index(b"{")
+            return b'%s"id_slot":%d,%s' % (body[: i + 1], slot, body[i + 1 :])
+        data = orjson.loads(body)
+        data["id_slot"] = slot
+        return orjson.dumps(data)
+
+    async def _report_capacity(self) -> tuple[int | None, str]:
+        status, body = await self._get("/props")
+        if status == 200:
+            props = orjson.loads(body)
+            total = props.get("total_slots") if isinstance(props, dict) else None
+            if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+                return total, "/props total_slots"
+        status, body = await self._get("/slots")  # an older llama-server: count the slots it lists
+        if status == 200:
+            slots = orjson.loads(body)
+            if isinstance(slots, list) and slots:
+                return len(slots), "/slots"
+        return None, ""
 
     async def _scrape_load(self, stats: BackendStats) -> None:
         status, body = await self._get("/slots")
@@ -39,4 +68,3 @@ class LlamaServerBackend(Backend):
                 stats.kv_cache_usage_ratio = samples["llamacpp:kv_cache_usage_ratio"]
             if stats.slots_busy is None and "llamacpp:requests_processing" in samples:
                 stats.slots_busy = int(samples["llamacpp:requests_processing"])
-

@@ -510,6 +510,7 @@ class Supervisor:
                 "loaded": p.holds_memory, "fenced": p.backend.fenced,
                 "resident_s": round(now - p.ready_at, 1) if p.state is ProcState.READY else None,
                 "load_s": round(p.load_s, 2) if p.load_s else None,
+                **p.backend.capacity_info.as_dict(),
                 "log": str(p.log_path), "command": p.command or list(p.template)})
         return out
 

@@ -14,9 +14,11 @@ request arrives, the waiting request with the smallest key is dispatched to a re
   smallest counter among backlogged tenants, so idle time banks no credit;
 * arrival order: FIFO within a tenant.
 
-A class may hold only a share of a backend's slots (``batch`` 3 of 4 by default), so an
-interactive request finds a slot quickly even under a batch flood. Service is charged at dispatch
-from an estimate (prompt tokens + max_tokens) and corrected with the real usage at the end.
+A class may hold only a share of a backend's slots (``slot_share``), so that a request of a better
+class finds a slot free. With preemption (preemption.py, on by default) batch may hold every slot:
+a better request that waited ``preempt_after_ms`` suspends one batch stream, whose slot it takes,
+and the suspended stream queues again and resumes later as a continuation. Service is charged at
+dispatch from an estimate (prompt tokens + max_tokens) and corrected with the real usage at the end.
 
 A slot freed by an under-served tenant with nothing queued is held for it for ``hold_s`` (50 ms):
 a client that keeps N streams sends its next request a few milliseconds after each answer, and
@@ -46,43 +48,16 @@ from dataclasses import dataclass, field
 from passerelle.config import DEFAULT_CLASSES, ClassConfig
 from passerelle.errors import NoBackend, QueueFull, QueueTimeout
 from passerelle.runtimes.kinds import Backend
+from passerelle.scheduling.job import OUTPUT_WEIGHT, PROMPT_WEIGHT, Job
+from passerelle.scheduling.preemption import Preempting, PreemptionPolicy
+from passerelle.scheduling.slots import SlotMap
 
-# Weights of the service charged to a tenant: generating a token costs more than reading one.
-PROMPT_WEIGHT = 1.0
-OUTPUT_WEIGHT = 2.0
+__all__ = ["Job", "PreemptionPolicy", "Scheduler"]
+
 # Memory of one entry of the affinity map, its key a hashed 26-character string (the gateway's
 # affinity_key); measured in tests/unit/test_client_edges.py. [routing] affinity_max_bytes / this
 # is how many conversations the map remembers.
 AFFINITY_ENTRY_BYTES = 200
-
-
-@dataclass(eq=False)
-class Job:
-    """One request waiting for, or holding, a backend slot."""
-
-    pool: list[Backend]
-    cls: ClassConfig
-    tenant: str
-    model: str = ""
-    weight: float = 1.0
-    est_prompt_tokens: int = 0
-    est_output_tokens: int = 256
-    can_wait_for_start: bool = False  # a supervised backend of the pool may come up
-    affinity: str = ""  # conversation or session: prefer the replica that served it before
-    exclude: set[str] = field(default_factory=set)  # replicas that already failed this request
-    seq: int = 0
-    enqueued_at: float = 0.0
-    backend: Backend | None = None
-    charged: float = 0.0
-    probe: bool = False  # dispatched as its replica's half-open probe (breaker.py)
-    max_wait_s: float | None = None  # longest wait in the queue; None: the class's max_queue_wait_s
-    future: asyncio.Future[Backend] | None = None
-    timer: asyncio.TimerHandle | None = None
-
-    @property
-    def estimate(self) -> float:
-        return PROMPT_WEIGHT * self.est_prompt_tokens + OUTPUT_WEIGHT * self.est_output_tokens
-
 
 @dataclass
 class _Tenant:
@@ -128,12 +103,12 @@ class _DrainRate:
         return len(self.times) / span
 
 
-class Scheduler:
+class Scheduler(Preempting):
     def __init__(self, classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, aging_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
                  affinity_slack: float = 1.0, hold_s: float = 0.05, max_tenants: int = 10_000,
-                 affinity_max_entries: int = 100_000) -> None:
+                 affinity_max_entries: int = 100_000, preemption: PreemptionPolicy | None = None) -> None:
         self.classes = {c.name: c for c in classes}
         self.aging_s = aging_s
         self.clock = clock
@@ -154,6 +129,12 @@ class Scheduler:
         self.hold_s = hold_s
         self.holds: list[_Hold] = []
         self.hold_counts = {"kept": 0, "lapsed": 0}  # holds used by their tenant / given up
+        self.preemption = preemption
+        self.suspendable: set[Job] = set()  # running jobs whose stream may be suspended now
+        self.preempt_counts = {"suspended": 0, "resumed": 0}
+        self._preempt_timer: asyncio.Handle | None = None
+        self._preempt_at = 0.0
+        self._slots: dict[str, SlotMap] = {}  # backend -> its named slots (runtimes with slot ids)
         self._wake_at = math.inf  # the earliest open breaker seen by the last dispatch
         self._wake_timer: asyncio.TimerHandle | None = None
         self._wake_timer_at = math.inf
@@ -186,7 +167,7 @@ class Scheduler:
             raise QueueFull(f"The '{job.cls.name}' queue for model '{job.model}' is full ({job.cls.max_queue} "
                             "waiting); retry later.", retry_after=self.retry_after(queued))
         now = self.clock()
-        job.seq, job.enqueued_at = next(self._seq), now
+        job.seq, job.enqueued_at, job.queued_at = next(self._seq), now, now
         t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
         self.tenants.move_to_end(job.tenant)
         back_soon = self.hold_s > 0 and now - t.released_at <= self.hold_s
@@ -205,18 +186,26 @@ class Scheduler:
         self.waiting.append(job)
         self.dispatch()
         if job.backend is None:
+            self._arm_preemption()
             if self.on_change:
                 self.on_change()
             if self.on_need:
                 self.on_need()
 
     async def acquire(self, job: Job) -> Backend:
-        """Wait for a slot; the backend it is on. Cancelling the caller removes the job at once."""
+        """Wait for a slot; the backend it is on. Cancelling the caller removes the job at once.
+        A suspended job is already queued again: this waits for it to resume."""
         loop = asyncio.get_running_loop()
-        job.future = loop.create_future()
-        self.submit(job)
-        if job.backend is not None:
+        if job.backend is not None:  # suspended, and resumed before its caller came back for it
             return job.backend
+        if job.resuming and job.future is not None:
+            if job.future.done():
+                return job.future.result()
+        else:
+            job.future = loop.create_future()
+            self.submit(job)
+            if job.backend is not None:
+                return job.backend
         wait = job.cls.max_queue_wait_s if job.max_wait_s is None else min(job.cls.max_queue_wait_s, job.max_wait_s)
         job.timer = loop.call_later(max(0.0, wait), self._expire, job)
         try:
@@ -233,18 +222,18 @@ class Scheduler:
     def release(self, job: Job, *, prompt_tokens: int | None = None, completion_tokens: int | None = None) -> None:
         """Give the slot back and correct the tenant's charge with the real usage."""
         b = job.backend
-        if b is None:
-            return
-        job.backend = None
-        b.in_flight -= 1
-        b.last_used = time.monotonic()  # idle time counts from the end of the last request
-        self.tenants[job.tenant].running -= 1
-        key = (b.name, job.cls.name)
-        self.running[key] -= 1
-        if prompt_tokens is not None or completion_tokens is not None:
+        if job.starts and (prompt_tokens is not None or completion_tokens is not None):
             actual = PROMPT_WEIGHT * (prompt_tokens or 0) + OUTPUT_WEIGHT * (completion_tokens or 0)
             self._charge(job.tenant, (actual - job.charged) / job.weight, actual - job.charged)
+            job.charged = actual
+        if b is None:
+            if job.resuming:  # suspended and never resumed (the client left, the wait ran out)
+                job.resuming = False
+                self._remove(job)
+            return
+        self._free(job, b)
         t = self.tenants[job.tenant]
+        t.running -= 1
         now = t.released_at = self.clock()
         if self.hold_s > 0 and t.waiting == 0 and t.anticipate and self._contested(b, job.cls, t, now):
             self._hold(_Hold(b, job.cls, job.tenant, now + self.hold_s))
@@ -267,6 +256,30 @@ class Scheduler:
                 failed += 1
         return failed
 
+    def _free(self, job: Job, b: Backend) -> None:
+        """The slot's bookkeeping, for a release or a suspension."""
+        job.backend = None
+        b.in_flight -= 1
+        b.last_used = time.monotonic()  # idle time counts from the end of the last request
+        self.running[(b.name, job.cls.name)] -= 1
+        self.suspendable.discard(job)
+        job.suspend = None
+        if job.slot is not None and b.name in self._slots:
+            self._slots[b.name].give(job)
+
+    def _requeue(self, job: Job, now: float) -> None:
+        """Queue a suspended job again: its place in its tenant's order (``seq``) stays, and its
+        aging counts every wait so far, not the time it ran."""
+        t = self.tenants[job.tenant]
+        t.running -= 1
+        t.waiting += 1
+        job.waited_s += max(0.0, job.started_at - job.enqueued_at)
+        job.enqueued_at = now - job.waited_s
+        job.queued_at = now
+        if job.future is not None:
+            job.future = job.future.get_loop().create_future()
+        self.waiting.append(job)
+
     def expire_due(self) -> None:
         """Fail every job whose queue wait is over, end every hold past its time (the loop's
         timers do this in production)."""
@@ -276,6 +289,7 @@ class Scheduler:
             self._expire(job)
         for hold in [h for h in self.holds if h.until <= now]:
             self._hold_expired(hold)
+        self.preempt_due()
 
     # -- internals -------------------------------------------------------------------------
     def _charge(self, tenant: str, virtual: float, tokens: float) -> None:
@@ -457,11 +471,19 @@ class Scheduler:
         self.dispatch()
 
     def _start(self, job: Job, backend: Backend, now: float) -> None:
+        resumed, job.resuming = job.resuming, False
         self.waiting.remove(job)
         t = self.tenants[job.tenant]
         t.waiting -= 1
         t.running += 1
         job.backend = backend
+        job.started_at = now
+        if job.slotted and backend.slot_ids and self.preemption is not None:
+            slots = self._slots.get(backend.name)
+            if slots is None:
+                slots = self._slots[backend.name] = SlotMap(backend.capacity)
+            slots.grow(backend.capacity)
+            job.slot = slots.take(job, now)
         if self.holds:  # the tenant's next request came: its hold (on this replica first) is used up
             mine = [h for h in self.holds if h.tenant == job.tenant]
             if mine:
@@ -487,11 +509,12 @@ class Scheduler:
             if len(self.affinity) > self.affinity_max_entries:
                 self.affinity.popitem(last=False)
         self.running[(backend.name, job.cls.name)] = self.running.get((backend.name, job.cls.name), 0) + 1
-        # Charged once per request: a retry on another replica is the same request, not a new one.
-        extra = job.estimate - job.charged
-        if extra:
+        job.starts += 1
+        if job.starts == 1:  # (a retry on another replica or a resume is not charged again)
             job.charged = job.estimate
-            self._charge(job.tenant, extra / job.weight, extra)
+            self._charge(job.tenant, job.estimate / job.weight, job.estimate)
+        if resumed:
+            self.preempt_counts["resumed"] += 1
         self._vtime = t.counter
         self._drain.add(now)
         if job.future is not None and not job.future.done():

@@ -37,7 +37,7 @@ from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.memory import MemoryBook, machine_gib
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
-from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, Scheduler
+from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, PreemptionPolicy, Scheduler
 from passerelle.scheduling.swapper import Swapper
 from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener
@@ -84,10 +84,13 @@ class App:
         self.metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
         self.registry = Registry(backends, self.metrics)
         self.access_log = AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format)
-        self.scheduler = Scheduler(cfg.classes, aging_s=cfg.scheduler.aging_s, on_change=self._queue_changed,
+        sc = cfg.scheduler
+        self.scheduler = Scheduler(cfg.classes, aging_s=sc.aging_s, on_change=self._queue_changed,
                                    policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack,
-                                   hold_s=cfg.scheduler.hold_s, max_tenants=cfg.scheduler.max_tenants,
-                                   affinity_max_entries=cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES)
+                                   hold_s=sc.hold_s, max_tenants=sc.max_tenants,
+                                   affinity_max_entries=cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES,
+                                   preemption=PreemptionPolicy(sc.preempt_after_ms / 1000, sc.min_run_s)
+                                   if sc.preemption else None)
         self.supervisor = Supervisor(processes or [], max_loaded_gib=budget_gib(cfg.runtimes),
                                      memory_kind=cfg.runtimes.memory,
                                      book=MemoryBook(state_dir() / "runtime-memory.json"),
@@ -198,6 +201,9 @@ class App:
         snap["runtimes"] = self.supervisor.describe()  # loaded or not, memory estimated and measured
         snap["swaps"] = self.swapper.describe()  # budget, swaps and their cost, what waits for a load
         snap.update(self.gateway.keys.snapshot())  # auth_throttle, tenants, keys (tenants/policy.py)
+        # streams suspended for a better class, resumed, and the prompt tokens resuming cost
+        snap["preemption"] = {"enabled": self.scheduler.preemption is not None, **self.scheduler.preempt_counts,
+                              **self.gateway.preemption_stats}
         await raw_response(send, 200, orjson.dumps(snap), b"application/json", [(b"cache-control", b"no-store")])
 
     async def ui(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -270,7 +276,8 @@ class App:
         await json_response(send, 200, await self.reload(force=force))
 
     async def runtimes(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await json_response(send, 200, control.runtimes(self.supervisor, self.swapper.describe()))
+        await json_response(send, 200, control.runtimes(self.supervisor, self.registry.backends,
+                                                        self.swapper.describe()))
 
     async def runtime_action(self, scope: Scope, receive: Receive, send: Send) -> None:
         out = await control.runtime_action(self.supervisor, scope["path"], scope["method"],
@@ -351,8 +358,10 @@ class App:
                  f"  dashboard at {admin}/ui, metrics at {admin}/metrics",
                  f"  key store {self.keystore.path} ({auth})"]
         for b in self.registry.backends:
+            cap = b.capacity_info
+            size = f"capacity {cap.describe()}" if b.stats.up or cap.declared else "capacity asked once it is up"
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
-                         f"[{', '.join(b.endpoints)}], {b.capacity} slots, {'up' if b.stats.up else 'DOWN'}")
+                         f"[{', '.join(b.endpoints)}], {size}, {'up' if b.stats.up else 'DOWN'}")
         e = self.cfg.embedded
         if not e.model_path and any(b.cfg.name == "local" for b in self.registry.backends):
             lines.append(f"  note: {e.model_id} is a small base model: it continues text rather than chats "

@@ -95,9 +95,10 @@ class RequestTimeout(InvalidRequest):
 
 class BodiesOverBudget(GatewayError):
     """The request bodies being held at once would pass ``server.max_body_bytes_total``: the
-    gateway's admission is full (cause ``queue_full``, like a full class queue)."""
+    gateway itself is full (cause ``server_busy``: not a model's class queue, ``queue_full``, which
+    is a 429 with its own remedy)."""
 
-    status, type, code, cause = 503, "server_error", "server_busy", Cause.QUEUE_FULL
+    status, type, code, cause = 503, "server_error", "server_busy", Cause.SERVER_BUSY
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"The gateway already holds {limit} bytes of request bodies "

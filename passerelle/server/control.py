@@ -16,20 +16,30 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
 
 from passerelle.errors import InvalidRequest, NoBackend
+from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.supervisor import RuntimeFailed, Supervisor
 from passerelle.server.routes import NotFound
 
 
-def runtimes(sup: Supervisor | None, swaps: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The launched runtimes, the memory budget, and the swaps (``swaps``: the swapper's account)."""
-    return {"runtimes": sup.describe() if sup else [], "budget": sup.budget() if sup else {},
-            "swaps": (swaps or {}) if sup else {}}
+def runtimes(sup: Supervisor | None, backends: Iterable[Backend] = (),
+             swaps: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every launched runtime, then every backend passerelle reaches at a URL (state ``external``),
+    the memory budget, and the swaps (``swaps``: the swapper's account)."""
+    rows = sup.describe() if sup else []
+    launched = {r["name"] for r in rows}
+    for b in backends:
+        if b.name not in launched:
+            rows.append({"name": b.name, "kind": b.kind, "state": "external", "pid": None, "url": b.url,
+                         "restarts": 0, "in_flight": b.in_flight, "up": b.stats.up, "on_demand": False,
+                         "models": list(b.models), **b.capacity_info.as_dict()})
+    return {"runtimes": rows, "budget": sup.budget() if sup else {}, "swaps": (swaps or {}) if sup else {}}
 
 
 async def runtime_action(sup: Supervisor | None, path: str, method: str, query: bytes) -> dict[str, Any] | str:
@@ -61,19 +71,21 @@ def _gib(v: object) -> str:
 
 
 def render(body: bytes) -> str:
-    """A runtime list as a table, for the command line: state, and memory estimated from the model
-    file against what was measured (RAM and GPU), then the budget and the swaps."""
+    """A runtime list as a table, for the command line: state, how many requests it is sent at
+    once and where that figure came from, memory estimated from the model file against what was
+    measured (RAM and GPU), then the budget and the swaps."""
     data = orjson.loads(body)
     rows = data["runtimes"]
-    out = [f"{'NAME':16}{'KIND':14}{'STATE':10}{'PID':>8}{'UP':>4}{'BUSY':>6}{'RESTARTS':>10}"
-           f"{'EST GiB':>9}{'MEASURED':>10}{'RAM':>7}{'GPU':>7}{'COUNTS':>8}  URL"]
+    out = [f"{'NAME':16}{'KIND':14}{'STATE':10}{'PID':>8}{'UP':>4}{'BUSY':>6}{'CAPACITY':>9} {'FROM':9}"
+           f"{'RESTARTS':>9}{'EST GiB':>9}{'MEASURED':>10}{'RAM':>7}{'GPU':>7}{'COUNTS':>8}  URL"]
     for r in rows:
         flags = [f for f, on in (("on demand", r.get("on_demand")), ("persistent", r.get("persistent")),
                                  ("unloading", r.get("fenced"))) if on]
         measured = _gib(r.get("measured_gib")) + ("" if r.get("measured_now") or r.get("measured_gib") is None
                                                   else "*")
         out.append(f"{r['name']:16}{r['kind']:14}{r['state']:10}{r['pid'] or '-':>8}{'yes' if r['up'] else 'no':>4}"
-                   f"{r['in_flight']:>6}{r['restarts']:>10}{_gib(r.get('estimated_gib')):>9}{measured:>10}"
+                   f"{r['in_flight']:>6}{r.get('capacity', '-'):>9} {r.get('capacity_source', '-'):9}"
+                   f"{r['restarts']:>9}{_gib(r.get('estimated_gib')):>9}{measured:>10}"
                    f"{_gib(r.get('rss_gib')):>7}{_gib(r.get('gpu_gib')):>7}{_gib(r.get('need_gib')):>8}"
                    f"  {r['url'] or '-'}" + (f"  ({', '.join(flags)})" if flags else ""))
     budget = data.get("budget") or {}
@@ -86,4 +98,7 @@ def render(body: bytes) -> str:
     if any(r.get("measured_gib") is not None and not r.get("measured_now") for r in rows):
         out.append("* measured when it last ran (learned; kept across restarts of passerelle)")
     out.append("COUNTS: what the budget counts (measured, else configured memory_gib, else the estimate)")
+    details = [f"  {r['name']}: {r['capacity_detail']}" for r in rows if r.get("capacity_detail")]
+    if details:
+        out += ["", "capacity, requests at once:", *details]
     return "\n".join(out)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import uvicorn
 
 from passerelle.config import Config
+from passerelle.runtimes.limiter import DEFAULT_INITIAL
 from passerelle.server.connections import ConnectionLimits, guarded_protocol
 
 log = logging.getLogger("passerelle.server.serving")
@@ -85,7 +86,9 @@ class GatewayServer(uvicorn.Server):
 def gateway_server(app: Any, cfg: Config) -> GatewayServer:
     s = cfg.server
     return_freed_memory()
-    slots = sum(b.max_concurrency for b in cfg.backends)
+    # a backend without max_concurrency gets its size from the runtime once it runs: count the
+    # learned limit's start, more than most runtimes report
+    slots = sum(b.max_concurrency or DEFAULT_INITIAL for b in cfg.backends)
     limits = ConnectionLimits.of(s, max_connections=fd_budget(s.max_connections, slots))
     config = uvicorn.Config(
         app, host=s.host, port=s.port, loop="uvloop", http=guarded_protocol(limits), lifespan="on",

@@ -341,15 +341,63 @@ def many_headers(addr: Addr, count: int, timeout: float = 10.0) -> int:
         return status_of(read_to_close(s, timeout))
 
 
-def stream_without_reading(addr: Addr, body: bytes, headers: dict[str, str] | None = None) -> socket.socket:
-    """A streaming request whose answer is never read (the socket's receive buffer kept small)."""
+def stream_without_reading(addr: Addr, body: bytes, headers: dict[str, str] | None = None,
+                           path: str = CHAT) -> socket.socket:
+    """A streaming request whose answer is never read (the socket's receive buffer kept small).
+    Ask for a long answer at a fast pace (e.g. 200,000 tokens from a fake runtime without delays):
+    the gateway's writes block only once the kernel's buffers between the two are full."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.settimeout(5)
     s.connect(addr)
-    s.sendall(head("POST", CHAT, {"Content-Type": "application/json", "Content-Length": str(len(body)),
+    s.sendall(head("POST", path, {"Content-Type": "application/json", "Content-Length": str(len(body)),
                                   **(headers or {})}) + body)
     return s
+
+
+def request_id(raw: bytes) -> str:
+    """The ``X-Request-Id`` of a raw response (its head, at least)."""
+    for line in raw.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"x-request-id":
+            return value.strip().decode("latin-1")
+    raise ValueError(f"no X-Request-Id in {raw[:300]!r}")
+
+
+def unsent_to(pid: int, client: socket.socket) -> int:
+    """Bytes the kernel of process ``pid`` holds for the client socket ``client`` (the send queue
+    of ``pid``'s end of that connection: written, not yet taken); -1 when there is no such
+    connection any more."""
+    try:
+        local_port, server_port = client.getsockname()[1], client.getpeername()[1]
+    except OSError:  # not connected any more: reset
+        return -1
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                if len(parts) > 4 and int(parts[1].rsplit(":", 1)[1], 16) == server_port \
+                        and int(parts[2].rsplit(":", 1)[1], 16) == local_port:
+                    return int(parts[4].split(":")[0], 16)
+    return -1
+
+
+def wait_stalled(pid: int, clients: list[socket.socket], timeout: float, steady: float = 0.2) -> list[int]:
+    """Until what process ``pid`` holds for each of ``clients`` has stopped growing (the client's
+    window is shut and the kernel's buffer full: from then on the server's writes wait); those
+    byte counts. Raises AssertionError after ``timeout``, or when a connection is gone first."""
+    deadline = time.monotonic() + timeout
+    last = [unsent_to(pid, c) for c in clients]
+    while time.monotonic() < deadline:
+        time.sleep(steady)
+        now = [unsent_to(pid, c) for c in clients]
+        if -1 in now:
+            raise AssertionError(f"a connection was closed before it stalled: {now}")
+        if all(n > 0 and n == m for n, m in zip(now, last, strict=True)):
+            return now
+        last = now
+    raise AssertionError(f"the server's queues to the clients did not stop growing in {timeout:g} s ({last} bytes)")
 
 
 # --- the well-behaved client ----------------------------------------------------------------------

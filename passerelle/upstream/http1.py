@@ -182,6 +182,7 @@ class Response:
         conn = self._conn
         conn.resp = None
         conn.pool.release(conn, reuse=self._done and self.keep_alive and self._exc is None)
+        self._wake()  # a reader waiting in another task gets b"": closed (a suspended stream)
 
     # -- fed by the connection -------------------------------------------------------------
     def _wake(self) -> None:

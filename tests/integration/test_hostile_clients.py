@@ -139,6 +139,51 @@ def test_many_tenants_from_user_leave_no_state_behind(rig):
     r.back_to_baseline()
 
 
+def test_clients_that_never_read_give_their_slots_and_their_keys_concurrency_back(rig, tmp_path):
+    # The regression: the error event was written to a client that did not read, blocked on flow
+    # control, and the slot and the key's concurrency were never given back; two such clients on a
+    # 2-slot backend and a well-behaved request got 429 queue_timeout 20 s later.
+    from passerelle.tenants.keys import KeyStore
+
+    store = KeyStore(tmp_path / "keys.db")
+    _, good = store.create("good")
+    hostile_key, bad = store.create("hostile", max_concurrency=2)
+    write_s = 2.0  # [timeouts] client_write_s and between_tokens_s below
+    r = rig(LIMITS + f'[timeouts]\nbetween_tokens_s = {write_s}\nclient_write_s = {write_s}\n'
+            f'[auth]\ndb = "{tmp_path / "keys.db"}"\n', headers={"Authorization": f"Bearer {good}"},
+            slots=2, itl_ms=0)  # a fast runtime: the kernel's buffers fill in a moment
+    body = hc.chat_body(MODEL, stream=True, max_tokens=200_000)
+    pid = r.gw.proc.pid
+    with r.client() as client:
+        socks = [hc.stream_without_reading(r.addr, body, {"Authorization": f"Bearer {bad}"}) for _ in range(2)]
+        try:
+            ids = [hc.request_id(s.recv(2048)) for s in socks]  # the head and a little; nothing more is read
+            hc.wait_stalled(pid, socks, 10)
+            # From here the gateway's writes wait: each client is cut at most one watchdog pass (1 s)
+            # after client_write_s; the slack is for a loaded machine, far below what a leak takes.
+            within = write_s + 1.0 + 1.5
+            wait_until(lambda: all(hc.unsent_to(pid, s) == -1 for s in socks), within,
+                       what="both clients that do not read cut")
+            stats = wait_until(lambda: (st := httpx.get(r.gw.url + "/admin/stats", timeout=5).json())["running"] == 0
+                               and st, within, what="the slots back")
+            [row] = [k for k in stats["keys"] if k["id"] == hostile_key.id]
+            assert row["running"] == 0 and row["queued"] == 0  # the key's concurrency is back
+            for s in socks:  # dropped with a reset: the client knows its answer was cut
+                with pytest.raises(ConnectionResetError):
+                    while s.recv(1 << 20):
+                        pass
+        finally:
+            hc.close_all(socks)
+        # a request on that key is served again
+        again = hc.WellBehaved(r.addr, MODEL, headers={"Authorization": f"Bearer {bad}"})
+        assert again.once() and again.once(), again.served.last_error
+    r.served(client)  # beside them, on the same two slots
+    lines = r.gw.access_log()
+    for rid in ids:
+        assert [line["cause"] for line in lines if line["request_id"] == rid] == ["client_timeout"]
+    r.back_to_baseline()
+
+
 def test_a_connection_flood_past_the_limit_under_a_low_fd_limit(rig):
     r = rig("[server]\nmax_connections = 128\nkeep_alive_s = 60\n")  # only the limit makes room
     resource.prlimit(r.gw.proc.pid, resource.RLIMIT_NOFILE, (256, 256))

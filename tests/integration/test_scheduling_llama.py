@@ -65,7 +65,9 @@ def waiting(gw, cls: str) -> float:
 
 
 def test_interactive_queued_later_is_dispatched_before_earlier_batch(gateway, llama_server):
-    gw = gateway(upstream_config(llama_server.url, slots=1) + ONE_SLOT)
+    # the queue's order alone: with preemption (the default) the interactive request would not
+    # wait for the running batch request at all (tests/integration/test_preemption_llama.py)
+    gw = gateway(upstream_config(llama_server.url, slots=1) + ONE_SLOT + "preemption = false\n")
     first = in_background(chat, gw.url, priority="batch", max_tokens=400, prompt="batch 0")
     wait_until(lambda: running(gw) == 1, 30, what="first batch request running")
     batch = [in_background(chat, gw.url, priority="batch", max_tokens=8, prompt=f"batch {i}") for i in (1, 2, 3)]

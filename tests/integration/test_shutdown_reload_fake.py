@@ -8,10 +8,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import orjson
+import pytest
 
+from passerelle.testing import hostile_clients as hc
 from tests.conftest import upstream_config, wait_until
 
 MODEL = "fake-model"
@@ -50,6 +53,52 @@ def test_sigterm_past_the_grace_period_ends_streams_with_an_error_event(gateway,
     assert isinstance(queued_resp, httpx.Response) and queued_resp.status_code == 503
     assert queued_resp.json()["error"]["code"] == "shutting_down"
     lines = [orjson.loads(line) for line in gw.log_text().splitlines() if line.startswith('{"ts"')]
+    assert sorted(line["cause"] for line in lines if line["endpoint"] == "chat") == ["shutdown", "shutdown"]
+
+
+def test_a_client_that_does_not_read_never_holds_the_shutdown(gateway, fake_backend):
+    # Its last event cannot be delivered: it gets the 1 s write deadline, then its connection is
+    # reset. It used to stay open, and uvicorn (which waits for every connection to close) held the
+    # process until its own deadline (shutdown_grace_s + 2 s) and gave up on it.
+    fast, slow = fake_backend(ttft_ms=0, itl_ms=0), fake_backend(ttft_ms=5, itl_ms=100)
+    gw = gateway(upstream_config(fast.url, model=MODEL, kind="openai")
+                 + upstream_config(slow.url, model="slow-model", kind="openai").replace('"b1"', '"b2"')
+                 + "[server]\nshutdown_grace_s = 1\n"
+                 + "[timeouts]\nbetween_tokens_s = 60\nclient_write_s = 60\n")  # only the shutdown cuts it
+    addr = ("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
+    stuck = hc.stream_without_reading(addr, hc.chat_body(MODEL, stream=True, max_tokens=200_000))
+    got: list[str] = []
+
+    def reading() -> None:  # a client beside it that reads
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=30, json={
+                "model": "slow-model", "max_tokens": 1000, "stream": True,
+                "messages": [{"role": "user", "content": "x"}]}) as resp:
+            got.append(resp.read().decode())
+
+    beside = threading.Thread(target=reading)
+    try:
+        rid = hc.request_id(stuck.recv(2048))  # the head and a little; nothing more is read
+        hc.wait_stalled(gw.proc.pid, [stuck], 10)  # the gateway's writes to it wait from now on
+        beside.start()
+        wait_until(lambda: httpx.get(slow.url + "/fake/stats", timeout=2).json()["requests"] == 1, 10,
+                   what="the reading stream running")
+        start = time.monotonic()
+        assert gw.stop(signal.SIGTERM, timeout=30) == 0
+        took = time.monotonic() - start
+        with pytest.raises(ConnectionResetError):  # cut, and told so: not an answer that looks complete
+            while stuck.recv(1 << 20):
+                pass
+    finally:
+        stuck.close()
+        if beside.ident is not None:  # (started)
+            beside.join(10)
+    log = gw.log_text()
+    assert "timeout graceful shutdown exceeded" not in log and "without completing response" not in log, log[-2000:]
+    assert took < 10, took  # (grace 1 s + 1 s for the last events; uvicorn's deadline above is 3 s)
+    events = [line[6:] for line in got[0].splitlines() if line.startswith("data: ")]
+    assert orjson.loads(events[-1])["error"]["code"] == "shutting_down"
+    lines = [orjson.loads(line) for line in log.splitlines() if line.startswith('{"ts"')]
+    assert [line["cause"] for line in lines if line["request_id"] == rid] == ["shutdown"]
     assert sorted(line["cause"] for line in lines if line["endpoint"] == "chat") == ["shutdown", "shutdown"]
 
 

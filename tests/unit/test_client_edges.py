@@ -129,7 +129,7 @@ async def test_bodies_held_at_once_have_a_budget():
         over = Client([body])
         await gw.app(over.scope(), over.receive, over.send)
         assert over.status == 503 and over.error()["code"] == "server_busy" and over.resp_headers[b"retry-after"]
-        assert gw.records[-1].cause is Cause.QUEUE_FULL and gw.app.body_budget.used == 1000
+        assert gw.records[-1].cause is Cause.SERVER_BUSY and gw.app.body_budget.used == 1000
 
 
 async def test_stream_options_null_is_valid():
@@ -285,6 +285,71 @@ async def test_requests_running_past_the_grace_period_end_with_an_error_and_the_
         assert waiting.status == 503 and waiting.json()["error"]["code"] == "shutting_down"
         assert [r.cause for r in gw.records] == [Cause.SHUTDOWN, Cause.SHUTDOWN]
         assert not gw.app.gateway.open and settled(gw)
+
+
+async def test_the_shutdown_speaks_each_apis_own_error_shape():
+    msg = {"model": "fake-model", "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}]}
+    async with fake_runtime(itl_ms=50.0) as fake, \
+            gateway(fake.backend_config(kind="llama-server", max_concurrency=1),
+                    server=ServerConfig(shutdown_grace_s=0.2)) as gw:
+        streaming = asyncio.create_task(gw.post("/v1/messages", {**msg, "stream": True}))
+        queued = asyncio.create_task(gw.post("/v1/messages", msg))
+        async with asyncio.timeout(3):
+            while len(gw.app.gateway.open) < 2 or not gw.app.scheduler.waiting:
+                await asyncio.sleep(0.01)
+        gw.app.begin_shutdown()
+        async with asyncio.timeout(5):
+            stream, waiting = await streaming, await queued
+        last = stream.body.rstrip().split(b"\n\n")[-1]
+        assert last.startswith(b"event: error\ndata: ")  # Anthropic's error event, not OpenAI's
+        assert orjson.loads(last.split(b"data: ", 1)[1])["error"]["type"] == "overloaded_error"
+        assert waiting.status == 503 and waiting.json()["type"] == "error"
+        assert waiting.headers[b"request-id"] == waiting.headers[b"x-request-id"]
+        assert [r.cause for r in gw.records] == [Cause.SHUTDOWN, Cause.SHUTDOWN] and settled(gw)
+
+
+async def test_the_shutdown_ends_a_responses_stream_with_its_own_error_event():
+    body = {"model": "fake-model", "input": "hi", "max_output_tokens": 500, "stream": True}
+    async with fake_runtime(itl_ms=50.0) as fake, \
+            gateway(fake.backend_config(kind="llama-server"), server=ServerConfig(shutdown_grace_s=0.2)) as gw:
+        streaming = asyncio.create_task(gw.post("/v1/responses", body))
+        async with asyncio.timeout(3):
+            while not gw.app.gateway.open or not any(ex.started for ex in gw.app.gateway.open):
+                await asyncio.sleep(0.01)
+        gw.app.begin_shutdown()
+        async with asyncio.timeout(5):
+            stream = await streaming
+        last = stream.body.rstrip().split(b"\n\n")[-1]
+        assert last.startswith(b"event: error\ndata: ")  # Responses' error event, not a chat chunk
+        event = orjson.loads(last.split(b"data: ", 1)[1])
+        assert event["type"] == "error" and event["code"] == "shutting_down"
+        assert [r.cause for r in gw.records] == [Cause.SHUTDOWN] and settled(gw)
+
+
+async def test_the_shutdown_cuts_a_client_that_does_not_read_at_its_write_deadline():
+    # A client that stopped reading (a stream, and a whole answer sent in pieces whose last bytes
+    # never go out) must not hold the shutdown: each gets write_timeout_s, then its connection is
+    # dropped. It used to be left open, so the server waited for it until its own deadline.
+    async with fake_runtime(itl_ms=2.0) as fake, \
+            gateway(fake.backend_config(), server=ServerConfig(shutdown_grace_s=0.2)) as gw:
+        stuck = [asyncio.create_task(gw.post("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 100_000},
+                                             stop_reading_after_chunks=3)),
+                 asyncio.create_task(gw.post("/v1/embeddings", {"model": "fake-model", "input": ["word"] * 4000},
+                                             stop_reading_after_chunks=1))]
+        async with asyncio.timeout(5):  # both blocked on a write the client does not take
+            while len(gw.app.gateway.open) < 2 or not all(ex.writing_since for ex in gw.app.gateway.open):
+                await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        gw.app.begin_shutdown()
+        async with asyncio.timeout(5):
+            stream, whole = await stuck[0], await stuck[1]
+        took = loop.time() - start
+        assert stream.aborted and whole.aborted
+        assert 0.2 + 1.0 <= took < 0.2 + 1.0 + 0.5, took  # grace, then the 1 s write deadline
+        assert len(whole.body) <= 1 << 18  # one piece went out, the rest never will
+        assert [r.cause for r in gw.records] == [Cause.SHUTDOWN, Cause.SHUTDOWN] and settled(gw)
+        assert not gw.app.gateway.open
 
 
 @pytest.mark.parametrize(("text", "key"), [

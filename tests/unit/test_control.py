@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from passerelle.config import BackendConfig, TimeoutConfig
@@ -42,3 +43,21 @@ async def test_log_tail_is_bounded_and_checked(tmp_path):
 async def test_unknown_runtimes_and_actions_are_refused(tmp_path, path, method, error):
     with pytest.raises(error):
         await control.runtime_action(supervisor(tmp_path), path, method, b"")
+
+
+def test_runtime_list_shows_every_backend_and_where_its_capacity_came_from(tmp_path):
+    sup = supervisor(tmp_path)
+    external = make_backend(BackendConfig(name="box2", kind="vllm", url="http://192.0.2.10:8000", models=("m",),
+                                          max_concurrency=32), TimeoutConfig())
+    learned = make_backend(BackendConfig(name="any", url="http://192.0.2.11:8000", models=("m",)), TimeoutConfig())
+    body = control.runtimes(sup, [sup.get("r1").backend, external, learned])
+    rows = {r["name"]: r for r in body["runtimes"]}
+    assert [r["name"] for r in body["runtimes"]] == ["r1", "box2", "any"]  # the launched one once
+    assert (rows["box2"]["state"], rows["box2"]["capacity"], rows["box2"]["capacity_source"]) == \
+        ("external", 32, "declared")
+    assert (rows["any"]["capacity"], rows["any"]["capacity_source"]) == (256, "learned")
+    text = control.render(orjson.dumps(body))
+    assert "box2: 32 (declared: max_concurrency)" in text
+    assert "any: 256 (learned: not lowered yet; lowered when the runtime queues)" in text
+    line = next(x for x in text.splitlines() if x.startswith("box2"))
+    assert "external" in line and " 32 declared" in line

@@ -206,6 +206,47 @@ async def test_a_fault_of_the_gateway_is_internal_error_not_the_runtimes(monkeyp
         assert gw.app.registry.backends[0].breaker.failures == 0
 
 
+STREAMS = [  # path, body, how the API's error event is read
+    ("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 200},
+     lambda last: orjson.loads(last.split(b"data: ", 1)[1])["error"]["code"]),
+    ("/v1/messages", {**CHAT, "stream": True, "max_tokens": 200},
+     lambda last: orjson.loads(last.split(b"data: ", 1)[1])["error"]["type"]),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "code_of"), STREAMS, ids=["chat", "messages"])
+async def test_a_fault_of_the_gateway_mid_stream_ends_it_with_its_apis_error_event(monkeypatch, caplog, path, body,
+                                                                                  code_of):
+    # internal_error comes from one place: an exception that is not a GatewayError escaping the
+    # request's life (proxy/gateway.py, Gateway.handle). A correct gateway raises none, so it is
+    # produced here with a patched bug, in the relay once the stream has begun.
+    from prometheus_client import generate_latest
+
+    from passerelle.proxy.relay import StreamRelay
+
+    real = StreamRelay._scan
+
+    def broken(self, events, now):
+        if self.before_first is None:  # the response head and a first token went out
+            raise ZeroDivisionError("a bug")
+        return real(self, events, now)
+
+    async with fake_runtime(itl_ms=2) as fake, gateway(fake.backend_config(kind="llama-server")) as gw:
+        monkeypatch.setattr(StreamRelay, "_scan", broken)
+        resp = await gw.post(path, body)
+        last = resp.body.rstrip().split(b"\n\n")[-1]
+        assert resp.status == 200 and b"[DONE]" not in resp.body and b"message_stop" not in resp.body
+        assert code_of(last) == ("internal_error" if path.endswith("completions") else "api_error")
+        [rec] = gw.records
+        assert rec.cause is Cause.INTERNAL_ERROR and rec.status == 500 and settled(gw)
+        assert any(r.exc_info and r.exc_info[0] is ZeroDivisionError for r in caplog.records)  # the traceback
+        assert gw.app.registry.backends[0].breaker.failures == 0  # never blamed on the runtime
+        assert b'cause="internal_error"' in generate_latest(gw.app.metrics.registry)
+        monkeypatch.undo()
+        again = await gw.post(path, body)  # the gateway keeps serving
+        assert again.status == 200 and gw.records[-1].cause is Cause.OK and settled(gw)
+
+
 async def test_a_queue_wait_is_bounded_by_the_total_timeout():
     t = dataclasses.replace(QUICK, total_s=0.5, first_token_s=5, between_tokens_s=5)
     async with fake_runtime() as fake, gateway(fake.backend_config(max_concurrency=1), timeouts=t) as gw:

@@ -203,7 +203,8 @@ def test_backends_and_waiting():
     assert row | {"checked_ago_s": None} == {
         "name": "b1", "kind": "openai", "url": "http://127.0.0.1:9", "models": ["m"], "up": True,
         "slots_busy": 2, "slots_total": 4, "kv_cache_usage_ratio": 0.25, "queue_depth": 1, "in_flight": 3,
-        "capacity": 4, "breaker": "closed", "checked_ago_s": None, "error": ""}
+        "capacity": 4, "capacity_source": "declared", "capacity_detail": "4 (declared: max_concurrency)",
+        "capacity_reported": None, "breaker": "closed", "checked_ago_s": None, "error": ""}
     assert snap["classes"]["batch"]["waiting"] == 5 and snap["totals"]["waiting"] == 7
 
 

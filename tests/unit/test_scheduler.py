@@ -28,6 +28,7 @@ class FakeBackend:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     fenced: bool = False
     last_used: float = 0.0
+    slot_ids: bool = False
     routable = Backend.routable
 
 
@@ -192,8 +193,9 @@ async def test_tenant_back_from_idle_banks_no_credit(clock):
 
 async def test_class_slot_share_keeps_a_slot_for_interactive(clock):
     b = FakeBackend(capacity=4)
-    s = make(clock)
-    batch = [job([b], "batch", tenant="bulk") for _ in range(6)]
+    share = ClassConfig("batch", 2, slot_share=0.75)  # the default without preemption
+    s = make(clock, classes=(CLS["interactive"], CLS["standard"], share))
+    batch = [job([b], share, tenant="bulk") for _ in range(6)]
     for j in batch:
         s.submit(j)
     assert len(started(batch)) == 3 and b.in_flight == 3  # 0.75 of 4

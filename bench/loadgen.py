@@ -1,0 +1,249 @@
+"""The bench/ scripts' streaming load: simulated users, each on one keep-alive HTTP/1.1 connection,
+sending streaming chat requests one after another and timing them.
+
+A lean client on uvloop and httptools, so that the generator is not what a run measures: the
+request is written in one call, the response's events are counted in place (a content event as
+passerelle/chunks.py defines it, the same definition the gateway's relay uses), and nothing is
+decoded. TTFT runs from that write to the first content event. Users start staggered over one
+request's duration (otherwise identical requests march in lock-step waves), the first request of
+each connection is a warm-up, and users keep sending until the last measured request has ended,
+so the load stays at the concurrency for the whole window. Each round records the generator's own
+CPU, so a run shows whether the generator could keep up.
+
+    from loadgen import run_async, run_load
+
+    r = run_async(run_load(gw.url, concurrency=64, measured=1024, max_tokens=32, stagger_s=0.36,
+                           timeout=60))
+    print(pct(r.ttft_ms, 50), r.tokens_per_s, dict(r.errors))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httptools
+from harness import MASTER_KEY, MODEL, own_cpu_s
+
+from passerelle.chunks import CHAT, count_events
+
+
+class Failed(Exception):
+    pass
+
+
+@dataclass
+class Totals:
+    tokens: int = 0  # content events received on any request of the round, warm-ups included
+
+
+class StreamConn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection sending one streaming request at a time."""
+
+    def __init__(self, sink: Totals) -> None:
+        self.sink = sink
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.open = False
+        self.status = 0
+        self.keep_alive = True
+        self.tail = b""
+        self.first = 0.0
+        self.tokens = 0
+        self.done = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.open = True
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._finish(Failed(f"bad HTTP: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open = False
+        self._finish(Failed("connection closed mid-request"))
+
+    # httptools callbacks
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        buf = self.tail + body if self.tail else body
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            self.tail = buf
+            return
+        events, self.tail = buf[: cut + 2], buf[cut + 2:]
+        n = count_events(CHAT, events)
+        if n:
+            if not self.first:
+                self.first = time.perf_counter()
+            self.tokens += n
+            self.sink.tokens += n
+        if b"data: [DONE]" in events:
+            self.done = True
+
+    def on_message_complete(self) -> None:
+        self._finish(None)
+
+    def _finish(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            if exc is None:
+                self.waiter.set_result(None)
+            else:
+                self.waiter.set_exception(exc)
+
+    async def request(self, raw: bytes, timeout: float) -> tuple[float, float, float, int]:
+        """(sent, first content, end, content events); raises Failed or TimeoutError."""
+        assert self.transport is not None
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.first, self.tokens, self.done, self.tail, self.status = 0.0, 0, False, b"", 0
+        t0 = time.perf_counter()
+        self.transport.write(raw)
+        async with asyncio.timeout(timeout):
+            await self.waiter
+        end = time.perf_counter()
+        if self.status != 200:
+            raise Failed(f"HTTP {self.status}")
+        if not self.done:
+            raise Failed("stream ended without [DONE]")
+        return t0, self.first, end, self.tokens
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def request_bytes(url: str, max_tokens: int) -> bytes:
+    host = url.split("//", 1)[1]
+    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": "Tell me about rivers."}]},
+                      separators=(",", ":")).encode()
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {MASTER_KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+@dataclass
+class Round:
+    ttft_ms: list[float] = field(default_factory=list)
+    e2e_ms: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    tokens_per_s: float = 0.0
+    requests: int = 0  # every request the round sent and finished (warm-ups and cool-downs included)
+    wall_s: float = 0.0
+    window_s: float = 0.0
+    gen_cpu_s: float = 0.0
+
+
+async def run_load(url: str, concurrency: int, measured: int, max_tokens: int, stagger_s: float,
+                   timeout: float, deadline_s: float | None = None,
+                   on_done: Callable[[float, float, float, int], None] | None = None,
+                   cap_s: float | None = None) -> Round:
+    """``concurrency`` users, each on its own connection: a warm-up request, then measured ones
+    until ``measured`` are taken, then more (not measured) until the last measured one ended.
+
+    ``cap_s``: after this long, take no more measured requests (a slow target gets fewer, but at
+    least one per user). With ``deadline_s`` (soak) users run until then and nothing is measured
+    but ``on_done``.
+    """
+    loop = asyncio.get_running_loop()
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    raw = request_bytes(url, max_tokens)
+    totals = Totals()
+    out = Round()
+    state = {"taken": 0, "ended": 0, "t_a": 0.0, "tok_a": 0, "t_b": 0.0, "tok_b": 0, "closed": False}
+    at_least = min(measured, concurrency)
+
+    def maybe_all_ended() -> None:
+        if state["ended"] == state["taken"] and (state["taken"] >= measured or state["closed"]) \
+                and not all_ended.done():
+            state["t_b"], state["tok_b"] = time.perf_counter(), totals.tokens
+            all_ended.set_result(None)
+    all_ended = loop.create_future()
+    if measured <= 0:
+        all_ended.set_result(None)
+    t_start, gen0 = time.perf_counter(), own_cpu_s()
+    stop_at = (t_start + deadline_s) if deadline_s is not None else None
+
+    async def user(i: int) -> None:
+        await asyncio.sleep(stagger_s * i / concurrency)
+        conn: StreamConn | None = None
+        warm = True
+        try:
+            while True:
+                if stop_at is not None:
+                    if time.perf_counter() >= stop_at:
+                        return
+                    counted = False
+                elif all_ended.done():
+                    return
+                else:
+                    if (cap_s is not None and not state["closed"] and state["taken"] >= at_least
+                            and time.perf_counter() - t_start > cap_s):
+                        state["closed"] = True
+                        maybe_all_ended()
+                        if all_ended.done():
+                            return
+                    counted = not warm and state["taken"] < measured and not state["closed"]
+                if conn is None or not conn.open or not conn.keep_alive:
+                    if conn is not None:
+                        conn.close()
+                    try:
+                        _, conn = await loop.create_connection(lambda: StreamConn(totals), host, int(port))
+                    except OSError as exc:
+                        out.errors[f"connect: {exc.__class__.__name__}"] += 1
+                        await asyncio.sleep(0.1)
+                        continue
+                if counted:
+                    state["taken"] += 1
+                    if state["taken"] == 1:
+                        state["t_a"], state["tok_a"] = time.perf_counter(), totals.tokens
+                try:
+                    t0, first, end, n = await conn.request(raw, timeout)
+                except (Failed, TimeoutError) as exc:
+                    out.errors[str(exc) or "timeout"] += 1
+                    conn.close()
+                    conn = None
+                else:
+                    out.requests += 1
+                    if on_done is not None:
+                        on_done(t0, first, end, n)
+                    if counted:
+                        if n != max_tokens:
+                            out.errors[f"{n} of {max_tokens} tokens"] += 1
+                        out.ttft_ms.append((first - t0) * 1000)
+                        out.e2e_ms.append((end - t0) * 1000)
+                if counted:
+                    state["ended"] += 1
+                    maybe_all_ended()
+                warm = False
+        finally:
+            if conn is not None:
+                conn.close()
+
+    await asyncio.gather(*(user(i) for i in range(concurrency)))
+    out.wall_s = time.perf_counter() - t_start
+    out.gen_cpu_s = own_cpu_s() - gen0
+    if measured > 0 and state["t_b"] > state["t_a"]:
+        out.window_s = state["t_b"] - state["t_a"]
+        out.tokens_per_s = (state["tok_b"] - state["tok_a"]) / out.window_s
+    return out
+
+
+def run_async(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -1,0 +1,111 @@
+"""What the gateway reads from a request before it queues it: the body (capped), its class, what
+ties it to a replica, and how many tokens it may cost.
+
+Example::
+
+    body = await read_request_body(scope, receive, limit=cfg.server.max_body_bytes)
+    cls = priority_class(classes, cfg.auth, scope, key)          # X-Priority within the key's ceiling
+    affinity = affinity_key(cfg.routing, scope, data, "chat")    # "p:…": the conversation's opening
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import orjson
+
+from passerelle.config import AuthConfig, ClassConfig, RoutingConfig
+from passerelle.errors import BodyTooLarge, ClientDisconnect, InvalidRequest
+from passerelle.proxy.exchange import Receive, Scope, header
+from passerelle.tenants.keys import ApiKey
+
+
+async def read_request_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole body, refused as soon as it is known to exceed ``limit`` bytes."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                if int(value) > limit:
+                    raise BodyTooLarge(limit)
+            except ValueError:
+                raise InvalidRequest("Content-Length is not a number.") from None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientDisconnect("client left while sending the body")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+def output_estimate(data: dict[str, Any] | None, length: int | None) -> int:
+    """Tokens the request may generate, for admission (tokens per minute, quotas) and fair share:
+    its length limit (else 256) times the sequences generated (``n``, and ``best_of``, which
+    generates that many to return ``n``).
+
+    >>> output_estimate({"max_tokens": 500, "n": 1000}, 500)
+    500000
+    """
+    sequences = 1
+    for name in ("n", "best_of"):
+        v = (data or {}).get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > sequences:
+            sequences = v
+    return (length or 256) * sequences
+
+
+def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
+    """``body`` with ``stream_options.include_usage = true`` (spliced in when absent, so the
+    rest of the body keeps its exact bytes)."""
+    if "stream_options" not in data:
+        i = body.index(b"{")
+        return body[: i + 1] + b'"stream_options":{"include_usage":true},' + body[i + 1 :]
+    data = dict(data, stream_options={**(data["stream_options"] or {}), "include_usage": True})  # null is valid
+    return orjson.dumps(data)
+
+
+def priority_class(classes: dict[str, ClassConfig], auth: AuthConfig, scope: Scope,
+                   key: ApiKey | None) -> ClassConfig:
+    """The key's class (or the anonymous one), lowered by X-Priority, raised only up to the
+    key's ``max_priority``."""
+    base = classes[(key.priority if key and key.priority in classes else None)
+                        or auth.anonymous_priority]
+    ceiling = classes[(key.max_priority if key and key.max_priority in classes else None)
+                           or (base.name if key else auth.anonymous_max_priority)]
+    asked = header(scope, b"x-priority")
+    if not asked:
+        return base
+    wanted = classes.get(asked.strip().lower())
+    if wanted is None:
+        raise InvalidRequest(f"X-Priority must be one of: {', '.join(classes)}.", param="X-Priority")
+    if wanted.rank < min(ceiling.rank, base.rank):
+        return ceiling if ceiling.rank < base.rank else base
+    return wanted
+
+def affinity_key(r: RoutingConfig, scope: Scope, data: dict[str, Any] | None, endpoint: str) -> str:
+    """What keeps related requests on one replica: a session header, else the conversation's
+    opening (system prompt and first user message, shared by every turn, so llama-server's
+    prompt cache is reused: chat, Anthropic messages, Responses input), else the ``user``."""
+    session = header(scope, r.session_header.lower().encode()) if r.session_header else None
+    if session:  # hashed, like the others: a client's string never sets an entry's size
+        return "s:" + hashlib.blake2b(session.encode("latin-1"), digest_size=12).hexdigest()
+    if data is None:
+        return ""
+    if r.prefix_affinity and endpoint in ("chat", "messages", "responses"):
+        turns = data.get("input" if endpoint == "responses" else "messages")
+        opening: list[Any] = [data.get("system" if endpoint == "messages" else "instructions")]
+        for m in turns if isinstance(turns, list) else [turns]:
+            opening.append(m)
+            if not isinstance(m, dict) or m.get("role") == "user":
+                break
+        return "p:" + hashlib.blake2b(orjson.dumps(opening), digest_size=12).hexdigest()
+    user = data.get("user")
+    return "u:" + hashlib.blake2b(user.encode(errors="surrogatepass"), digest_size=12).hexdigest() \
+        if isinstance(user, str) else ""

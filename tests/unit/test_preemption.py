@@ -1,0 +1,325 @@
+"""Preemption, decided with an injected clock: when a stream is suspended, which one, how often,
+and how a suspended stream queues again (scheduling/preemption.py, the scheduler's books)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from passerelle.config import DEFAULT_CLASSES, ClassConfig
+from passerelle.scheduling.job import Job
+from passerelle.scheduling.scheduler import PreemptionPolicy, Scheduler
+from tests.unit.test_scheduler import Clock, FakeBackend
+
+CLS = {c.name: c for c in DEFAULT_CLASSES}
+POLICY = PreemptionPolicy(after_s=0.05, min_run_s=2.0)
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+def make(clock, **kw) -> Scheduler:
+    return Scheduler(clock=clock, preemption=kw.pop("preemption", POLICY), hold_s=0, **kw)
+
+
+def job(pool, cls="batch", tenant="t", **kw) -> Job:
+    j = Job(pool=pool, cls=CLS[cls] if isinstance(cls, str) else cls, tenant=tenant, **kw)
+    j.future = asyncio.get_running_loop().create_future()
+    return j
+
+
+class Stream:
+    """A running stream's side of a suspension: counts the calls, may refuse."""
+
+    def __init__(self, ok: bool = True) -> None:
+        self.ok = ok
+        self.calls = 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.ok
+
+
+def running_batch(s: Scheduler, b, n: int, clock, tenant="bulk") -> list[tuple[Job, Stream]]:
+    out = []
+    for _ in range(n):
+        j = job([b], "batch", tenant=tenant)
+        s.submit(j)
+        assert j.backend is b
+        stream = Stream()
+        s.allow_suspend(j, stream)
+        out.append((j, stream))
+        clock.now += 0.1  # started one after the other
+    return out
+
+
+async def test_a_waiting_interactive_request_suspends_a_batch_stream_after_preempt_after(clock):
+    b = FakeBackend(capacity=2)
+    s = make(clock)
+    (_older, s1), (newer, s2) = running_batch(s, b, 2, clock)
+    chat = job([b], "interactive")
+    s.submit(chat)
+    assert chat.backend is None  # every slot is busy (batch may hold them all with preemption on)
+    clock.now += 0.049
+    s.preempt_due()
+    assert chat.backend is None and s1.calls == s2.calls == 0  # a slot may still free by itself
+    clock.now += 0.002
+    s.preempt_due()
+    # the stream that started last is cut; its slot goes to the interactive request at once
+    assert (s2.calls, s1.calls) == (1, 0)
+    assert chat.backend is b and b.in_flight == 2
+    assert newer.backend is None and newer in s.waiting and newer.resuming
+    assert s.preempt_counts == {"suspended": 1, "resumed": 0}
+    # it resumes when a slot frees, before batch work that came after it
+    later = job([b], "batch", tenant="bulk")
+    s.submit(later)
+    s.release(chat)
+    assert newer.backend is b and later.backend is None
+    assert s.preempt_counts == {"suspended": 1, "resumed": 1}
+
+
+async def test_nothing_is_suspended_while_a_slot_is_free_or_for_the_same_class(clock):
+    b = FakeBackend(capacity=3)
+    s = make(clock)
+    streams = running_batch(s, b, 2, clock)
+    more = job([b], "batch")
+    s.submit(more)  # takes the free slot
+    s.allow_suspend(more, Stream())
+    again = job([b], "batch", tenant="other")
+    s.submit(again)
+    clock.now += 1.0
+    s.preempt_due()
+    assert again.backend is None and all(st.calls == 0 for _, st in streams)
+
+
+async def test_a_stream_is_not_suspended_twice_within_min_run_s(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    ((bulk, stream),) = running_batch(s, b, 1, clock)
+    first = job([b], "interactive")
+    s.submit(first)
+    clock.now += 0.06
+    s.preempt_due()
+    assert first.backend is b and stream.calls == 1
+    s.release(first)
+    assert bulk.backend is b  # resumed
+    s.allow_suspend(bulk, stream)
+    second = job([b], "interactive")
+    s.submit(second)
+    clock.now += 1.0
+    s.preempt_due()
+    assert second.backend is None and stream.calls == 1  # 1.06 s after its suspension: not yet
+    clock.now += 1.0
+    s.preempt_due()
+    assert second.backend is b and stream.calls == 2
+
+
+async def test_the_worst_class_is_cut_first_and_a_stream_that_cannot_be_is_passed_over(clock):
+    b = FakeBackend(capacity=3)
+    low = ClassConfig("bulk", 3, preemptible=True)
+    s = make(clock, classes=(*DEFAULT_CLASSES, low))
+    a = job([b], "batch")
+    s.submit(a)
+    s.allow_suspend(a, sa := Stream())
+    clock.now += 1
+    c = job([b], low)
+    s.submit(c)
+    s.allow_suspend(c, sc := Stream(ok=False))  # e.g. it is about to end by itself
+    clock.now += 1
+    d = job([b], "batch")
+    s.submit(d)
+    s.allow_suspend(d, sd := Stream())
+    chat = job([b], "interactive")
+    s.submit(chat)
+    clock.now += 0.1
+    s.preempt_due()
+    # the worst class (bulk) was asked first and refused; then the batch stream started last
+    assert (sc.calls, sd.calls, sa.calls) == (1, 1, 0)
+    assert chat.backend is b and d.backend is None and c.backend is b
+
+
+async def test_classes_that_are_not_preemptible_and_streams_not_marked_suspendable_are_never_cut(clock):
+    b = FakeBackend(capacity=2)
+    s = make(clock)
+    std = job([b], "standard")
+    s.submit(std)
+    s.allow_suspend(std, st := Stream())  # standard is not preemptible: ignored
+    unsafe = job([b], "batch")
+    s.submit(unsafe)  # a batch request with tools: the gateway never allows it
+    chat = job([b], "interactive")
+    s.submit(chat)
+    clock.now += 10
+    s.preempt_due()
+    assert chat.backend is None and st.calls == 0 and not s.suspendable
+
+
+async def test_preemption_off_suspends_nothing(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock, preemption=None)
+    bulk = job([b], "batch")
+    s.submit(bulk)
+    s.allow_suspend(bulk, stream := Stream())
+    chat = job([b], "interactive")
+    s.submit(chat)
+    clock.now += 10
+    s.preempt_due()
+    assert chat.backend is None and stream.calls == 0
+
+
+async def test_a_class_over_its_own_share_does_not_preempt(clock):
+    b = FakeBackend(capacity=2)
+    narrow = ClassConfig("interactive", 0, slot_share=0.5)
+    s = make(clock, classes=(narrow, CLS["standard"], CLS["batch"]))
+    first = job([b], narrow)
+    s.submit(first)
+    ((_bulk, stream),) = running_batch(s, b, 1, clock)
+    second = job([b], narrow)
+    s.submit(second)
+    clock.now += 1
+    s.preempt_due()
+    assert second.backend is None and stream.calls == 0  # a free slot would not be its to take
+
+
+async def test_a_suspended_stream_ages_like_a_queued_request_and_keeps_its_place(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock, aging_s=30)
+    first = job([b], "batch", tenant="bulk")
+    queued_before = job([b], "batch", tenant="bulk")
+    s.submit(first)
+    s.allow_suspend(first, Stream())
+    s.submit(queued_before)
+    clock.now += 20  # queued_before has waited 20 s; first ran 20 s
+    chat = job([b], "interactive")
+    s.submit(chat)
+    clock.now += 0.1
+    s.preempt_due()
+    assert first.resuming and first.waited_s == 0.0
+    # first is ahead of queued_before in its tenant's order (it arrived first)...
+    assert s._key(first, clock.now) < s._key(queued_before, clock.now)
+    # ...and its aging counts only the time it waited, not the 20 s it ran
+    clock.now += 15
+    assert s._key(first, clock.now)[0] == 2 and s._key(queued_before, clock.now)[0] == 1
+
+
+async def test_a_suspended_job_whose_client_leaves_is_removed(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    ((bulk, _),) = running_batch(s, b, 1, clock)
+    chat = job([b], "interactive")
+    s.submit(chat)
+    clock.now += 0.1
+    s.preempt_due()
+    assert bulk in s.waiting
+    s.release(bulk, prompt_tokens=10, completion_tokens=5)  # the gateway's finally, after the client left
+    assert bulk not in s.waiting and s.tenants["bulk"].waiting == 0 and b.in_flight == 1
+
+
+async def test_the_timer_fires_by_itself(clock):
+    """In the event loop the scheduler arms its own timer (the real clock here)."""
+    b = FakeBackend(capacity=1)
+    s = Scheduler(preemption=PreemptionPolicy(after_s=0.02, min_run_s=2.0), hold_s=0)
+    bulk = job([b], "batch")
+    s.submit(bulk)
+    s.allow_suspend(bulk, stream := Stream())
+    chat = job([b], "interactive")
+    got = await asyncio.wait_for(s.acquire(chat), timeout=5)
+    assert got is b and stream.calls == 1
+
+
+async def test_a_suspended_stream_resumes_in_the_slot_it_left(clock):
+    b = FakeBackend(capacity=3)
+    b.slot_ids = True
+    s = make(clock)
+    streams = []
+    for _ in range(3):
+        j = job([b], "batch", slotted=True)
+        s.submit(j)
+        s.allow_suspend(j, Stream())
+        streams.append(j)
+        clock.now += 0.1
+    assert sorted(j.slot for j in streams) == [0, 1, 2]
+    victim = streams[-1]
+    left = victim.slot
+    chat = job([b], "interactive", slotted=True)
+    s.submit(chat)
+    clock.now += 0.1
+    s.preempt_due()
+    assert chat.slot == left  # the freed slot, the only one
+    s.release(chat)
+    assert victim.backend is b and victim.slot == left  # back where its prompt cache is
+
+
+def test_slot_choice_prefers_the_conversations_slot_then_the_least_recently_used():
+    from passerelle.scheduling.slots import SlotMap
+
+    slots = SlotMap(3)
+    a, b, c = (Job(pool=[], cls=CLS["standard"], tenant="t", affinity=k) for k in ("chat-a", "chat-b", "chat-c"))
+    for t, j in enumerate((a, b, c)):
+        j.slot = slots.take(j, float(t))
+    assert (a.slot, b.slot, c.slot) == (0, 1, 2)
+    for j in (c, a, b):
+        slots.give(j)
+    again_b = Job(pool=[], cls=CLS["standard"], tenant="t", affinity="chat-b")
+    assert slots.take(again_b, 10.0) == 1  # its conversation's slot
+    new = Job(pool=[], cls=CLS["standard"], tenant="t")
+    assert slots.take(new, 11.0) == 0  # least recently used of the free ones
+
+
+async def test_a_check_that_comes_a_little_early_comes_back(clock):
+    """The loop's timers run on a coarser clock than the scheduler's: one that fires a hair before
+    the request is due must not leave it waiting for a slot to free by itself."""
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    running_batch(s, b, 1, clock)
+    chat = job([b], "interactive")
+    s.submit(chat)
+    clock.now += 0.0497
+    s.preempt_due()
+    assert chat.backend is None and s._preempt_timer is not None
+    s._preempt_timer.cancel()
+    clock.now += 0.001
+    s._preempt_fired()
+    assert chat.backend is b
+
+
+def test_arming_again_under_uvloop_when_the_first_timer_was_already_due():
+    """uvloop's call_at with a time already past gives a plain Handle (no when()): arming the
+    check again must not depend on it."""
+    import uvloop
+
+    async def run() -> None:
+        clock = Clock()
+        b = FakeBackend(capacity=1)
+        s = make(clock)
+        bulk = job([b], "batch")
+        s.submit(bulk)
+        chat = job([b], "interactive")
+        s.submit(chat)  # nothing suspendable yet: no timer
+        clock.now += 1.0  # the interactive request is long due when the stream becomes suspendable
+        s.allow_suspend(bulk, stream := Stream())
+        s.submit(job([b], "interactive"))  # arms again while the first (already due) timer is pending
+        await asyncio.sleep(0.01)
+        assert stream.calls == 1 and chat.backend is b
+
+    uvloop.run(run())
+
+
+async def test_of_one_class_the_stream_that_sent_least_is_cut(clock):
+    """Its continuation's prompt grows by what it sent, which the runtime may compute again."""
+    b = FakeBackend(capacity=2)
+    s = make(clock)
+    long_ago = job([b], "batch")
+    s.submit(long_ago)
+    s.allow_suspend(long_ago, few := Stream(), lambda: 3)
+    clock.now += 1
+    recent = job([b], "batch")
+    s.submit(recent)
+    s.allow_suspend(recent, many := Stream(), lambda: 40)
+    chat = job([b], "interactive")
+    s.submit(chat)
+    clock.now += 0.1
+    s.preempt_due()
+    assert (few.calls, many.calls) == (1, 0) and chat.backend is b

@@ -1,0 +1,136 @@
+"""Preemption through the whole gateway, in-process (tests/inprocess.py), in front of the fake
+runtime standing in for a one-slot llama-server: a batch stream cut for an interactive request
+reaches its client as one well-formed stream with its true usage, and the record says so. (The
+fake does not continue text the way a model does; the real llama-server test does:
+tests/integration/test_preemption_llama.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+
+from passerelle.config import AuthConfig, SchedulerConfig
+from passerelle.errors import Cause
+from tests.inprocess import fake_runtime, gateway
+
+BATCH = {"model": "fake-model", "messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 40}
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+AUTH = AuthConfig(anonymous_max_priority="interactive")
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)
+
+
+def settled(gw) -> bool:
+    s = gw.app.scheduler
+    return not s.waiting and not any(s.running.values()) and all(b.in_flight == 0 for b in gw.app.registry.backends)
+
+
+def one_slot(fake):
+    return fake.backend_config(kind="llama-server", max_concurrency=0)  # its /props says 1 slot
+
+
+async def run_flood(gw, batch_body: dict, *, leave: bool = False):
+    """A batch request, then an interactive one once the batch stream is relaying."""
+    batch = asyncio.create_task(gw.post("/v1/chat/completions", batch_body, headers={"X-Priority": "batch"},
+                                        leave_after_chunks=12 if leave else None))
+    await until(lambda: gw.app.scheduler.suspendable or batch.done())
+    chat = await gw.post("/v1/chat/completions", CHAT, headers={"X-Priority": "interactive"})
+    return await batch, chat
+
+
+async def test_a_batch_stream_cut_for_an_interactive_request_is_one_stream_with_true_usage():
+    async with fake_runtime(itl_ms=10, slots=1) as fake, gateway(one_slot(fake), auth=AUTH) as gw:
+        body = {**BATCH, "stream": True, "stream_options": {"include_usage": True}}
+        batch, chat = await run_flood(gw, body)
+        assert chat.status == 200 and batch.status == 200
+        events = [orjson.loads(e) for e in batch.events() if e != b"[DONE]"]
+        assert batch.events()[-1] == b"[DONE]"
+        assert len({e["id"] for e in events}) == 1  # one stream, whatever the attempts
+        assert sum(1 for e in events if e["choices"] and "role" in e["choices"][0]["delta"]) == 1
+        words = [e["choices"][0]["delta"]["content"] for e in events
+                 if e["choices"] and e["choices"][0]["delta"].get("content")]
+        assert len(words) == 40  # every token once, none repeated, none lost
+        usage = events[-1]["usage"]
+        assert usage["completion_tokens"] == 40 and usage["prompt_tokens"] == 4  # the original prompt's words
+        recs = {r.priority: r for r in gw.records}
+        rec = recs["batch"]
+        assert rec.cause is Cause.OK and rec.suspensions == 1 and rec.suspended_s > 0
+        assert (rec.prompt_tokens, rec.completion_tokens) == (4, 40)
+        # the interactive request did not wait for the batch stream to end
+        assert recs["interactive"].queue_wait < 1.0 and recs["interactive"].t_end < rec.t_end
+        # the continuation asked for the rest: the messages plus what was sent, continued
+        assert fake.runtime.counters.requests == 3
+        stats = gw.app.scheduler.preempt_counts
+        assert stats == {"suspended": 1, "resumed": 1}
+        assert settled(gw)
+
+
+async def test_a_non_streaming_batch_request_is_cut_and_assembled_whole():
+    async with fake_runtime(itl_ms=10, slots=1) as fake, gateway(one_slot(fake), auth=AUTH) as gw:
+        batch, chat = await run_flood(gw, BATCH)
+        assert chat.status == 200 and batch.status == 200
+        answer = batch.json()
+        assert len(answer["choices"][0]["message"]["content"].split()) == 40
+        assert answer["usage"]["completion_tokens"] == 40
+        assert [r.suspensions for r in gw.records if r.priority == "batch"] == [1]
+        assert settled(gw)
+
+
+async def test_a_request_with_tools_is_never_suspended():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    async with fake_runtime(itl_ms=5, slots=1) as fake, gateway(one_slot(fake), auth=AUTH) as gw:
+        batch = asyncio.create_task(gw.post("/v1/chat/completions", {**BATCH, "stream": True, "tools": tools},
+                                            headers={"X-Priority": "batch"}))
+        await until(lambda: fake.runtime.counters.requests == 1 and fake.runtime.slots.busy)
+        chat = await gw.post("/v1/chat/completions", CHAT, headers={"X-Priority": "interactive"})
+        await batch
+        recs = {r.priority: r for r in gw.records}
+        assert recs["batch"].suspensions == 0 and gw.app.scheduler.preempt_counts["suspended"] == 0
+        assert recs["interactive"].t_dispatch > recs["batch"].t_end - 0.05  # it waited for the slot
+        assert chat.status == 200 and settled(gw)
+
+
+async def test_preemption_off_leaves_the_batch_stream_alone():
+    async with fake_runtime(itl_ms=5, slots=1) as fake, \
+            gateway(one_slot(fake), auth=AUTH, scheduler=SchedulerConfig(preemption=False)) as gw:
+        batch, chat = await run_flood(gw, {**BATCH, "stream": True})
+        assert [r.suspensions for r in gw.records] == [0, 0] and batch.status == chat.status == 200
+
+
+async def test_a_client_that_leaves_while_suspended_is_let_go():
+    async with fake_runtime(itl_ms=10, slots=1) as fake, gateway(one_slot(fake), auth=AUTH) as gw:
+        body = {**BATCH, "stream": True}
+        batch = asyncio.create_task(gw.post("/v1/chat/completions", body, headers={"X-Priority": "batch"}))
+        await until(lambda: gw.app.scheduler.suspendable)
+        chat = asyncio.create_task(gw.post("/v1/chat/completions", {**CHAT, "max_tokens": 30},
+                                           headers={"X-Priority": "interactive"}))
+        await until(lambda: gw.app.scheduler.preempt_counts["suspended"] == 1)
+        batch.cancel()  # the batch client goes away while its stream waits to resume
+        await asyncio.gather(batch, return_exceptions=True)
+        await chat
+        await until(lambda: settled(gw))
+        assert gw.app.scheduler.preempt_counts == {"suspended": 1, "resumed": 0}
+
+
+async def test_a_stream_is_cut_only_once_its_first_token_went_out():
+    """llama-server notices a closed connection only when it writes to it: a request cut while its
+    prompt is processed would keep its slot to the end. So nothing is cut before its first token."""
+    async with fake_runtime(ttft_ms=300, itl_ms=10, slots=1) as fake, gateway(one_slot(fake), auth=AUTH) as gw:
+        batch = asyncio.create_task(gw.post("/v1/chat/completions", {**BATCH, "stream": True},
+                                            headers={"X-Priority": "batch"}))
+        await until(lambda: fake.runtime.counters.requests == 1)
+        assert not gw.app.scheduler.suspendable
+        chat = await gw.post("/v1/chat/completions", CHAT, headers={"X-Priority": "interactive"})
+        await batch
+        recs = {r.priority: r for r in gw.records}
+        assert chat.status == 200 and recs["batch"].suspensions == 1
+        first_token = recs["batch"].t_first
+        assert recs["interactive"].t_dispatch >= first_token  # it waited for the first token, then cut
