@@ -1,12 +1,13 @@
 """Two models, one memory budget: passerelle's swap decision against "evict on every miss".
 
-Two on-demand llama-servers ("chat" and "coder", Gemma 3 270M each, about 0.35 GiB measured) under
-a budget that holds one at a time. Two groups of users work at once: chat users ask a question,
-read the answer and think a few seconds before the next one; coders send bursts of short
-completions, pause, and come back. The same workload runs through two gateways, one after the
-other in the same run: passerelle's ``fair`` swap policy (collated demands, minimum residency,
-priority and fair share) and the ``naive`` policy (the oldest waiting request's model is loaded at
-once, whatever is running: what simpler model swappers do).
+Two on-demand llama-servers of two different models under a budget that holds one at a time:
+"chat" is Gemma 3 270M (about 0.35 GiB measured), "coder" the small random-weight Llama made
+locally (``passerelle/testing/tiny_llama_gguf.py``, about 0.30 GiB). Two groups of users work at
+once: chat users ask a question, read the answer and think a few seconds before the next one;
+coders send bursts of short completions, pause, and come back. The same workload runs through two
+gateways, one after the other in the same run: passerelle's ``fair`` swap policy (collated demands,
+minimum residency, priority and fair share) and the ``naive`` policy (the oldest waiting request's
+model is loaded at once, whatever is running: what simpler model swappers do).
 
 Each group is a tenant (the ``user`` field), so fair share applies between the two groups.
 Reported per policy: requests served and failed, TTFT p50/p95 per model (request sent to the first
@@ -33,8 +34,10 @@ from harness import ROOT, NotReady, pct, serve
 
 from passerelle.chunks import CHAT  # a content event: a token, not the empty delta some chunks carry
 from passerelle.runtimes import embedded
+from passerelle.testing.tiny_llama_gguf import ensure_tiny_llama
 
-BUDGET_GIB = 0.55  # one Gemma 3 270M runtime (0.35 GiB measured, 0.53 estimated) fits, two do not
+# Gemma 3 270M (0.35 GiB measured, 0.53 estimated) fits, the tiny Llama (0.30, 0.40) fits, both do not
+BUDGET_GIB = 0.55
 
 
 class Workload:
@@ -107,11 +110,12 @@ def runtime(name: str, binary: Path, model: Path) -> str:
             f' "-np", "2", "-c", "4096", "--metrics", "--slots", "--no-webui", "-t", "1"]\n')
 
 
-def run_policy(policy: str, args: argparse.Namespace, work: Path, binary: Path, model: Path) -> dict:
+def run_policy(policy: str, args: argparse.Namespace, work: Path, binary: Path, models: dict[str, Path]) -> dict:
     cfg = work / f"{policy}.toml"
     cfg.write_text(f'[runtimes]\nmax_loaded_gib = {BUDGET_GIB}\nswap_policy = "{policy}"\n'
                    f'min_resident_s = {args.min_resident}\ndrain_timeout_s = 60\n'
-                   '[server]\naccess_log = false\n' + runtime("chat", binary, model) + runtime("coder", binary, model))
+                   '[server]\naccess_log = false\n'
+                   + runtime("chat", binary, models["chat"]) + runtime("coder", binary, models["coder"]))
     gw = serve(work, cfg, name=policy, src=ROOT)  # this checkout's passerelle; its log: POLICY.log
     base = gw.url
     try:
@@ -149,10 +153,12 @@ def main() -> int:
     ap.add_argument("--policies", default="fair,naive")
     ap.add_argument("--out", type=Path, help="also write results.json here")
     args = ap.parse_args()
-    binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
+    binary = embedded.find_or_build_llama_server()
+    models = {"chat": embedded.ensure_default_model(), "coder": ensure_tiny_llama()}
     work = Path(tempfile.mkdtemp(prefix="passerelle-swap-"))
-    results = [run_policy(p, args, work, binary, model) for p in args.policies.split(",")]
-    print(f"\nTwo on-demand llama-servers (Gemma 3 270M, 2 slots each) under a {BUDGET_GIB} GiB budget: one "
+    results = [run_policy(p, args, work, binary, models) for p in args.policies.split(",")]
+    print(f"\nTwo on-demand llama-servers (chat: Gemma 3 270M, coder: the tiny Llama; 2 slots each) under a "
+          f"{BUDGET_GIB} GiB budget: one "
           f"loaded at a time.\n{args.chat_users} chat users (24 tokens, think 1-4 s) and {args.coders} coders "
           f"(bursts of 2-4 x 12 tokens, pause 3-8 s), {args.duration:g} s per policy; "
           f"fair: min_resident_s = {args.min_resident:g}.\n")

@@ -117,6 +117,15 @@ def llama_paths() -> tuple[Path, Path]:
     return embedded.find_or_build_llama_server(), embedded.ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_path() -> Path:
+    """A second chat model, genuinely different from Gemma (a small random-weight Llama, 137 MB,
+    about 0.3 GiB loaded): written once (about a second), cached under ~/.cache/passerelle/models."""
+    from passerelle.testing.tiny_llama_gguf import ensure_tiny_llama
+
+    return ensure_tiny_llama()
+
+
 def start_llama(binary: Path, model: Path, log_path: Path, *, slots: int = 4, ctx_per_slot: int = 2048,
                 extra: tuple[str, ...] = (), alias: str = MODEL_ID) -> Server:
     port = free_port()

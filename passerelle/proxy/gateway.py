@@ -44,7 +44,6 @@ from passerelle.errors import (
     GatewayError,
     InternalError,
     InvalidRequest,
-    UnknownModel,
     UpstreamError,
 )
 from passerelle.observe.accesslog import AccessLog
@@ -60,7 +59,7 @@ from passerelle.proxy.intake import (
     read_request_body,
     with_usage_requested,
 )
-from passerelle.proxy.protocols import Api, Parsed, api_for
+from passerelle.proxy.protocols import Api, Parsed, api_for, replace_form_field
 from passerelle.proxy.resume import Splice, suspendable
 from passerelle.proxy.retry import RetryBudget, may_retry
 from passerelle.runtimes.catalogue import Catalogue
@@ -144,26 +143,19 @@ class Gateway:
                     rec.tenant = user_tenant(req.user, self.cfg.auth.max_user_chars)
                 # Model catalogue (runtimes/catalogue.py): name or alias -> public name, pool, served name;
                 # parameter defaults/overrides applied; a fallback model when the pool cannot serve in time.
-                # A form (an upload) cannot be rewritten: its model is looked up as sent.
-                entry = self.catalogue.lookup(model)
-                if entry is None:
-                    raise UnknownModel(model, self.catalogue.names)
-                if req.data is not None:
-                    route = self.catalogue.resolve(model, endpoint, req.data, body, wait_s=cls.max_queue_wait_s,
-                                                   path=scope["path"], routes_of=self._routes_of)
-                    rec.model = model = route.name
-                    pool, req.data, body = route.pool, route.data, route.body
-                    if route.rewritten:
+                route = self.catalogue.resolve(model, endpoint, req.data, body, wait_s=cls.max_queue_wait_s,
+                                               path=scope["path"], routes_of=self._routes_of)
+                rec.model = model = route.name
+                pool = route.pool
+                if req.data is None:  # a form (an upload): its model field alone is rewritten, the file untouched
+                    if route.served != req.model:
+                        body = replace_form_field(body, header(scope, b"content-type"), "model", route.served)
+                else:
+                    req.data, body = route.data, route.body
+                    if route.rewritten and req.data is not None:
                         capped = next((req.data[f] for f in api.budget if isinstance(req.data.get(f), int)), None)
                         if isinstance(capped, int) and capped >= 0:
                             rec.max_tokens = capped
-                else:
-                    found = self.catalogue.pool(entry, endpoint)
-                    if not found:
-                        raise InvalidRequest(f"The model '{model}' is not served on {scope['path']}: no backend "
-                                             f"of it serves that route. It is served on: {self._routes_of(model)}.",
-                                             param="model")
-                    pool = found
                 # prompt: its text, media at a constant (corrected by usage); an upload is not text, and
                 # tokenizing or counting tokens is not the model's work
                 est_prompt = (self.keys.estimate_prompt(req.data, model)

@@ -27,8 +27,9 @@ Example::
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -130,16 +131,25 @@ def _check_fields(endpoint: str, data: dict[str, Any]) -> None:
 # -- multipart forms (audio) -------------------------------------------------------------------
 _BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.I)
 _NAME = re.compile(rb'\bname="([^"]*)"', re.I)
+_MAX_HEAD = 4096  # a part's headers; a longer head is not a field the gateway reads
 
 
-def form_fields(body: bytes, content_type: str | None, names: tuple[str, ...]) -> dict[str, str]:
-    """The small text fields ``names`` of a multipart/form-data body (file parts are skipped).
+class FormPart(NamedTuple):
+    name: str
+    is_file: bool
+    start: int  # the value's first byte in the body
+    end: int  # one past its last byte (the CRLF before the next delimiter is not the value's)
+
+
+def form_parts(body: bytes, content_type: str | None) -> Iterator[FormPart]:
+    """The parts of a multipart/form-data body, in order, found by scanning for the boundary: no
+    part is copied, whatever the size of the file in it.
 
     Example::
 
         >>> body = b'--b\\r\\nContent-Disposition: form-data; name="model"\\r\\n\\r\\nwhisper\\r\\n--b--\\r\\n'
-        >>> form_fields(body, 'multipart/form-data; boundary=b', ("model",))
-        {'model': 'whisper'}
+        >>> [(p.name, body[p.start:p.end]) for p in form_parts(body, "multipart/form-data; boundary=b")]
+        [('model', b'whisper')]
     """
     if not content_type or not content_type.lower().startswith("multipart/form-data"):
         raise InvalidRequest("Expected a multipart/form-data body (Content-Type: multipart/form-data; boundary=...).")
@@ -147,20 +157,59 @@ def form_fields(body: bytes, content_type: str | None, names: tuple[str, ...]) -
     if m is None:
         raise InvalidRequest("The multipart Content-Type has no boundary.")
     delimiter = b"--" + m.group(1).encode("latin-1")
-    out: dict[str, str] = {}
-    for part in body.split(delimiter)[1:]:
-        head, sep, value = part.partition(b"\r\n\r\n")
-        if not sep or len(head) > 4096:
-            continue
+    pos = body.find(delimiter)
+    while pos != -1:
+        start = pos + len(delimiter)
+        pos = body.find(delimiter, start)
+        end = len(body) if pos == -1 else pos
+        head_end = body.find(b"\r\n\r\n", start, min(end, start + _MAX_HEAD + 4))
+        if head_end == -1:
+            continue  # the closing delimiter, or a part without a head the gateway can read
+        head = body[start:head_end]
         disposition = next((line for line in head.split(b"\r\n") if line.lower().startswith(b"content-disposition")),
                            b"")
         name = _NAME.search(disposition)
-        if name is None or b"filename=" in disposition.lower():
+        if name is None:
             continue
-        key = name.group(1).decode("utf-8", "replace")
-        if key in names and key not in out:
-            out[key] = value.removesuffix(b"\r\n")[:1024].decode("utf-8", "replace")
+        value_end = end - 2 if end - 2 >= head_end + 4 and body.startswith(b"\r\n", end - 2) else end
+        yield FormPart(name.group(1).decode("utf-8", "replace"), b"filename=" in disposition.lower(), head_end + 4,
+                       value_end)
+
+
+def form_fields(body: bytes, content_type: str | None, names: tuple[str, ...]) -> dict[str, str]:
+    """The small text fields ``names`` of a multipart/form-data body (file parts are skipped; the
+    first of a repeated field counts).
+
+    Example::
+
+        >>> body = b'--b\\r\\nContent-Disposition: form-data; name="model"\\r\\n\\r\\nwhisper\\r\\n--b--\\r\\n'
+        >>> form_fields(body, 'multipart/form-data; boundary=b', ("model",))
+        {'model': 'whisper'}
+    """
+    out: dict[str, str] = {}
+    for part in form_parts(body, content_type):
+        if not part.is_file and part.name in names and part.name not in out:
+            out[part.name] = body[part.start:min(part.end, part.start + 1024)].decode("utf-8", "replace")
     return out
+
+
+def replace_form_field(body: bytes, content_type: str | None, name: str, value: str) -> bytes:
+    """``body`` with the value of its text field ``name`` replaced by ``value``, every other byte
+    as it was (the file parts are neither parsed nor decoded): the model catalogue's rewrite of an
+    upload's ``model``. One copy of the body, which the gateway has read whole, within
+    ``max_upload_bytes``.
+
+    Example::
+
+        >>> body = b'--b\\r\\nContent-Disposition: form-data; name="model"\\r\\n\\r\\nwhisper-1\\r\\n--b--\\r\\n'
+        >>> replace_form_field(body, "multipart/form-data; boundary=b", "model", "large-v3")
+        b'--b\\r\\nContent-Disposition: form-data; name="model"\\r\\n\\r\\nlarge-v3\\r\\n--b--\\r\\n'
+    """
+    part = next((p for p in form_parts(body, content_type) if p.name == name and not p.is_file), None)
+    if part is None:
+        raise InvalidRequest(f"Missing required form field: '{name}'.", param=name)
+    view = memoryview(body)
+    return b"".join((view[:part.start], value.encode(), view[part.end:]))
 
 
 def _parse_form(body: bytes, content_type: str | None) -> Parsed:
@@ -168,6 +217,9 @@ def _parse_form(body: bytes, content_type: str | None) -> Parsed:
     model = fields.get("model", "").strip()
     if not model:
         raise InvalidRequest("Missing required form field: 'model'.", param="model")
+    if sum(1 for p in form_parts(body, content_type) if p.name == "model" and not p.is_file) > 1:
+        # the gateway routes by the first; a runtime may read the last
+        raise InvalidRequest("The form has more than one 'model' field.", param="model")
     return Parsed(model=model, stream=fields.get("stream", "").strip().lower() == "true")
 
 

@@ -39,7 +39,19 @@ from passerelle.runtimes.supervisor import ProcState, Supervisor
 
 log = logging.getLogger("passerelle.runtimes.catalogue")
 
-ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+# The public path of each inference API (config.ENDPOINT_KINDS), as the route table serves it
+# (server/routes.py; the same as the runtime's, proxy/protocols.py): what /v1/models lists.
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
+          "responses": "/v1/responses", "responses_input_tokens": "/v1/responses/input_tokens",
+          "messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens", "rerank": "/v1/rerank",
+          "tokenize": "/tokenize", "detokenize": "/detokenize", "apply_template": "/apply-template",
+          "infill": "/infill", "transcriptions": "/v1/audio/transcriptions"}
+# What a model can do, by default, from its backends' endpoints: the classic three from any, the
+# others only from an `endpoints` list the operator wrote (a llama-server answers /v1/rerank and
+# /v1/audio/transcriptions whatever its model, with a 501 when the model cannot).
+_CLASSIC = ("chat", "completions", "embeddings")
+_CAPABILITY = {"chat": "chat", "completions": "completions", "embeddings": "embeddings", "rerank": "rerank",
+               "transcriptions": "audio"}
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 
 
@@ -51,7 +63,7 @@ class Route:
     name: str
     served: str
     pool: list[Backend]
-    data: dict[str, Any]
+    data: dict[str, Any] | None  # None for a form (an upload): the gateway rewrites its model field
     body: bytes
     requested: str = ""  # the name the client sent
     fallback_from: str = ""  # the model asked for, when a fallback serves the request
@@ -104,7 +116,7 @@ class Catalogue:
         return [b for b in pool if b.name in m.backends]
 
     # -- a request -----------------------------------------------------------------------------
-    def resolve(self, requested: str, endpoint: str, data: dict[str, Any], body: bytes, *,
+    def resolve(self, requested: str, endpoint: str, data: dict[str, Any] | None, body: bytes, *,
                 wait_s: float = float("inf"), path: str = "",
                 routes_of: Callable[[str], str] | None = None) -> Route:
         """Route a request for ``requested`` on ``endpoint``; raise UnknownModel (404) or
@@ -112,6 +124,9 @@ class Catalogue:
 
         ``wait_s`` is how long the request may wait in the queue: a fallback is taken when the
         model cannot serve within it. ``data``/``body`` are not changed; the route has copies.
+        ``data`` is None for a multipart form (an upload): the route names the served model and
+        the body is left as it is (the gateway rewrites the form's ``model`` field alone; the
+        entry's parameter rules apply to JSON bodies only).
         ``path`` and ``routes_of`` (model id -> the routes it is served on) word the 400."""
         entry = self.lookup(requested)
         if entry is None:
@@ -154,9 +169,11 @@ class Catalogue:
             return self.eta(pool)
         return 0.0 if any(b.stats.up or b.supervised for b in pool) else None
 
-    def _apply(self, m: ModelConfig, pool: list[Backend], endpoint: str, data: dict[str, Any],
+    def _apply(self, m: ModelConfig, pool: list[Backend], endpoint: str, data: dict[str, Any] | None,
                body: bytes) -> Route:
         served = m.target
+        if data is None:
+            return Route(m.name, served, pool, None, body)
         if data.get("model") == served and not (m.defaults or m.set or m.cap or m.strip):
             return Route(m.name, served, pool, data, body)
         out = dict(data)
@@ -212,8 +229,13 @@ class Catalogue:
         if m is None:
             return None
         backends = self._backends(m)
-        endpoints = [e for e in ROUTES if any(e in b.endpoints for b in backends)]
-        capabilities = list(m.capabilities) or endpoints
+        served = {e for b in backends for e in b.endpoints}
+        declared = {e for b in backends for e in b.cfg.endpoints} | (served & set(_CLASSIC))
+        capabilities = list(m.capabilities) or [c for e, c in _CAPABILITY.items() if e in declared]
+        # every route it is served on: the APIs its backends declare or their kind serves, then the
+        # operator's extra routes
+        routes = [path for e, path in ROUTES.items() if e in served]
+        routes += sorted({e for b in backends for e in b.endpoints if e.startswith("/")} - set(routes))
         ctx = m.context_length or next((b.context_length for b in backends if b.context_length), None)
         state = self.state(m)
         sup = self.supervisor
@@ -225,7 +247,7 @@ class Catalogue:
         return {"id": m.name, "object": "model", "created": created, "owned_by": m.owned_by,
                 "description": m.description or None, "aliases": list(m.aliases), "served_name": m.target,
                 "context_length": ctx, "capabilities": capabilities, "loaded": state == "loaded", "state": state,
-                "routes": [ROUTES[e] for e in endpoints], "backends": [b.name for b in backends],
+                "routes": routes, "backends": [b.name for b in backends],
                 "fallbacks": list(m.fallbacks), "memory_gib": memory}
 
     def listing(self, created: int = 0) -> list[dict[str, Any]]:

@@ -176,6 +176,7 @@ def parse_rocm_vram(text: str) -> tuple[int, int] | None:
     except ValueError:
         return None
     used = total = 0
+    read_used = False  # a card whose use cannot be read is not "nothing used": no figure at all
     for card in data.values() if isinstance(data, dict) else ():
         if not isinstance(card, dict):
             continue
@@ -183,9 +184,10 @@ def parse_rocm_vram(text: str) -> tuple[int, int] | None:
             with contextlib.suppress(ValueError, TypeError):
                 if "Total Used" in k:
                     used += int(v)
+                    read_used = True
                 elif "Total Memory" in k:
                     total += int(v)
-    return (used, total) if total else None
+    return (used, total) if total and read_used else None
 
 
 def _amdgpu_sysfs(sys_drm: Path = Path("/sys/class/drm")) -> tuple[int, int] | None:
@@ -205,12 +207,15 @@ def gpu_device_memory() -> tuple[int, int] | None:
     text = _run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"])
     if text:
         used = total = 0
-        for line in text.splitlines():
+        readable = True  # a card reporting "[N/A]" makes the sum no figure, not a smaller one
+        for line in filter(str.strip, text.splitlines()):
             parts = [p.strip() for p in line.split(",")]
-            with contextlib.suppress(ValueError, IndexError):
+            try:
                 used += int(float(parts[0]) * 2**20)
                 total += int(float(parts[1]) * 2**20)
-        if total:
+            except (ValueError, IndexError):
+                readable = False
+        if total and readable:
             return used, total
     found = _amdgpu_sysfs()
     if found:

@@ -6,7 +6,7 @@ tokenizer, a BERT graph, rank pooling, the classification head), as it would wit
 bge-reranker or jina-reranker. The scores are those of random weights: right in shape, meaningless
 in value. Serve a real reranker (``[embedded] rerank_model_path``) for meaningful scores.
 
-The file is written with the standard library alone (GGUF v3, F32 tensors): a WordPiece vocabulary
+The file is written with the standard library alone (``gguf_file``: GGUF v3, F32 tensors): a WordPiece vocabulary
 of BERT's special tokens plus every printable ASCII character (word start and continuation), 2
 layers, hidden size 32, 2 heads, 2,048 positions, a one-label classification head. About 400 KB;
 deterministic.
@@ -20,18 +20,14 @@ Example::
 from __future__ import annotations
 
 import random
-import struct
 from pathlib import Path
-from typing import Any, cast
 
 from passerelle.paths import cache_dir
+from passerelle.runtimes.gguf_file import ALIGN, ARR, BOOL, F32, F32V, I32, STR, U32, Tensor, f32, kv, write_gguf
 
 MODEL_NAME = "passerelle-tiny-reranker.gguf"
 MODEL_ID = "tiny-reranker"
 
-# GGUF value types (gguf.h)
-_U32, _I32, _F32, _BOOL, _STR, _ARR = 4, 5, 6, 7, 8, 9
-_ALIGN = 32
 # llama.cpp's token types and pooling
 _NORMAL, _UNKNOWN, _CONTROL, _UNUSED = 1, 2, 3, 5
 _POOLING_RANK = 4
@@ -53,25 +49,6 @@ def vocabulary() -> tuple[list[str], list[int]]:
         tokens.append(c)
         types.append(_NORMAL)
     return tokens, types
-
-
-def _s(text: str) -> bytes:
-    raw = text.encode()
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _kv(key: str, vtype: int, value: object) -> bytes:
-    out = _s(key) + struct.pack("<I", vtype)
-    if vtype == _STR:
-        return out + _s(value)  # type: ignore[arg-type]
-    if vtype == _ARR:
-        etype, items = cast(tuple[int, list[Any]], value)
-        out += struct.pack("<IQ", etype, len(items))
-        if etype == _STR:
-            return out + b"".join(_s(i) for i in items)
-        return out + struct.pack(f"<{len(items)}{'i' if etype == _I32 else 'I'}", *items)
-    fmt = {_U32: "<I", _I32: "<i", _F32: "<f", _BOOL: "<?"}[vtype]
-    return out + struct.pack(fmt, value)
 
 
 def _tensors(n_vocab: int, seed: int) -> list[tuple[str, tuple[int, ...], list[float]]]:
@@ -112,48 +89,34 @@ def write_tiny_reranker(path: Path, *, seed: int = 0) -> Path:
     """Write the GGUF to ``path`` (replaced atomically); returns ``path``."""
     tokens, types = vocabulary()
     meta = [
-        _kv("general.architecture", _STR, "bert"),
-        _kv("general.name", _STR, "passerelle tiny reranker (random weights)"),
-        _kv("general.alignment", _U32, _ALIGN),
-        _kv("bert.context_length", _U32, CTX),
-        _kv("bert.embedding_length", _U32, HIDDEN),
-        _kv("bert.feed_forward_length", _U32, FF),
-        _kv("bert.block_count", _U32, LAYERS),
-        _kv("bert.attention.head_count", _U32, HEADS),
-        _kv("bert.attention.layer_norm_epsilon", _F32, 1e-12),
-        _kv("bert.attention.causal", _BOOL, False),
-        _kv("bert.pooling_type", _U32, _POOLING_RANK),
-        _kv("bert.classifier.output_labels", _ARR, (_STR, ["LABEL_0"])),
-        _kv("tokenizer.ggml.model", _STR, "bert"),
-        _kv("tokenizer.ggml.pre", _STR, "default"),
-        _kv("tokenizer.ggml.tokens", _ARR, (_STR, tokens)),
-        _kv("tokenizer.ggml.token_type", _ARR, (_I32, types)),
-        _kv("tokenizer.ggml.token_type_count", _U32, 2),
-        _kv("tokenizer.ggml.padding_token_id", _U32, 0),
-        _kv("tokenizer.ggml.unknown_token_id", _U32, 100),
-        _kv("tokenizer.ggml.cls_token_id", _U32, 101),
-        _kv("tokenizer.ggml.bos_token_id", _U32, 101),
-        _kv("tokenizer.ggml.seperator_token_id", _U32, 102),
-        _kv("tokenizer.ggml.mask_token_id", _U32, 103),
-        _kv("tokenizer.ggml.add_bos_token", _BOOL, True),
-        _kv("tokenizer.ggml.add_eos_token", _BOOL, False),
+        kv("general.architecture", STR, "bert"),
+        kv("general.name", STR, "passerelle tiny reranker (random weights)"),
+        kv("general.alignment", U32, ALIGN),
+        kv("bert.context_length", U32, CTX),
+        kv("bert.embedding_length", U32, HIDDEN),
+        kv("bert.feed_forward_length", U32, FF),
+        kv("bert.block_count", U32, LAYERS),
+        kv("bert.attention.head_count", U32, HEADS),
+        kv("bert.attention.layer_norm_epsilon", F32V, 1e-12),
+        kv("bert.attention.causal", BOOL, False),
+        kv("bert.pooling_type", U32, _POOLING_RANK),
+        kv("bert.classifier.output_labels", ARR, (STR, ["LABEL_0"])),
+        kv("tokenizer.ggml.model", STR, "bert"),
+        kv("tokenizer.ggml.pre", STR, "default"),
+        kv("tokenizer.ggml.tokens", ARR, (STR, tokens)),
+        kv("tokenizer.ggml.token_type", ARR, (I32, types)),
+        kv("tokenizer.ggml.token_type_count", U32, 2),
+        kv("tokenizer.ggml.padding_token_id", U32, 0),
+        kv("tokenizer.ggml.unknown_token_id", U32, 100),
+        kv("tokenizer.ggml.cls_token_id", U32, 101),
+        kv("tokenizer.ggml.bos_token_id", U32, 101),
+        kv("tokenizer.ggml.seperator_token_id", U32, 102),
+        kv("tokenizer.ggml.mask_token_id", U32, 103),
+        kv("tokenizer.ggml.add_bos_token", BOOL, True),
+        kv("tokenizer.ggml.add_eos_token", BOOL, False),
     ]
-    tensors = _tensors(len(tokens), seed)
-    infos, blobs, offset = [], [], 0
-    for name, dims, values in tensors:
-        infos.append(_s(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
-                     + struct.pack("<IQ", 0, offset))  # type 0: F32
-        blob = struct.pack(f"<{len(values)}f", *values)
-        blob += b"\0" * (-len(blob) % _ALIGN)
-        blobs.append(blob)
-        offset += len(blob)
-    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta)) + b"".join(meta) + b"".join(infos)
-    head += b"\0" * (-len(head) % _ALIGN)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_suffix(".partial")
-    staged.write_bytes(head + b"".join(blobs))
-    staged.replace(path)
-    return path
+    tensors = [Tensor(name, dims, F32, f32(values)) for name, dims, values in _tensors(len(tokens), seed)]
+    return write_gguf(path, meta, tensors)
 
 
 def ensure_tiny_reranker() -> Path:

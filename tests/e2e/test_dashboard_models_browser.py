@@ -1,6 +1,7 @@
 """The dashboard's "Models on this box" panel in a real headless Chromium, with two on-demand
-llama-servers under a budget that holds one: it shows which model is loaded, a request waiting for
-the other one's load, then the swap (why, drain, load), and its numbers match /admin/stats."""
+llama-servers of two different models (Gemma, the tiny Llama) under a budget that holds one: it
+shows which model is loaded, a request waiting for the other one's load, then the swap (why,
+drain, load), and its numbers match /admin/stats."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import asyncio
 import aiohttp
 import pytest
 
+from passerelle.testing.tiny_llama_gguf import MODEL_ID as TINY_ID
+from tests.conftest import MODEL_ID
 from tests.e2e.cdp import Chromium, until
 from tests.e2e.test_dashboard_browser import PAGE_NUMBERS, mismatches
 from tests.integration.test_replicas_llama import replica
@@ -24,12 +27,13 @@ async def stream(session: aiohttp.ClientSession, url: str, model: str, max_token
         await r.read()
 
 
-async def test_models_panel_shows_loaded_models_waiting_requests_and_swaps(gateway, llama_paths, tmp_path):
+async def test_models_panel_shows_loaded_models_waiting_requests_and_swaps(gateway, llama_paths, tiny_llama_path,
+                                                                          tmp_path):
     binary, model = llama_paths
     od = "on_demand = true\n"
     gw = gateway("[runtimes]\nmax_loaded_gib = 0.55\nmin_resident_s = 0\n"
-                 + replica("a", binary, model, models=("model-a",), extra=od)
-                 + replica("b", binary, model, models=("model-b",), extra=od))
+                 + replica("a", binary, model, models=(MODEL_ID,), extra=od)
+                 + replica("b", binary, tiny_llama_path, models=(TINY_ID,), extra=od))
     async with Chromium(tmp_path / "chromium") as browser, aiohttp.ClientSession() as http:
         await browser.navigate(gw.url + "/ui")
 
@@ -39,9 +43,9 @@ async def test_models_panel_shows_loaded_models_waiting_requests_and_swaps(gatew
         await until(lambda: _contains(text("#models"), "not loaded"), 30, "both runtimes shown, not loaded")
         # a's stream runs until the page has shown b waiting and a draining, then its client leaves:
         # a condition, not a race between 40 tokens and the page's poll
-        long_a = asyncio.create_task(stream(http, gw.url, "model-a", 1500))
+        long_a = asyncio.create_task(stream(http, gw.url, MODEL_ID, 1500))
         await until(lambda: _contains(text('tr[data-runtime="a"]'), "● loaded"), 60, "a shown loaded")
-        for_b = asyncio.create_task(stream(http, gw.url, "model-b", 2))
+        for_b = asyncio.create_task(stream(http, gw.url, TINY_ID, 2))
         # b waits while a drains its stream: the page shows the request waiting for b's load
         await until(lambda: _contains(text('[data-runtime-waiting="b"]'), "1"), 30, "b's waiting request shown")
         await until(lambda: _contains(text('tr[data-runtime="a"]'), "unloading"), 30, "a shown draining")

@@ -127,12 +127,12 @@ def test_runtime_commands(two):
     assert bad.returncode == 1 and "No runtime" in bad.stderr
 
 
-def test_on_demand_start_idle_stop_and_memory_budget(gateway, llama_paths):
+def test_on_demand_start_idle_stop_and_memory_budget(gateway, llama_paths, tiny_llama_path):
     binary, model = llama_paths
     od = 'on_demand = true\nidle_ttl_s = 4\nmemory_gib = 1.0'
-    gw = gateway("[runtimes]\nmax_loaded_gib = 1.5\n"
+    gw = gateway("[runtimes]\nmax_loaded_gib = 1.5\n"  # two different models (Gemma, the tiny Llama)
                  + replica("a", binary, model, models=("model-a",), extra=od)
-                 + replica("b", binary, model, models=("model-b",), extra=od))
+                 + replica("b", binary, tiny_llama_path, models=("model-b",), extra=od))
     assert {r["state"] for r in runtimes(gw).values()} == {"stopped"}
     client = gw.openai()
     # three requests at once for a stopped model: one start, all served

@@ -181,3 +181,73 @@ def test_catalogue_errors_name_the_key_and_line(tmp_path, extra, key, expect):
         load_config(path, env={})
     assert err.value.key == key and expect in str(err.value)
     assert err.value.line is not None and err.value.line > textwrap.dedent(CONFIG).count("\n")
+
+
+def test_every_inference_api_has_its_public_path_for_v1_models():
+    from passerelle.config import ENDPOINT_KINDS
+    from passerelle.proxy.protocols import API
+    from passerelle.runtimes.catalogue import ROUTES
+    from passerelle.server.routes import match
+
+    assert set(ROUTES) == set(ENDPOINT_KINDS)
+    for endpoint, path in ROUTES.items():
+        assert API[endpoint].upstream == path and match("POST", path).target == endpoint
+
+
+LLAMA = """
+[[backends]]
+name = "gemma"
+kind = "llama-server"
+url = "http://127.0.0.1:9"
+models = ["gemma-270m"]
+extra_routes = ["/v1/chat/completions/input_tokens"]
+
+[[backends]]
+name = "ranker"
+kind = "llama-server"
+url = "http://127.0.0.1:9"
+models = ["bge-reranker"]
+endpoints = ["rerank", "tokenize"]
+
+[[backends]]
+name = "generic"
+url = "http://127.0.0.1:9"
+models = ["some-model"]
+"""
+
+
+def test_v1_models_lists_every_route_a_model_is_served_on(cat):
+    c = cat(text=LLAMA)
+    gemma = c.describe("gemma-270m")
+    assert gemma is not None
+    # llama-server's kind serves every inference API; the extra route comes last
+    assert gemma["routes"] == ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+                               "/v1/responses/input_tokens", "/v1/messages", "/v1/messages/count_tokens",
+                               "/v1/rerank", "/tokenize", "/detokenize", "/apply-template", "/infill",
+                               "/v1/audio/transcriptions", "/v1/chat/completions/input_tokens"]
+    # a route the kind merely answers is not a capability; one the operator declared is
+    assert gemma["capabilities"] == ["chat", "completions", "embeddings"]
+    ranker = c.describe("bge-reranker")
+    assert ranker is not None and ranker["routes"] == ["/v1/rerank", "/tokenize"]
+    assert ranker["capabilities"] == ["rerank"]
+    generic = c.describe("some-model")
+    assert generic is not None and generic["routes"] == ["/v1/chat/completions", "/v1/completions",
+                                                         "/v1/embeddings"]
+    assert [m["routes"] for m in c.listing()] == [gemma["routes"], ranker["routes"], generic["routes"]]
+
+
+def test_a_form_is_routed_by_the_catalogue_and_left_for_the_gateway_to_rewrite(cat):
+    etas = {"big": None, "small": 0.0}
+    c = cat(lambda pool: etas[pool[0].name], text=CONFIG.replace(
+        'endpoints = ["chat", "completions"]', 'endpoints = ["chat", "completions", "transcriptions"]').replace(
+        'models = ["gemma-270m"]', 'models = ["gemma-270m"]\nendpoints = ["transcriptions"]'))
+    body = b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\ngpt-4o\r\n--b--\r\n"
+    route = c.resolve("gpt-4o", "transcriptions", None, body, wait_s=60)
+    # the pool is down: the fallback serves, under its own served name; the body is not touched here
+    assert (route.name, route.served, route.fallback_from, route.data) == ("chat-small", "gemma-270m", "chat", None)
+    assert route.body is body and not route.rewritten
+    etas["big"] = 0.0
+    route = c.resolve("claude-3-opus", "transcriptions", None, body)
+    assert (route.name, route.served, [b.name for b in route.pool]) == ("chat", "qwen-14b", ["big"])
+    with pytest.raises(InvalidRequest, match="not served on /v1/audio/transcriptions"):
+        c.resolve("text-embedding-3-small", "transcriptions", None, body)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import subprocess
 import sys
 import textwrap
@@ -78,6 +80,84 @@ def test_rocm_smi_vram_json():
             ' "card1": {"VRAM Total Memory (B)": "1000", "VRAM Total Used Memory (B)": "10"}}')
     assert memory.parse_rocm_vram(text) == (1073741824 + 10, 68719476736 + 1000)
     assert memory.parse_rocm_vram("not json") is None
+
+
+ROCM_SMI = """#!/bin/sh
+# A stand-in for rocm-smi: one 64 GiB card whose used VRAM is what the test wrote to $ROCM_USED_FILE.
+[ "$*" = "--showmeminfo vram --json" ] || exit 2
+printf '{"card0": {"VRAM Total Memory (B)": "68719476736", "VRAM Total Used Memory (B)": "%s"}}\\n' \\
+  "$(cat "$ROCM_USED_FILE")"
+"""
+
+
+def test_a_device_without_per_process_figures_is_measured_by_its_use_before_and_after(child, tmp_path, monkeypatch):
+    """The rocm-smi path end to end: the tool found on PATH and run (a script here, answering what
+    the real one answers), an nvidia-smi that fails passed over, the runtime's share taken as the
+    device's use after its start less the use before."""
+    proc, _ = child
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    (tools / "rocm-smi").write_text(ROCM_SMI)
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    used = tmp_path / "used"
+    monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")
+    monkeypatch.setenv("ROCM_USED_FILE", str(used))
+    # (an amdgpu card's sysfs files, where this runs on one, would answer before rocm-smi)
+    monkeypatch.setattr(memory, "_amdgpu_sysfs", functools.partial(memory._amdgpu_sysfs, tmp_path / "no-drm"))
+    used.write_text(str(1 << 30))
+    before = memory.device_used()
+    assert before == 1 << 30 and memory.machine_gib("gpu") == 64.0
+    used.write_text(str(7 << 29))  # the runtime loaded: 3.5 GiB used
+    reading = memory.measure(proc.pid, device_before=before)
+    assert (reading.source, reading.gpu_bytes) == ("device-delta", 5 << 29)
+    assert reading.rss_bytes > 64 << 20 and reading.gib() == pytest.approx((reading.rss_bytes + (5 << 29)) / GIB)
+    assert memory.measure(proc.pid).source == "proc"  # no figure from before the start: no GPU share
+    used.write_text("garbage")  # a figure that cannot be read is none, not "nothing used"
+    assert memory.device_used() is None
+
+
+def test_a_card_whose_use_nvidia_smi_cannot_read_gives_no_device_figure(tmp_path, monkeypatch):
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text("#!/bin/sh\nprintf '1024, 81559\\n[N/A], 81559\\n'\n")
+    (tools / "rocm-smi").write_text("#!/bin/sh\nexit 1\n")
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")
+    monkeypatch.setattr(memory, "_amdgpu_sysfs", functools.partial(memory._amdgpu_sysfs, tmp_path / "no-drm"))
+    assert memory.device_used() is None and memory.machine_gib("gpu") == 0.0
+    (tools / "nvidia-smi").write_text("#!/bin/sh\nprintf '1024, 81559\\n2048, 81559\\n'\n")
+    assert memory.device_used() == 3072 << 20 and memory.machine_gib("gpu") == pytest.approx(2 * 81559 / 1024)
+
+
+def test_amdgpu_sysfs_sums_the_cards(tmp_path):
+    for card, total, use in (("card0", 96 << 30, 10 << 30), ("card1", 16 << 30, 1 << 30)):
+        dev = tmp_path / card / "device"
+        dev.mkdir(parents=True)
+        (dev / "mem_info_vram_total").write_text(f"{total}\n")
+        (dev / "mem_info_vram_used").write_text(f"{use}\n")
+    (tmp_path / "card0-DP-1").mkdir()  # a connector: no memory files
+    assert memory._amdgpu_sysfs(tmp_path) == (11 << 30, 112 << 30)
+    assert memory._amdgpu_sysfs(tmp_path / "none") is None
+
+
+def test_drm_fdinfo_counts_each_gpu_client_once_and_not_system_memory(tmp_path):
+    def fdinfo(pid: int, fd: int, text: str) -> None:
+        d = tmp_path / str(pid) / "fdinfo"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / str(fd)).write_text(text)
+
+    client = "drm-driver:\tamdgpu\ndrm-pdev:\t0000:c1:00.0\ndrm-client-id:\t{}\n"
+    # the same context under two descriptors, counted once: VRAM and GTT
+    for fd in (5, 6):
+        fdinfo(100, fd, client.format(7) + "drm-memory-vram:\t1048576 KiB\ndrm-memory-gtt:\t524288 KiB\n")
+    fdinfo(100, 0, "pos:\t0\nflags:\t02\n")  # not a DRM file
+    # a worker with a context of its own: "local" counts, "system" is in its RSS already
+    fdinfo(101, 9, client.format(8) + "drm-total-local:\t256 MiB\ndrm-total-system:\t4 GiB\n")
+    assert memory.drm_process_bytes([100, 101], proc=tmp_path) == (3 << 29) + (256 << 20)
+    assert memory.drm_process_bytes([102], proc=tmp_path) is None
 
 
 def test_machine_memory_is_read_from_proc():

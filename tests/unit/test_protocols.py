@@ -8,7 +8,16 @@ import pytest
 
 from passerelle.config import ENDPOINT_KINDS, BackendConfig, TimeoutConfig, is_management_route, load_config
 from passerelle.errors import ConfigError, InvalidRequest, RateLimited, Unauthorized, UnknownModel
-from passerelle.proxy.protocols import ANTHROPIC, API, OPENAI, anthropic_type, error_body, form_fields
+from passerelle.proxy.protocols import (
+    ANTHROPIC,
+    API,
+    OPENAI,
+    anthropic_type,
+    error_body,
+    form_fields,
+    form_parts,
+    replace_form_field,
+)
 from passerelle.runtimes.kinds import KINDS, make_backend
 from passerelle.server.routes import ROUTES, Access, match
 
@@ -64,6 +73,40 @@ def test_multipart_model_comes_from_the_form():
         API["transcriptions"].parse(body, "application/json")
     with pytest.raises(InvalidRequest, match="'model'"):
         API["transcriptions"].parse(body.replace(b'name="model"', b'name="other"'), "multipart/form-data; boundary=XyZ")
+
+
+def upload(audio: bytes, model: bytes = b"whisper-1", boundary: bytes = b"XyZ") -> bytes:
+    b = b"--" + boundary
+    return (b + b"\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+            b"Content-Type: audio/wav\r\n\r\n" + audio + b"\r\n"
+            + b + b"\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n" + model + b"\r\n"
+            + b + b"\r\nContent-Disposition: form-data; name=\"language\"\r\n\r\nfr\r\n" + b + b"--\r\n")
+
+
+def test_the_model_field_of_an_upload_is_rewritten_alone():
+    ctype = "multipart/form-data; boundary=XyZ"
+    # a file with CRLFs, header-like lines and a 'name="model"' of its own, 4 MB
+    audio = b"RIFF\r\n\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nnot-this\x00\xff" * 1000
+    audio += bytes(range(256)) * 16384
+    body = upload(audio)
+    out = replace_form_field(body, ctype, "model", "large-v3-turbo")
+    assert out == upload(audio, b"large-v3-turbo")  # every other byte as it was
+    assert form_fields(out, ctype, ("model", "language")) == {"model": "large-v3-turbo", "language": "fr"}
+    parts = list(form_parts(out, ctype))
+    assert [(p.name, p.is_file) for p in parts] == [("file", True), ("model", False), ("language", False)]
+    assert out[parts[0].start:parts[0].end] == audio
+    assert API["transcriptions"].parse(out, ctype).model == "large-v3-turbo"
+    # a shorter name, and the model as the last part without its closing delimiter
+    short = b"--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1"
+    assert replace_form_field(short, ctype, "model", "w") == short.replace(b"whisper-1", b"w")
+
+
+def test_a_form_with_two_model_fields_is_refused():
+    # the gateway routes by one, a runtime may read the other
+    body = upload(b"RIFF").replace(b"--XyZ--", b'--XyZ\r\nContent-Disposition: form-data; name="model"\r\n\r\n'
+                                                b"other\r\n--XyZ--")
+    with pytest.raises(InvalidRequest, match="more than one 'model'"):
+        API["transcriptions"].parse(body, "multipart/form-data; boundary=XyZ")
 
 
 @pytest.mark.parametrize(("err", "status", "kind"), [
