@@ -11,6 +11,11 @@ the same priority classes, aging and fair share as a slot:
   queued, for ``IDLE_GRACE_S``), or when it has been resident ``min_resident_s`` **and** the
   demand is more urgent than anything queued for it. So a model with work is never swapped out
   before its minimum residency, and a busy model keeps its place against less urgent work;
+* the minimum residency is never longer than the swap is worth: once the demand's oldest request
+  has waited ``SWAP_COST_FACTOR`` times what the swap costs (the demand's load time plus the
+  resident's, loaded again later), measured loads known, the resident may go before it. Waiting
+  for a residency of 30 s to spare a load of 0.7 s costs the waiting requests more than it saves
+  (the ski-rental rule: pay rent until it adds up to the price of buying);
 * pinned runtimes (``persistent``, or started at boot) are never unloaded;
 * idle runtimes go first (least recently used first), then those whose queued work ranks lowest.
 
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 
 Key = tuple[float, float, int]
 
+SWAP_COST_FACTOR = 2.0  # a demand waits at most this many swap costs for a resident's residency
 IDLE_GRACE_S = 1.0  # a model whose last request ended this recently is not idle yet: its client
 # is probably about to send the next one (closed-loop clients resend within milliseconds)
 
@@ -49,6 +55,7 @@ class Demand:
     key: Key  # the scheduler's key of its most urgent waiting request
     waiting: int = 1
     oldest_s: float = 0.0  # how long its oldest request has waited
+    load_s: float | None = None  # how long its runtime took to load last time (None: not known)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Resident:
     idle_s: float = 0.0  # since its last request started or ended
     pinned: bool = False  # persistent, or started at boot: never unloaded
     ready: bool = True  # False while starting or already being unloaded: not a candidate
+    load_s: float | None = None  # how long it took to load (None: not known)
 
     @property
     def idle(self) -> bool:
@@ -114,8 +122,8 @@ def _victims(d: Demand, residents: list[Resident], free_gib: float,
             continue
         if r.in_flight == 0 and r.queued == 0:  # idle, but only just: its client may come back
             left = IDLE_GRACE_S - r.idle_s
-        elif r.resident_s < min_resident_s:
-            left = min_resident_s - r.resident_s
+        elif r.resident_s < min_resident_s and d.oldest_s < _worth_s(d, r):
+            left = min(min_resident_s - r.resident_s, _worth_s(d, r) - d.oldest_s)
         elif r.queued_key is None or d.key < r.queued_key:
             outranked.append(r)
             continue
@@ -136,6 +144,14 @@ def _victims(d: Demand, residents: list[Resident], free_gib: float,
         return (), "", wait
     reason = "idle" if all(r in idle for r in chosen) else "outranked"
     return tuple(r.runtime for r in chosen), reason, None
+
+
+def _worth_s(d: Demand, r: Resident) -> float:
+    """How long ``d`` may wait for ``r``'s residency: ``SWAP_COST_FACTOR`` swap costs, or for ever
+    (the residency decides) while a load time is not known."""
+    if d.load_s is None or r.load_s is None:
+        return float("inf")
+    return SWAP_COST_FACTOR * (d.load_s + r.load_s)
 
 
 def _neg(key: Key | None) -> tuple[float, ...]:

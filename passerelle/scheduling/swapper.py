@@ -174,8 +174,10 @@ class Swapper:
             groups.setdefault(name, []).append(job)
             key = self.scheduler.key(job)
             keys[name] = min(keys.get(name, key), key)
-        out = [Demand(name, self.supervisor.need_gib(self.supervisor.processes[name]), keys[name], len(jobs),
-                      max(now - j.enqueued_at for j in jobs)) for name, jobs in groups.items()]
+        procs = self.supervisor.processes
+        out = [Demand(name, self.supervisor.need_gib(procs[name]), keys[name], len(jobs),
+                      max(now - j.enqueued_at for j in jobs), load_s=self.supervisor.load_estimate_s(procs[name]))
+               for name, jobs in groups.items()]
         return out, groups
 
     def residents(self) -> list[Resident]:
@@ -197,7 +199,8 @@ class Swapper:
                 name, self.supervisor.need_gib(p), b.in_flight, min(keys, default=None), len(keys),
                 resident_s=mono - p.ready_at if p.state is ProcState.READY else 0.0,
                 idle_s=mono - b.last_used, pinned=b.cfg.persistent or not b.cfg.on_demand,
-                ready=p.state is ProcState.READY and not b.fenced and not p.stopping and not b.draining))
+                ready=p.state is ProcState.READY and not b.fenced and not p.stopping and not b.draining,
+                load_s=self.supervisor.load_estimate_s(p)))
         return out
 
     def plan(self) -> Plan:

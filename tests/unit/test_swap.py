@@ -171,3 +171,34 @@ def test_a_model_being_loaded_or_unloaded_is_not_a_candidate():
 
 def test_no_demand_no_plan():
     assert decide([], [], free_gib=0.0, min_resident_s=0).start is None
+
+
+def test_a_residency_lasts_no_longer_than_the_swap_is_worth_once_loads_are_measured():
+    """Loads of 0.7 s and 0.5 s: a busy model within its 30 s residency keeps its place until the
+    demand's oldest request has waited SWAP_COST_FACTOR x 1.2 s, then goes; the decision asks to be
+    woken when that time comes, not at the residency's end."""
+    from dataclasses import replace
+
+    from passerelle.scheduling.swap import SWAP_COST_FACTOR
+
+    clock = Clock()
+    chat = Model("chat", 8.0, ready_at=clock() - 5, last_used=clock(), in_flight=1, queued=(standard(5),))
+    worth = SWAP_COST_FACTOR * (0.7 + 0.5)
+
+    def plan(waited: float, *, measured: bool = True):
+        d = Demand("coder", 6.0, standard(1), oldest_s=waited, load_s=0.7 if measured else None)
+        residents = [replace(chat.resident(clock), load_s=0.5 if measured else None)]
+        return decide([d], residents, free_gib=10.0 - 8.0, min_resident_s=30.0)
+
+    early = plan(worth - 1.0)
+    assert early.start is None and early.wake_in_s == pytest.approx(1.0)
+    due = plan(worth + 0.01)
+    assert (due.start, due.evict, due.reason) == ("coder", ("chat",), "outranked")
+    # never loaded before: no cost known, the residency decides
+    unknown = plan(worth + 10.0, measured=False)
+    assert unknown.start is None and unknown.wake_in_s == pytest.approx(25.0)
+    # a more urgent queue on the resident still keeps it, however long the demand waited
+    urgent = replace(chat.resident(clock), load_s=0.5, queued_key=(0.0, 0.0, 0))
+    kept = decide([Demand("coder", 6.0, standard(1), oldest_s=60.0, load_s=0.7)], [urgent], free_gib=2.0,
+                  min_resident_s=30.0)
+    assert kept.start is None
