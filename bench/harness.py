@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from passerelle.bench.stats import percentile
-from passerelle.runtimes.memory import process_tree as tree
+from passerelle.procfs import process_tree as tree
 from passerelle.runtimes.memory import rss_bytes
 from passerelle.runtimes.supervisor import free_port
 

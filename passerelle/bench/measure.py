@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from passerelle import procfs
 from passerelle.bench import cache, memory, processes, runner, stats
 from passerelle.bench.monitor import Monitor, runtime_report
 from passerelle.bench.runner import LEVEL_STRIDE, Level, LevelResult, RunOptions
@@ -103,7 +104,7 @@ def _memory_section(monitor: Monitor | None, pid: int | None, how: str, report: 
                     gpu: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"found": how}
     if monitor is not None and pid is not None:
-        tree = memory.process_tree(pid)
+        tree = procfs.process_tree(pid)
         out["process"] = memory.describe_process(pid)
         out["children"] = [memory.describe_process(p) for p in tree[1:]][:20]
         out["at_rest"] = monitor.at_rest()

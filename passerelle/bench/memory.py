@@ -6,7 +6,7 @@ Which processes: the one listening on the target's port when the target runs on 
 gateway that launched its runtime, or vLLM's API server with its engine process, count as one::
 
     pid = listening_pid("127.0.0.1", 8080)       # None when not found (another host, no permission)
-    pids = process_tree(pid)                     # [pid, child, grandchild, ...]
+    pids = procfs.process_tree(pid)              # [pid, child, grandchild, ...]
     rss, pss = tree_memory(pids)                 # bytes; PSS None where smaps_rollup is unreadable
 
 RSS counts every resident page of each process, so pages shared between processes of the tree
@@ -33,6 +33,8 @@ import socket
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from passerelle import procfs
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _LISTEN = "0A"
@@ -105,43 +107,10 @@ def listening_pid(host: str, port: int, proc: Path = Path("/proc")) -> int | Non
     # a forked worker may share the listening socket with its parent: the topmost holder is the server
     if not found:
         return None
-    parents = _parents(proc)
+    parents = procfs.parents(proc)
     holders = set(found)
     top = [p for p in found if parents.get(p) not in holders]
     return min(top or found)
-
-
-def _parents(proc: Path = Path("/proc")) -> dict[int, int]:
-    """pid → parent pid, for every process visible here."""
-    out = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ")" ends it
-        rest = stat.rsplit(")", 1)[-1].split()
-        if len(rest) >= 2:
-            out[int(entry.name)] = int(rest[1])
-    return out
-
-
-def process_tree(root: int, proc: Path = Path("/proc")) -> list[int]:
-    """``root`` and all its descendants (root first); ``[]`` when root is gone."""
-    parents = _parents(proc)
-    if root not in parents:
-        return []
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parents.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop(0)
-        out.append(pid)
-        todo.extend(sorted(children.get(pid, ())))
-    return out
 
 
 def describe_process(pid: int, proc: Path = Path("/proc")) -> dict[str, Any]:

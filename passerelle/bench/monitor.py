@@ -27,6 +27,7 @@ import time
 import urllib.request
 from typing import Any
 
+from passerelle import procfs
 from passerelle.bench import memory
 
 # name → how to combine samples with several label sets
@@ -146,7 +147,7 @@ class Monitor:
     def _sample(self, full: bool) -> dict[str, Any]:
         s: dict[str, Any] = {"t": time.perf_counter()}
         if self.pid is not None:
-            self.pids = memory.process_tree(self.pid)
+            self.pids = procfs.process_tree(self.pid)
             rss, pss = memory.tree_memory(self.pids)
             s.update(rss=rss, pss=pss, processes=len(self.pids))
         if full or s["t"] - self._last_slow >= self.slow_period:

@@ -33,6 +33,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from passerelle.procfs import process_tree
+
 log = logging.getLogger("passerelle.runtimes.memory")
 
 GIB = 2**30
@@ -55,28 +57,6 @@ class Reading:
 
 
 # -- processes --------------------------------------------------------------------------------
-def process_tree(pid: int, proc: Path = Path("/proc")) -> list[int]:
-    """``pid`` and all its descendants (a runtime may fork workers, as vLLM does)."""
-    children: dict[int, list[int]] = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # the command name may hold spaces and parentheses: the ppid follows the last ')'
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1:
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, ()))
-    return out
-
-
 def rss_bytes(pids: list[int], proc: Path = Path("/proc")) -> int:
     """Resident memory of ``pids``, summed (``statm``'s second field, in pages)."""
     total = 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from passerelle import procfs
 from passerelle.bench import memory
 from passerelle.bench.monitor import Monitor, _counter_delta, parse_metrics, runtime_report, vllm_cache_config
 from passerelle.testing.fake_runtime import start_fake_backend
@@ -53,7 +54,7 @@ def test_a_real_child_is_found_from_its_port_with_its_tree(child):
     assert memory.listening_pid("127.0.0.1", port) == proc.pid
     assert memory.listening_pid("localhost", port) == proc.pid
     assert memory.listening_pid("192.0.2.1", port) is None  # not an address of this machine
-    assert memory.process_tree(proc.pid) == [proc.pid, kid]
+    assert procfs.process_tree(proc.pid) == [proc.pid, kid]
     info = memory.describe_process(proc.pid)
     assert info["pid"] == proc.pid and info["name"].startswith("python")
     rss, pss = memory.tree_memory([proc.pid, kid])

@@ -2,7 +2,7 @@
 two modules import each other, directly or round a circle (imports under TYPE_CHECKING and inside
 functions count too).
 
-    errors, paths, chunks  <  config  <  upstream, observe  <  runtimes, tenants  <  scheduling
+    errors, paths, chunks, procfs  <  config  <  upstream, observe  <  runtimes, tenants  <  scheduling
         <  proxy  <  server  <  testing  <  cli  <  __main__
 
 ``bench`` is a client of a gateway, not a part of it: it imports only itself and the base (the
@@ -20,7 +20,7 @@ import passerelle
 ROOT = Path(passerelle.__file__).parent
 
 LAYER = {
-    "errors": 0, "paths": 0, "chunks": 0, "__init__": 0, "config": 0.5,
+    "errors": 0, "paths": 0, "chunks": 0, "procfs": 0, "__init__": 0, "config": 0.5,
     "upstream": 1, "observe": 1,
     "runtimes": 2, "tenants": 2,
     "scheduling": 3,

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from passerelle import procfs
 from passerelle.config import budget_share, load_config
 from passerelle.errors import ConfigError
 from passerelle.runtimes import memory
@@ -42,7 +43,7 @@ def child():
 
 def test_process_tree_and_rss_match_proc_status(child):
     proc, grandchild = child
-    tree = memory.process_tree(proc.pid)
+    tree = procfs.process_tree(proc.pid)
     assert tree[0] == proc.pid and grandchild in tree
     expected = vmrss(proc.pid) + vmrss(grandchild)
     assert memory.rss_bytes(tree) == pytest.approx(expected, rel=0.05)
