@@ -57,35 +57,41 @@ class _Count:
     audio: int = 0
 
 
-def _walk(value: Any, c: _Count, costs: MediaCosts) -> None:
-    if isinstance(value, str):
-        if value.startswith("data:"):
-            if value.startswith("data:audio/"):
-                c.audio += 1
-                c.tokens += costs.audio_tokens
-            else:  # an image, or another inline file: charged like an image
-                c.images += 1
-                c.tokens += costs.image_tokens
-        else:
-            c.chars += len(value)
-    elif isinstance(value, dict):
-        kind = value.get("type")
-        if kind in _IMAGE_TYPES or kind in _FILE_TYPES:
-            c.images += 1
-            c.tokens += costs.image_tokens
-            return
-        if kind in _AUDIO_TYPES:
-            c.audio += 1
-            c.tokens += costs.audio_tokens
-            return
-        for v in value.values():
-            _walk(v, c, costs)
-    elif isinstance(value, list):
-        if value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            c.tokens += len(value)  # a prompt given as token ids
-            return
-        for v in value:
-            _walk(v, c, costs)
+def _walk(root: Any, c: _Count, costs: MediaCosts) -> None:
+    # An explicit stack, not recursion: a client's JSON may nest as deep as the parser allows
+    # (orjson: 1,024 levels), past Python's recursion limit.
+    stack = [root]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if value.startswith("data:"):
+                if value.startswith("data:audio/"):
+                    c.audio += 1
+                    c.tokens += costs.audio_tokens
+                else:  # an image, or another inline file: charged like an image
+                    c.images += 1
+                    c.tokens += costs.image_tokens
+            else:
+                c.chars += len(value)
+        elif isinstance(value, dict):
+            # "type" is a content part's kind only when it is a string: in a tool's JSON schema it
+            # may be a list (["string", "null"]) or a property named "type" (a dict).
+            kind = value.get("type")
+            if isinstance(kind, str):
+                if kind in _IMAGE_TYPES or kind in _FILE_TYPES:
+                    c.images += 1
+                    c.tokens += costs.image_tokens
+                    continue
+                if kind in _AUDIO_TYPES:
+                    c.audio += 1
+                    c.tokens += costs.audio_tokens
+                    continue
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            if value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                c.tokens += len(value)  # a prompt given as token ids
+                continue
+            stack.extend(value)
 
 
 def estimate_prompt_tokens(data: dict[str, Any], costs: MediaCosts = MediaCosts()) -> int:

@@ -71,3 +71,24 @@ def test_limits_section_sets_the_constants(tmp_path):
     policy = KeyPolicy(cfg, None)
     assert policy.estimate_prompt({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": IMAGE}}]}]}, "vision") == 1200 + 1 + 4  # "user", template
+
+
+def test_tool_schemas_with_a_type_property_or_a_nullable_type_are_text():
+    """Codex's tools have a property named "type" (a dict); every schema generator writes a nullable
+    field as "type": ["string", "null"] (a list). Neither is a content part's kind."""
+    schema = {"type": "object", "properties": {
+        "type": {"type": "string", "enum": ["a", "b"]},
+        "note": {"type": ["string", "null"]},
+        "anyOf": [{"type": ["integer", "null"]}]}}
+    for body in ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": schema}]},
+                 {"messages": [{"role": "user", "content": "hi"}],
+                  "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]},
+                 {"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": schema}]}):
+        assert estimate_prompt_tokens(body) > 0
+
+
+def test_json_nested_past_the_recursion_limit_is_counted():
+    deep: object = "x" * 40
+    for _ in range(5000):
+        deep = {"type": {"k": [deep]}}
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": [deep]}]}) >= 10
