@@ -21,8 +21,8 @@ import os
 import re
 import secrets
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs
 
 import orjson

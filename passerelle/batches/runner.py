@@ -32,7 +32,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from passerelle.batches.internal import Answer, Line, usage_of
 from passerelle.batches.store import BatchStore, FileRow, Result
-from passerelle.batches.validate import ENDPOINTS, Line as InputLine, parse_lines
+from passerelle.batches.validate import ENDPOINTS, parse_lines
+from passerelle.batches.validate import Line as InputLine
 from passerelle.config import BatchesConfig
 from passerelle.proxy.gateway import Gateway
 

@@ -175,7 +175,7 @@ class BatchStore:
 
     def batch(self, batch_id: str) -> dict[str, Any] | None:
         r = self.conn.execute("SELECT doc FROM batches WHERE id = ?", (batch_id,)).fetchone()
-        return orjson.loads(r[0]) if r else None  # type: ignore[no-any-return]
+        return orjson.loads(r[0]) if r else None
 
     def batches(self, owner: str | None, limit: int, after: str | None,
                 statuses: tuple[str, ...] = ()) -> list[dict[str, Any]]:
