@@ -42,7 +42,8 @@ class Answer:
 class Line:
     """One line's request; ``hang_up()`` ends it as a client leaving would."""
 
-    def __init__(self, path: str, body: bytes, *, key_id: str | None, class_name: str, batch_id: str) -> None:
+    def __init__(self, path: str, body: bytes, *, key_id: str | None, class_name: str, batch_id: str,
+                 cap: int = 64 * 1024 * 1024) -> None:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-priority", class_name.encode()), (b"x-passerelle-batch", batch_id.encode())]
         self.scope: dict[str, Any] = {
@@ -53,6 +54,9 @@ class Line:
         self._sent = False
         self._gone = asyncio.Event()
         self.answer = Answer()
+        self.cap = cap  # bytes of answer kept; past it the line hangs up (``too_large``)
+        self.size = 0
+        self.too_large = False
 
     def hang_up(self) -> None:
         self._gone.set()
@@ -72,7 +76,13 @@ class Line:
                     self.answer.request_id = bytes(v).decode("latin-1")
                 elif k == b"retry-after" and bytes(v).isdigit():
                     self.answer.retry_after = float(bytes(v))
-        elif message.get("body"):
+        elif message.get("body") and not self.too_large:
+            self.size += len(message["body"])
+            if self.size > self.cap:
+                self.too_large = True
+                self.answer.chunks = []
+                self.hang_up()
+                return
             self.answer.chunks.append(bytes(message["body"]))
 
     async def run(self, gateway: Gateway, endpoint: str) -> Answer:

@@ -35,7 +35,10 @@ from passerelle.batches.store import BatchStore, FileRow, Result
 from passerelle.batches.validate import ENDPOINTS, parse_lines
 from passerelle.batches.validate import Line as InputLine
 from passerelle.config import BatchesConfig
+from passerelle.errors import UpstreamError
+from passerelle.proxy.assemble import assemble
 from passerelle.proxy.gateway import Gateway
+from passerelle.proxy.resume import suspendable
 
 log = logging.getLogger("passerelle.batches")
 
@@ -240,11 +243,17 @@ class Runner:
     async def _line(self, run: Run, line: InputLine) -> Result | None:
         """Run one line to its outcome: its result, or None when it must wait (a quota, an end)."""
         doc = run.doc
-        body = orjson.dumps(line.body)
         endpoint = ENDPOINTS[line.url]
+        # A chat or completions line that can be cut and continued exactly is asked as a stream and
+        # assembled here: a stream of the batch class may be preempted (suspended for a better
+        # class, resumed later), a non-streamed answer holds its slot to the end.
+        streamed = endpoint in ("chat", "completions") and suspendable(line.body, endpoint)
+        data = {**line.body, "stream": True, "stream_options": {"include_usage": True}} if streamed else line.body
+        body = orjson.dumps(data)
         answer = Answer()
         for attempt in range(self.cfg.line_attempts):
-            request = Line(line.url, body, key_id=doc["_key_id"], class_name=self.class_name, batch_id=doc["id"])
+            request = Line(line.url, body, key_id=doc["_key_id"], class_name=self.class_name, batch_id=doc["id"],
+                           cap=self.gateway.cfg.limits.max_answer_bytes)
             run.running.add(request)
             self.metrics.running.inc()
             try:
@@ -252,8 +261,13 @@ class Runner:
             finally:
                 run.running.discard(request)
                 self.metrics.running.dec()
+            if request.too_large:
+                return Result(doc["id"], line.number, False, error_record(
+                    line.custom_id, "answer_too_large", "The answer was larger than [limits] max_answer_bytes."))
             if run.ending or answer.status == 0:
                 return None  # hung up: cancelled or expired; or the gateway is stopping
+            if streamed and answer.status == 200:
+                _assemble(answer, endpoint)
             code = _error_code(answer)
             if code == "quota_exceeded":
                 run.paused_until = time.time() + min(answer_retry_after(answer), MAX_PAUSE_S)
@@ -337,6 +351,24 @@ class Runner:
                          "paused": run.pause_reason or None, "expires_at": d["expires_at"]})
         return {"in_progress": len(rows), "lines_done_since_start": self.lines_done,
                 "lines_waiting": sum(r["waiting"] for r in rows), "batches": rows}
+
+
+def _assemble(answer: Answer, endpoint: str) -> None:
+    """A streamed line's answer as the non-streamed body (proxy/assemble.py), or the error event
+    that ended its stream (then a 502, tried again as a passing failure)."""
+    raw = answer.body
+    for event in raw.split(b"\n\n"):
+        event = event.strip()
+        if event.startswith(b"data:") and b'"error"' in event[:64]:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                obj = orjson.loads(event[5:])
+                if isinstance(obj, dict) and "error" in obj:
+                    answer.status, answer.chunks = 502, [orjson.dumps(obj)]
+                    return
+    try:
+        answer.chunks = [assemble(raw, endpoint)]
+    except UpstreamError as err:
+        answer.status, answer.chunks = 502, [err.body()]
 
 
 async def _nap(run: Run, seconds: float) -> None:
