@@ -37,7 +37,7 @@ import aiohttp
 import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import MODEL, WORK, Service, free_port, pct, report_head, serve, spawn, write_json
+from harness import MODEL, ROOT, WORK, Service, free_port, pct, report_head, serve, source_env, spawn, write_json
 
 from passerelle.chunks import is_content
 
@@ -52,7 +52,8 @@ def batch_file(n: int, max_tokens: int, tag: str) -> bytes:
 def start_fake(work: Path, port: int, a: argparse.Namespace) -> Service:
     svc = spawn(f"fake-{port}", [sys.executable, "-m", "passerelle", "fake-backend", "--port", str(port),
                                  "--ttft-ms", str(a.ttft_ms), "--itl-ms", str(a.itl_ms), "--tokens", str(a.tokens),
-                                 "--model", MODEL, "--slots", str(a.slots)], work, url=f"http://127.0.0.1:{port}")
+                                 "--model", MODEL, "--slots", str(a.slots)], work, env=source_env(ROOT),
+                url=f"http://127.0.0.1:{port}")
     svc.wait_ready("/health", 30)
     return svc
 
@@ -77,7 +78,7 @@ max_concurrency = {a.slots}
 """)
     if fresh:
         shutil.rmtree(work / "batch-state", ignore_errors=True)
-    svc = serve(work, cfg, name="gw")  # (its own state folder is wiped at each start: ours is batch-state)
+    svc = serve(work, cfg, name="gw", src=ROOT)  # (its own state folder is wiped at each start: ours is batch-state)
     svc.wait_ready("/ready", 60)
     return svc
 
