@@ -195,6 +195,22 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class BatchesConfig:
+    """The Batch API (``/v1/files``, ``/v1/batches``): what it may keep on disk, and how hard its
+    lines may push (passerelle/batches/). Every limit's error is in docs/limits.md."""
+
+    enabled: bool = True
+    max_file_bytes: int = 64 * 1024 * 1024  # one uploaded file (read whole: it counts in the body budget)
+    max_lines: int = 50_000  # lines of one batch input file
+    max_total_bytes: int = 4 * 1024 * 1024 * 1024  # all files kept (inputs, outputs, errors) together
+    retention_h: float = 168.0  # a finished batch, its output and error files, and unused input files
+    in_flight_per_batch: int = 4  # lines of one batch queued or running at once
+    in_flight_per_key: int = 8  # lines of one key's batches together (fair share between keys' batches)
+    max_window_h: float = 168.0  # the longest completion_window accepted
+    line_attempts: int = 5  # tries of a line that met a passing failure (runtime down, queue full) before it fails
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     aging_s: float = 30.0  # a waiting request moves up one class per aging_s waited (0: never)
     hold_s: float = 0.05  # a freed slot waits this long for the next request of an under-served tenant (0: off)
@@ -308,6 +324,7 @@ class Config:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    batches: BatchesConfig = field(default_factory=BatchesConfig)
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()
@@ -350,7 +367,8 @@ class Config:
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
                               "scheduler": SchedulerConfig, "routing": RoutingConfig,
-                              "runtimes": RuntimesConfig, "limits": LimitsConfig}
+                              "runtimes": RuntimesConfig, "limits": LimitsConfig,
+                              "batches": BatchesConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -507,6 +525,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         _check(getattr(limits, name) >= 1024, "expected a size in bytes of at least 1024", file=file,
                key=f"limits.{name}", text=text, header="limits", field_name=name)
 
+    _check_batches(sections["batches"], file=file, text=text)
     _check_admin(sections["admin"], server, file=file, text=text)
     metrics: MetricsConfig = sections["metrics"]
     _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
@@ -589,7 +608,21 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
                   routing=sections["routing"], runtimes=sections["runtimes"], limits=limits,
+                  batches=sections["batches"],
                   backends=tuple(backends), models=models, source=file)
+
+
+def _check_batches(b: BatchesConfig, *, file: str, text: str) -> None:
+    ck: dict[str, Any] = dict(file=file, text=text, header="batches")
+    _check(b.max_file_bytes >= 1024, "expected a size in bytes of at least 1024", key="batches.max_file_bytes",
+           field_name="max_file_bytes", **ck)
+    _check(b.max_total_bytes >= b.max_file_bytes, "expected at least batches.max_file_bytes",
+           key="batches.max_total_bytes", field_name="max_total_bytes", **ck)
+    for name in ("max_lines", "in_flight_per_batch", "in_flight_per_key", "line_attempts"):
+        _check(getattr(b, name) >= 1, "expected a positive integer", key=f"batches.{name}", field_name=name, **ck)
+    for name in ("retention_h", "max_window_h"):
+        _check(getattr(b, name) > 0, "expected a positive number of hours", key=f"batches.{name}",
+               field_name=name, **ck)
 
 
 def _check_runtimes(rt: RuntimesConfig, *, file: str, text: str) -> None:

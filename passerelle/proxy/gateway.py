@@ -72,6 +72,11 @@ from passerelle.tenants.policy import KeyPolicy, Ticket
 
 log = logging.getLogger("passerelle.proxy.gateway")
 
+# A request the gateway makes itself (a batch line, batches/internal.py) names in its scope the key
+# it runs for, by id (None: no key). uvicorn builds the scope of every HTTP request, so a client
+# can never set it.
+INTERNAL_KEY = "passerelle.key_id"
+
 
 class Gateway:
     def __init__(self, cfg: Config, registry: Registry, metrics: Metrics, access_log: AccessLog,
@@ -100,6 +105,8 @@ class Gateway:
     # -- who is asking, and how urgent ---------------------------------------------------------
     def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:
         """The caller's key; None when keys are not in use. Raises Unauthorized / RateLimited."""
+        if INTERNAL_KEY in scope:
+            return self.keys.authenticate_id(scope[INTERNAL_KEY], rec)
         return self.keys.authenticate(scope, rec)
 
     # -- the request's life ----------------------------------------------------------------

@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, unquote
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from passerelle.batches.api import BatchApi
 from passerelle.config import Config, RuntimesConfig, budget_share
 from passerelle.errors import ConfigError, GatewayError, InvalidRequest, UnknownModel
 from passerelle.observe.accesslog import AccessLog
@@ -118,6 +119,9 @@ class App:
         self.gateway.listeners.append(self.gateway.keys.activity.observe)
         self.keys_api = KeysApi(cfg.admin.key, self.keystore, self.key_manager, self.gateway.keys, self.usage,
                                 self.usage_reader)
+        # The Batch API: its store beside the keys' database, its lines at the least urgent class.
+        self.batches = BatchApi(cfg.batches, cfg.db_path().parent, self.gateway, self.metrics.registry,
+                                cfg.admin.key, max(cfg.classes, key=lambda c: c.rank).name)
         self.started_at = time.time()
         self._cors = {o.encode() for o in cfg.server.cors_origins}
         # The dashboard's rolling window (/admin/stats, /ui), fed with every finished request.
@@ -200,6 +204,7 @@ class App:
         snap["slot_holds"] = dict(self.scheduler.hold_counts)  # freed slots kept for a returning tenant
         snap["runtimes"] = self.supervisor.describe()  # loaded or not, memory estimated and measured
         snap["swaps"] = self.swapper.describe()  # budget, swaps and their cost, what waits for a load
+        snap["batches"] = self.batches.snapshot()  # progress of the batches in progress
         snap.update(self.gateway.keys.snapshot())  # auth_throttle, tenants, keys (tenants/policy.py)
         # streams suspended for a better class, resumed, and the prompt tokens resuming cost
         snap["preemption"] = {"enabled": self.scheduler.preemption is not None, **self.scheduler.preempt_counts,
@@ -258,6 +263,27 @@ class App:
 
     async def audit(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.keys_api.audit(scope, receive, send)
+
+    # -- the Batch API (batches/api.py); an upload's body has the inference routes' deadline and budget
+    async def _batch_route(self, handler: Callable[[Scope, Receive, Send], Any], scope: Scope, receive: Receive,
+                           send: Send) -> None:
+        bounded = BoundedReceive(receive, self.cfg.server.body_timeout_s, self.body_budget)
+        try:
+            await handler(scope, bounded, send)
+        finally:
+            bounded.release()
+
+    async def files(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._batch_route(self.batches.files, scope, receive, send)
+
+    async def file_item(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._batch_route(self.batches.file_item, scope, receive, send)
+
+    async def batches_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._batch_route(self.batches.batches, scope, receive, send)
+
+    async def batch_item(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._batch_route(self.batches.batch_item, scope, receive, send)
 
     async def _usage_since(self, key_id: str, starts: list[float]) -> list[int]:
         """A key's tokens since each of ``starts``, for its quotas (rows still buffered included)."""
@@ -336,6 +362,7 @@ class App:
         await self.registry.start()
         self.registry.on_up = self.scheduler.dispatch
         self.usage.start()
+        await self.batches.start()
         # What exists after start-up lives as long as the process: keep it out of every
         # collection, and collect less often (full collections paused the loop for 40-50 ms).
         gc.collect()
@@ -472,6 +499,7 @@ class App:
             self._ending.cancel()
         if self.admin_listener is not None:
             await self.admin_listener.stop()
+        await self.batches.stop()  # (its lines' usage rows are written by the usage store's stop)
         await self.usage.stop()
         self.usage.conn.close()
         self.usage_reader.close()

@@ -82,6 +82,11 @@ ROUTES: tuple[Route, ...] = (
     Route("/v1/models/", GET, Access.PUBLIC, "model"),  # /v1/models/{id}: an id may hold slashes
     Route("/v1/me", GET, Access.PUBLIC, "me"),  # the calling key (tenants/policy.py, server/keys_api.py)
     Route("/v1/me/usage", GET, Access.PUBLIC, "me_usage"),
+    # the Batch API (passerelle/batches/api.py): keyed like inference, answered by the app
+    Route("/v1/files", (*GET, *POST), Access.PUBLIC, "files"),
+    Route("/v1/files/", (*GET, *DELETE), Access.PUBLIC, "file_item"),  # /v1/files/{id}[/content]
+    Route("/v1/batches", (*GET, *POST), Access.PUBLIC, "batches_route"),
+    Route("/v1/batches/", (*GET, *POST), Access.PUBLIC, "batch_item"),  # /v1/batches/{id}[/cancel]
     Route("/metrics", GET, Access.ADMIN, "prom"),
     Route("/ui", GET, Access.ADMIN, "ui"),
     Route("/admin/stats", GET, Access.ADMIN, "admin_stats"),

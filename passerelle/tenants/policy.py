@@ -113,6 +113,23 @@ class KeyPolicy:
                              f"Ask its owner{who} or the gateway's operator for a new one.")
         return key
 
+    def authenticate_id(self, key_id: str | None, rec: RequestRecord | None = None) -> ApiKey | None:
+        """For a request the gateway makes for a key (a batch line): that key as it is now (revoked
+        or expired: Unauthorized); None for work created while keys were not in use."""
+        if not self.in_use or key_id is None:
+            if self.in_use:
+                raise Unauthorized("This work was created without an API key; keys are now required.")
+            return None
+        assert self.ring is not None
+        key = self.ring.get(key_id)
+        if key is None:
+            raise Unauthorized(f"The API key {key_id} that created this work was revoked.")
+        if rec is not None:
+            rec.key_id, rec.tenant = key.id, key.tenant
+        if key.expired():
+            raise KeyExpired(f"The API key {key_id} that created this work has expired.")
+        return key
+
     # -- may it, now ----------------------------------------------------------------------------
     def media_costs(self, model: str) -> MediaCosts:
         """Tokens charged per image / audio part for ``model`` (the ``[limits]`` values for now)."""

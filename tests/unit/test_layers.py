@@ -3,7 +3,7 @@ two modules import each other, directly or round a circle (imports under TYPE_CH
 functions count too).
 
     errors, paths, chunks, procfs  <  config  <  upstream, observe  <  runtimes, tenants  <  scheduling
-        <  proxy  <  server  <  testing  <  cli  <  __main__
+        <  proxy  <  batches  <  server  <  testing  <  cli  <  __main__
 
 ``bench`` is a client of a gateway, not a part of it: it imports only itself and the base (the
 base modules import no other part of passerelle, so that holds all the way down; ``chunks`` is
@@ -25,6 +25,7 @@ LAYER = {
     "runtimes": 2, "tenants": 2,
     "scheduling": 3,
     "proxy": 4,
+    "batches": 4.5,
     "server": 5,
     "testing": 5.5, "cli": 6, "__main__": 7,
 }

@@ -1,0 +1,10 @@
+"""The Batch API (``/v1/files``, ``/v1/batches``): bulk work run at the batch class in the
+capacity interactive traffic leaves idle, kept on disk so that a restart resumes it, each line
+answered exactly once.
+
+    api.py       the routes' handlers (files, batches), who sees what
+    validate.py  what an input file and a batch must be; refusals name the bad lines
+    store.py     SQLite state and content files, durable before acknowledged
+    runner.py    lines through the gateway, bounded in flight, window, cancel, resume, retention
+    internal.py  one line as a request of the gateway's own path, without HTTP
+"""

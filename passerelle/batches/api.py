@@ -1,0 +1,317 @@
+"""The Batch API's routes, as OpenAI defines them (server/routes.py points here):
+
+    POST   /v1/files                 upload (multipart: ``file``, ``purpose=batch``), checked line by line
+    GET    /v1/files                 the caller's files (``purpose``, ``limit``, ``after``)
+    GET    /v1/files/{id}            one
+    GET    /v1/files/{id}/content    its bytes (an input, or a batch's output or error file)
+    DELETE /v1/files/{id}            remove it (not while an active batch reads it)
+    POST   /v1/batches               {"input_file_id", "endpoint", "completion_window", "metadata"}
+    GET    /v1/batches               the caller's batches (``limit``, ``after``)
+    GET    /v1/batches/{id}          one, with its progress
+    POST   /v1/batches/{id}/cancel   cancel it
+
+Who sees what: a key sees its own files and batches only (another's answer 404, as if it did not
+exist); the admin key (``[admin] key``) sees all; without keys in use, everyone is one owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import orjson
+from prometheus_client import CollectorRegistry
+
+from passerelle.batches.runner import BatchMetrics, Runner, public
+from passerelle.batches.store import BatchStore, FileRow
+from passerelle.batches.validate import ENDPOINTS, check_batch, check_metadata, parse_lines, window_seconds
+from passerelle.config import BatchesConfig
+from passerelle.errors import BodyTooLarge, Forbidden, InvalidRequest
+from passerelle.proxy.exchange import Receive, Scope, Send, header
+from passerelle.proxy.gateway import Gateway
+from passerelle.proxy.intake import read_request_body
+from passerelle.proxy.protocols import form_parts
+from passerelle.tenants.keys import ApiKey
+from passerelle.tenants.policy import presented_key
+
+MAX_JSON = 64 * 1024  # a batch's creation request
+_FILENAME = re.compile(rb'filename="([^"]*)"', re.I)
+
+
+class NotFound(InvalidRequest):
+    status, code = 404, "not_found"
+
+
+class FileTooLarge(InvalidRequest):
+    status, code = 413, "file_too_large"
+
+
+class StorageFull(InvalidRequest):
+    status, code = 413, "storage_full"
+
+
+class FileInUse(InvalidRequest):
+    status, code = 409, "file_in_use"
+
+
+def _query(scope: Scope) -> dict[str, str]:
+    return {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1")).items()}
+
+
+def _limit(q: dict[str, str]) -> int:
+    try:
+        n = int(q.get("limit", "20"))
+    except ValueError:
+        raise InvalidRequest("'limit' must be an integer between 1 and 10000.", param="limit") from None
+    if not 1 <= n <= 10000:
+        raise InvalidRequest("'limit' must be an integer between 1 and 10000.", param="limit")
+    return n
+
+
+async def _json_response(send: Send, status: int, obj: Any) -> None:
+    body = orjson.dumps(obj)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _page(rows: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    shown = rows[:limit]
+    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": len(rows) > limit}
+
+
+class Caller:
+    """Who asks: ``owner`` the key id ("" without keys), None for the admin (sees all)."""
+
+    def __init__(self, owner: str | None, key: ApiKey | None) -> None:
+        self.owner, self.key = owner, key
+
+    def sees(self, owner: str) -> bool:
+        return self.owner is None or self.owner == owner
+
+
+class BatchApi:
+    """The routes' handlers; ``start()`` opens the store in ``root`` and resumes the batches in it."""
+
+    def __init__(self, cfg: BatchesConfig, root: Path, gateway: Gateway, registry: CollectorRegistry,
+                 admin_key: str, class_name: str) -> None:
+        self.cfg, self.root, self.gateway, self.admin_key = cfg, root, gateway, admin_key
+        self.class_name = class_name
+        self.metrics = BatchMetrics(registry)
+        self._store: BatchStore | None = None
+        self._runner: Runner | None = None
+
+    @property
+    def store(self) -> BatchStore:
+        if self._store is None:
+            raise NotFound("The Batch API is not started.")
+        return self._store
+
+    @property
+    def runner(self) -> Runner:
+        if self._runner is None:
+            raise NotFound("The Batch API is not started.")
+        return self._runner
+
+    async def start(self) -> None:
+        if not self.cfg.enabled:
+            return
+        self._store = store = await asyncio.to_thread(BatchStore, self.root)
+        self._runner = Runner(store, self.gateway, self.cfg, self.class_name, self.metrics)
+        await self._runner.start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.stop()
+        if self._store is not None:
+            self._store.close()
+        self._runner = self._store = None
+
+    def snapshot(self) -> dict[str, Any]:
+        """Progress for /admin/stats and the dashboard."""
+        return self._runner.snapshot() if self._runner is not None else {"enabled": False}
+
+    def caller(self, scope: Scope) -> Caller:
+        if not self.cfg.enabled:
+            raise NotFound("The Batch API is turned off on this gateway ([batches] enabled = false).")
+        if self.admin_key and secrets.compare_digest(presented_key(scope).encode(), self.admin_key.encode()):
+            return Caller(None, None)
+        key = self.gateway.keys.authenticate(scope)
+        return Caller(key.id if key is not None else "", key)
+
+    # -- files ------------------------------------------------------------------------------------
+    async def files(self, scope: Scope, receive: Receive, send: Send) -> None:
+        who = self.caller(scope)
+        if scope["method"] == "POST":
+            await _json_response(send, 200, await self._upload(scope, receive, who))
+            return
+        q = _query(scope)
+        limit = _limit(q)
+        rows = await self.store.run(self.store.files, who.owner, q.get("purpose"), limit + 1, q.get("after"))
+        await _json_response(send, 200, _page([r.describe() for r in rows], limit))
+
+    async def _upload(self, scope: Scope, receive: Receive, who: Caller) -> dict[str, Any]:
+        try:
+            body = await read_request_body(scope, receive, self.cfg.max_file_bytes + 64 * 1024)
+        except BodyTooLarge:
+            raise FileTooLarge(f"The file is larger than {self.cfg.max_file_bytes} bytes ([batches] "
+                               "max_file_bytes).", param="file") from None
+        ctype = header(scope, b"content-type")
+        purpose, content, filename = None, None, "upload.jsonl"
+        for part in form_parts(body, ctype):
+            if part.name == "purpose" and not part.is_file and purpose is None:
+                purpose = body[part.start:min(part.end, part.start + 64)].decode("utf-8", "replace").strip()
+            elif part.name == "file" and content is None:
+                content = body[part.start:part.end]
+                head = _FILENAME.findall(body[max(0, part.start - 4096):part.start])
+                if head:
+                    filename = head[-1].decode("utf-8", "replace")[:256]
+        if purpose != "batch":
+            raise InvalidRequest("'purpose' must be 'batch' (the only files this gateway keeps).", param="purpose")
+        if content is None:
+            raise InvalidRequest("Missing the 'file' part of the form.", param="file")
+        if len(content) > self.cfg.max_file_bytes:
+            raise FileTooLarge(f"The file is larger than {self.cfg.max_file_bytes} bytes ([batches] "
+                               "max_file_bytes).", param="file")
+        lines = parse_lines(content, max_lines=self.cfg.max_lines)
+        total = await self.store.run(self.store.total_bytes)
+        if total + len(content) > self.cfg.max_total_bytes:
+            raise StorageFull(f"The gateway's batch files would pass {self.cfg.max_total_bytes} bytes in all "
+                              "([batches] max_total_bytes): delete files you no longer need.", param="file")
+        row = FileRow("file-" + secrets.token_hex(12), who.owner or "", "batch", filename, len(content), len(lines),
+                      time.time())
+        await self.store.run(self.store.add_file, row, [content])  # on disk before the answer
+        return row.describe()
+
+    async def _own_file(self, who: Caller, file_id: str) -> FileRow:
+        row = await self.store.run(self.store.file, file_id)
+        if row is None or not who.sees(row.owner):
+            raise NotFound(f"No such file: {file_id[:100]}.", param="file_id")
+        return row
+
+    async def file_item(self, scope: Scope, receive: Receive, send: Send) -> None:
+        who = self.caller(scope)
+        rest = scope["path"].removeprefix("/v1/files/").strip("/")
+        file_id, _, tail = rest.partition("/")
+        if tail not in ("", "content") or (tail and scope["method"] not in ("GET", "HEAD")):
+            raise NotFound(f"No route for {scope['method']} {scope['path'][:200]}.")
+        row = await self._own_file(who, file_id)
+        if scope["method"] == "DELETE":
+            if await self.store.run(self.store.file_in_use, file_id):
+                raise FileInUse(f"The file {file_id} is the input of a batch in progress; cancel it first.")
+            await self.store.run(self.store.delete_file, file_id)
+            await _json_response(send, 200, {"id": file_id, "object": "file", "deleted": True})
+        elif tail == "content":
+            await self._content(row, send)
+        else:
+            await _json_response(send, 200, row.describe())
+
+    async def _content(self, row: FileRow, send: Send) -> None:
+        try:
+            f = await self.store.run(open, self.store.content_path(row.id), "rb")
+        except FileNotFoundError:
+            raise NotFound(f"The content of {row.id} is gone.", param="file_id") from None
+        try:
+            size = os.fstat(f.fileno()).st_size
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/jsonl"),
+                                    (b"content-length", str(size).encode())]})
+            sent = 0
+            while True:
+                chunk = await self.store.run(f.read, 1 << 20)
+                sent += len(chunk)
+                last = not chunk or sent >= size
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if last:
+                    return
+        finally:
+            f.close()
+
+    # -- batches ----------------------------------------------------------------------------------
+    async def batches(self, scope: Scope, receive: Receive, send: Send) -> None:
+        who = self.caller(scope)
+        if scope["method"] == "POST":
+            await _json_response(send, 200, await self._create(scope, receive, who))
+            return
+        q = _query(scope)
+        limit = _limit(q)
+        rows = await self.store.run(self.store.batches, who.owner, limit + 1, q.get("after"))
+        await _json_response(send, 200, _page([public(self.runner.live(d["id"]) or d) for d in rows], limit))
+
+    async def _create(self, scope: Scope, receive: Receive, who: Caller) -> dict[str, Any]:
+        if who.owner is None and self.gateway.keys.in_use:
+            raise Forbidden("A batch runs for the API key that creates it, and the admin key is not one: create it "
+                            "with the key it should be accounted to.")
+        raw = await read_request_body(scope, receive, MAX_JSON)
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise InvalidRequest("The request body is not valid JSON.") from None
+        if not isinstance(data, dict):
+            raise InvalidRequest("The request body must be a JSON object.")
+        endpoint = data.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
+        name = ENDPOINTS[endpoint]
+        if not self.gateway.registry.models_on(name):
+            raise InvalidRequest(f"No model is served on {endpoint} here.", param="endpoint")
+        window = window_seconds(data.get("completion_window"), self.cfg.max_window_h * 3600)
+        metadata = check_metadata(data.get("metadata"))
+        file_id = data.get("input_file_id")
+        if not isinstance(file_id, str):
+            raise InvalidRequest("'input_file_id' must be a file id.", param="input_file_id")
+        row = await self._own_file(who, file_id)
+        if row.purpose != "batch":
+            raise InvalidRequest(f"The file {file_id} is not a batch input (purpose {row.purpose}).",
+                                 param="input_file_id")
+        content = await self.store.run(self.store.content_path(row.id).read_bytes)
+        lines = parse_lines(content, max_lines=self.cfg.max_lines)
+        check_batch(lines, endpoint, lambda model: self._refuses(model, name, endpoint, who.key))
+        if await self.store.run(self.store.total_bytes) > self.cfg.max_total_bytes:
+            raise StorageFull(f"The gateway's batch files are past {self.cfg.max_total_bytes} bytes in all "
+                              "([batches] max_total_bytes): delete files you no longer need.")
+        now = int(time.time())
+        key = who.key
+        doc: dict[str, Any] = {
+            "id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": endpoint, "errors": None,
+            "input_file_id": file_id, "completion_window": data["completion_window"], "status": "in_progress",
+            "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": now,
+            "expires_at": now + int(window), "finalizing_at": None, "completed_at": None, "failed_at": None,
+            "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+            "request_counts": {"total": len(lines), "completed": 0, "failed": 0}, "metadata": metadata,
+            "_owner": who.owner or "", "_key_id": key.id if key else None, "_tenant": key.tenant if key else ""}
+        await self.store.run(self.store.put_batch, doc)  # on disk before the answer
+        self.runner.submit(doc)
+        return public(doc)
+
+    def _refuses(self, model: str, name: str, endpoint: str, key: ApiKey | None) -> str | None:
+        catalogue = self.gateway.catalogue
+        entry = catalogue.lookup(model)
+        if entry is None:
+            return f"the model {model[:100]!r} is not served here"
+        if not catalogue.pool(entry, name):
+            return f"the model {model[:100]!r} is not served on this endpoint"
+        if key is not None and not key.allows(entry.name):
+            return f"this API key may not use the model {model[:100]!r}"
+        return None
+
+    async def batch_item(self, scope: Scope, receive: Receive, send: Send) -> None:
+        who = self.caller(scope)
+        rest = scope["path"].removeprefix("/v1/batches/").strip("/")
+        batch_id, _, tail = rest.partition("/")
+        if (tail, scope["method"]) not in (("", "GET"), ("", "HEAD"), ("cancel", "POST")):
+            raise NotFound(f"No route for {scope['method']} {scope['path'][:200]}.")
+        doc = self.runner.live(batch_id) or await self.store.run(self.store.batch, batch_id)
+        if doc is None or not who.sees(doc["_owner"]):
+            raise NotFound(f"No such batch: {batch_id[:100]}.", param="batch_id")
+        if tail == "cancel":
+            doc = await self.runner.cancel(batch_id) or doc
+        await _json_response(send, 200, public(doc))
+
