@@ -148,7 +148,10 @@ class AdminConfig:
     """Who may reach the admin routes (``/admin/*``, ``/ui``, ``/metrics``), and where."""
 
     allow: tuple[str, ...] = ("127.0.0.0/8", "::1/128")  # client networks; default: loopback only
-    key: str = ""  # when set, admin routes also need "Authorization: Bearer KEY"
+    key: str = ""  # when set, admin routes also need "Authorization: Bearer KEY" (or the dashboard's login cookie)
+    # Host names (beyond loopback, IP literals and this machine's name) the admin routes answer to,
+    # e.g. a reverse proxy's public name; "*": any. A Host outside them (DNS rebinding) gets 403.
+    hosts: tuple[str, ...] = ()
     port: int = 0  # 0: admin routes on the main port; N: only on this port, not on the main one
     host: str = "127.0.0.1"  # address of the admin port
 
@@ -717,6 +720,10 @@ def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: s
            field_name="port", **ck)
     _check(admin.key == admin.key.strip(), "the key must not start or end with spaces", key="admin.key",
            field_name="key", **ck)
+    for name in admin.hosts:
+        _check(bool(name) and (name == "*" or re.fullmatch(r"[A-Za-z0-9.\-_]+", name) is not None),
+               f"expected a host name like gpu.example.org (no port, no scheme) or \"*\", got {name!r}",
+               key="admin.hosts", field_name="hosts", **ck)
 
 
 def _load_classes(raw: Any, auth: AuthConfig, *, file: str, text: str, preemption: bool = True
