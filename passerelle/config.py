@@ -175,6 +175,11 @@ class AuthConfig:
     # A valid key always passes, whatever failed before it from the same address.
     failed_attempts_per_minute: int = 20
     max_user_chars: int = 64  # a request without a key is accounted to its `user`, cut to this (+ a hash)
+    # The usage table (one row per finished request): rows of refused requests (no token billed)
+    # are deleted after this many days (0: kept), and past usage_max_rows the oldest rows go,
+    # refused ones first (0: no cap). Pruned at start and every 10 minutes.
+    usage_refused_retention_days: float = 7.0
+    usage_max_rows: int = 5_000_000
 
 
 @dataclass(frozen=True)
@@ -538,6 +543,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                key=f"limits.{name}", text=text, header="limits", field_name=name)
     _check(sections["auth"].failed_attempts_per_minute > 0, "expected a positive integer", file=file,
            key="auth.failed_attempts_per_minute", text=text, header="auth", field_name="failed_attempts_per_minute")
+    for name in ("usage_refused_retention_days", "usage_max_rows"):
+        _check(getattr(sections["auth"], name) >= 0, "expected zero (off) or a positive number", file=file,
+               key=f"auth.{name}", text=text, header="auth", field_name=name)
 
     raw_backends = data.get("backends", [])
     if not isinstance(raw_backends, list):

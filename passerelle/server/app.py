@@ -113,7 +113,9 @@ class App:
         self.metrics.is_known_tenant = keyring.has_tenant
         self.gateway.on_demand = self.swapper.poke
         self.gateway.catalogue = self._catalogue(cfg)
-        self.usage = UsageRecorder(connect(self.keystore.path))
+        self.usage = UsageRecorder(connect(self.keystore.path),
+                                   refused_retention_s=cfg.auth.usage_refused_retention_days * 86400.0,
+                                   max_rows=cfg.auth.usage_max_rows)
         self.usage_reader = UsageReader(self.keystore.path)
         self.gateway.keys.quotas.load = self._usage_since
         self.gateway.listeners.append(self.usage.record)
