@@ -44,6 +44,9 @@ def _typed(types: str) -> re.Pattern[bytes]:
     return re.compile(rb"^event:[ \t]*(?:" + t + rb")[ \t]*\r?$|\"type\"\s*:\s*\"(?:" + t + rb')"', re.M)
 
 
+#: The chat delta fields that carry a reasoning model's thinking (``reasoning``: vLLM >= 0.16).
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
 CHAT = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[\s*\{')
 RESPONSES = _typed(r"response\.[a-z_.]+\.delta")
 MESSAGES = re.compile(rb'"type"\s*:\s*"(?:text_delta|thinking_delta|input_json_delta)"')

@@ -148,7 +148,10 @@ class AdminConfig:
     """Who may reach the admin routes (``/admin/*``, ``/ui``, ``/metrics``), and where."""
 
     allow: tuple[str, ...] = ("127.0.0.0/8", "::1/128")  # client networks; default: loopback only
-    key: str = ""  # when set, admin routes also need "Authorization: Bearer KEY"
+    key: str = ""  # when set, admin routes also need "Authorization: Bearer KEY" (or the dashboard's login cookie)
+    # Host names (beyond loopback, IP literals and this machine's name) the admin routes answer to,
+    # e.g. a reverse proxy's public name; "*": any. A Host outside them (DNS rebinding) gets 403.
+    hosts: tuple[str, ...] = ()
     port: int = 0  # 0: admin routes on the main port; N: only on this port, not on the main one
     host: str = "127.0.0.1"  # address of the admin port
 
@@ -172,6 +175,11 @@ class AuthConfig:
     # A valid key always passes, whatever failed before it from the same address.
     failed_attempts_per_minute: int = 20
     max_user_chars: int = 64  # a request without a key is accounted to its `user`, cut to this (+ a hash)
+    # The usage table (one row per finished request): rows of refused requests (no token billed)
+    # are deleted after this many days (0: kept), and past usage_max_rows the oldest rows go,
+    # refused ones first (0: no cap). Pruned at start and every 10 minutes.
+    usage_refused_retention_days: float = 7.0
+    usage_max_rows: int = 5_000_000
 
 
 @dataclass(frozen=True)
@@ -554,6 +562,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                key=f"limits.{name}", text=text, header="limits", field_name=name)
     _check(sections["auth"].failed_attempts_per_minute > 0, "expected a positive integer", file=file,
            key="auth.failed_attempts_per_minute", text=text, header="auth", field_name="failed_attempts_per_minute")
+    for name in ("usage_refused_retention_days", "usage_max_rows"):
+        _check(getattr(sections["auth"], name) >= 0, "expected zero (off) or a positive number", file=file,
+               key=f"auth.{name}", text=text, header="auth", field_name=name)
 
     raw_backends = data.get("backends", [])
     if not isinstance(raw_backends, list):
@@ -750,6 +761,10 @@ def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: s
            field_name="port", **ck)
     _check(admin.key == admin.key.strip(), "the key must not start or end with spaces", key="admin.key",
            field_name="key", **ck)
+    for name in admin.hosts:
+        _check(bool(name) and (name == "*" or re.fullmatch(r"[A-Za-z0-9.\-_]+", name) is not None),
+               f"expected a host name like gpu.example.org (no port, no scheme) or \"*\", got {name!r}",
+               key="admin.hosts", field_name="hosts", **ck)
 
 
 def _load_classes(raw: Any, auth: AuthConfig, *, file: str, text: str, preemption: bool = True

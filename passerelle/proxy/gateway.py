@@ -44,6 +44,7 @@ from passerelle.errors import (
     GatewayError,
     InternalError,
     InvalidRequest,
+    QueueTimeout,
     UpstreamError,
 )
 from passerelle.observe.accesslog import AccessLog
@@ -266,6 +267,9 @@ class Gateway:
         suspended_at = 0.0
         while True:
             job.max_wait_s = deadline.left_s  # the queue wait is within the total time too
+            if job.max_wait_s <= 0:  # never send a request with no time left (nor blame its replica)
+                raise QueueTimeout("The request's total timeout ran out before a replica was free.",
+                                   retry_after=1.0)
             backend = None if api.scheduled else self._direct(job)
             if backend is None:
                 backend = await self.scheduler.acquire(job)

@@ -38,6 +38,7 @@ from typing import Any
 
 import orjson
 
+from passerelle.chunks import REASONING_FIELDS
 from passerelle.upstream.client import Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -289,7 +290,7 @@ class Splice:
         edited = False
         delta: dict[str, Any] = ch["delta"] if isinstance(ch.get("delta"), dict) else {}
         if self.chat:
-            if delta.get("tool_calls") or delta.get("reasoning_content"):
+            if delta.get("tool_calls") or any(delta.get(f) for f in REASONING_FIELDS):
                 self.unsafe = True  # passed on as they are; this stream is no longer suspended
             content = delta.get("content")
         else:

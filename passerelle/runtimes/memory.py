@@ -8,7 +8,9 @@ the GPU memory its processes hold, read from the first of these that answers:
   process: VRAM and GTT, which on a unified-memory APU such as Strix Halo is system RAM);
 * otherwise the device's used memory before the start and after it (``nvidia-smi``,
   ``rocm-smi --showmeminfo vram``, or the amdgpu sysfs ``mem_info_vram_used`` files), which is
-  right as long as nothing else loads at the same time (starts are serialised).
+  right as long as nothing else loads at the same time: it is taken once per start, under the
+  supervisor's start lock, and that GPU share is kept for the run (a later delta would charge
+  the runtime every runtime started since).
 
 The measurement replaces the file-size estimate once a runtime has run; :class:`MemoryBook` keeps
 what was learned per backend (and its launch command) in the state directory, so that the next

@@ -105,7 +105,7 @@ class RuntimeProcess:
         self.ready_at = 0.0  # monotonic time it last became ready (residency)
         self.load_s = 0.0  # how long its last start took, launch to ready
         self.reading: Reading | None = None  # its measured memory, this run (None until measured)
-        self.device_before: int | None = None  # GPUs' used memory just before its launch
+        self.device_before: int | None = None  # GPUs' used memory just before its launch, until measured
 
     @property
     def pid(self) -> int | None:
@@ -403,9 +403,15 @@ class Supervisor:
         pid = proc.pid
         if pid is None or proc.state is not ProcState.READY:
             return None
-        reading = await asyncio.to_thread(measure, pid, device_before=proc.device_before)
+        # A device-wide delta is right once only: just after the start, under the start lock, so
+        # that no other runtime loaded between the two readings. Read again later, it would charge
+        # this runtime every runtime started since; its GPU share stays the one measured then.
+        before, proc.device_before = proc.device_before, None
+        reading = await asyncio.to_thread(measure, pid, device_before=before)
         if proc.state is not ProcState.READY or proc.pid != pid:
             return None  # stopped meanwhile: the figure may be half a process
+        if reading.source == "proc" and proc.reading is not None and proc.reading.source == "device-delta":
+            reading = Reading(reading.rss_bytes, proc.reading.gpu_bytes, "device-delta")
         if proc.reading is None or reading.gib("total") > proc.reading.gib("total"):
             first = proc.reading is None
             proc.reading = reading
@@ -453,7 +459,7 @@ class Supervisor:
             except RuntimeFailed:
                 self._changed()  # what it reserved is free again
                 raise
-        await self.measure(proc)
+            await self.measure(proc)  # (alone: before another start may begin)
         if self.on_ready is not None:
             self.on_ready()
         self._changed()

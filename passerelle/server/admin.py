@@ -5,9 +5,20 @@ the runtimes' state, so by default only loopback clients get them (others get a 
 error shape). ``[admin]`` in the configuration changes that:
 
 * ``allow = ["10.0.0.0/8"]``: the client networks served (replaces the loopback default);
-* ``key = "…"``: the admin routes also need ``Authorization: Bearer …`` (401 without it);
+* ``key = "…"``: the admin routes also need ``Authorization: Bearer …`` or the dashboard's login
+  cookie (401 without either). ``/admin/login`` is the form a browser opens ``/ui`` with: it
+  sets an HttpOnly, SameSite=Strict cookie whose value is an HMAC of the key (never the key),
+  compared in constant time;
+* ``hosts = ["gpu.example.org"]``: host names the admin routes answer to besides loopback, IP
+  literals and this machine's name (``"*"``: any);
 * ``port = 9090``: a second HTTP server in the same process and event loop serves the admin
   routes (and nothing else) on ``host:port``, and the main port no longer serves them (404).
+
+Whatever the client address, a browser can be made to send requests: a web page on the gateway's
+host (a cross-site ``Origin``), or a name of the attacker's that resolves to 127.0.0.1 (DNS
+rebinding: the ``Host`` is that name). So an admin request whose ``Host`` is not one of the
+gateway's own names, or whose ``Origin`` is another site's (or ``null``), or that a browser marks
+cross-site (``Sec-Fetch-Site``) on a method that changes something, gets 403.
 
 The client address is the connection's peer, or the address a reverse proxy on loopback gives
 in ``X-Forwarded-For`` (uvicorn's ``forwarded_allow_ips`` default), so a proxy in front does
@@ -18,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import ipaddress
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -47,28 +60,107 @@ def _client_ip(scope: Scope) -> ipaddress.IPv4Address | ipaddress.IPv6Address | 
     return ip
 
 
+COOKIE = b"passerelle_admin"
+_UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def session_token(key: str) -> bytes:
+    """The login cookie's value for the admin key ``key``: derived from it, never the key itself
+    (another key, another value: changing the key logs every browser out)."""
+    return hmac.new(key.encode(), b"passerelle admin session v1", hashlib.sha256).hexdigest().encode()
+
+
+def _headers(scope: Scope, *names: bytes) -> dict[bytes, bytes]:
+    found: dict[bytes, bytes] = {}
+    for name, value in scope["headers"]:
+        if name in names:
+            found[name] = value  # the last one, as the key check always read it
+    return found
+
+
+def _cookie(raw: bytes, name: bytes) -> bytes | None:
+    for part in raw.split(b";"):
+        k, sep, v = part.strip().partition(b"=")
+        if sep and k == name:
+            return v.strip()
+    return None
+
+
+def _host_name(netloc: str) -> str:
+    """``host[:port]`` (``[v6]:port`` too) → the host, lower case, without a trailing dot."""
+    netloc = netloc.strip().lower()
+    if netloc.startswith("["):
+        return netloc[1:netloc.find("]")] if "]" in netloc else ""
+    return netloc.rpartition(":")[0].rstrip(".") if netloc.count(":") == 1 else netloc.rstrip(".")
+
+
 class AdminGuard:
     """Decides whether one request may see an admin route."""
 
-    def __init__(self, cfg: AdminConfig) -> None:
+    def __init__(self, cfg: AdminConfig, *, own_hosts: tuple[str, ...] = ()) -> None:
         self.networks = [ipaddress.ip_network(n, strict=False) for n in cfg.allow]
         self.key = cfg.key.encode()
+        self.token = session_token(cfg.key) if cfg.key else b""
+        self.any_host = "*" in cfg.hosts
+        self.named = {h.lower().rstrip(".") for h in cfg.hosts if h != "*"}  # the operator's names
+        machine = socket.gethostname().lower()
+        self.hosts = self.named | {h.lower().rstrip(".") for h in (*own_hosts, machine, machine.partition(".")[0]) if h}
 
-    def check(self, scope: Scope) -> GatewayError | None:
-        """None when allowed, else the error to answer with."""
+    def own_host(self, name: str) -> bool:
+        """Is ``name`` (a Host's or an Origin's host) one this gateway answers to? Loopback names and
+        any IP literal are (DNS rebinding needs a name of the attacker's), and the configured ones."""
+        if self.any_host or name in self.hosts or name == "localhost" or name.endswith(".localhost"):
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
+
+    def check(self, scope: Scope, *, need_key: bool = True) -> GatewayError | None:
+        """None when allowed, else the error to answer with. ``need_key=False``: everything but the
+        admin key (the login form, which is where a browser presents it)."""
         ip = _client_ip(scope)
         if ip is None or not any(ip.version == n.version and ip in n for n in self.networks):
             return Forbidden(f"The admin routes are not served to {ip or 'this client'}; "
                              "see [admin] allow in the configuration.")
-        if self.key:
-            given = b""
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    given = value
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                return Unauthorized("The admin routes need 'Authorization: Bearer <admin key>' ([admin] key).")
+        h = _headers(scope, b"host", b"origin", b"sec-fetch-site", b"authorization", b"cookie")
+        host = h.get(b"host")
+        if host is not None and not self.own_host(_host_name(host.decode("latin-1"))):
+            return Forbidden("The admin routes answer only to this gateway's own host names; "
+                             "see [admin] hosts in the configuration.")
+        origin = h.get(b"origin")
+        if origin is not None and not self._same_origin(origin.decode("latin-1"), host):
+            return Forbidden("The admin routes are not served to pages of another site (Origin).")
+        if scope["method"] in _UNSAFE_METHODS and h.get(b"sec-fetch-site") in (b"cross-site", b"same-site"):
+            return Forbidden("The admin routes are not served to pages of another site (Sec-Fetch-Site).")
+        if self.key and need_key and not self._has_key(h):
+            return Unauthorized("The admin routes need 'Authorization: Bearer <admin key>' ([admin] key), "
+                                "or a login at /admin/login in a browser.")
         return None
+
+    def _same_origin(self, origin: str, host: bytes | None) -> bool:
+        try:
+            parts = urlsplit(origin)
+        except ValueError:
+            return False
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            return False  # "null" (a sandboxed frame, a file), or no origin of the web
+        if host is not None and parts.netloc.lower() == host.decode("latin-1").strip().lower():
+            return True  # the page was served by this very host and port
+        # a name the operator gave: the public name of a reverse proxy that rewrites the Host
+        return _host_name(parts.netloc) in self.named
+
+    def _has_key(self, h: dict[bytes, bytes]) -> bool:
+        scheme, _, token = h.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return True
+        cookie = _cookie(h.get(b"cookie", b""), COOKIE)
+        return cookie is not None and hmac.compare_digest(cookie, self.token)
+
+    def matches_key(self, given: str) -> bool:
+        """``given`` (from the login form) is the admin key; constant time."""
+        return bool(self.key) and hmac.compare_digest(given.encode(), self.key)
 
 
 class _AdminServer(uvicorn.Server):

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from passerelle.batches.api import BatchApi
 from passerelle.config import Config, RuntimesConfig, budget_share
-from passerelle.errors import ConfigError, GatewayError, InvalidRequest, UnknownModel
+from passerelle.errors import ConfigError, GatewayError, InvalidRequest, Unauthorized, UnknownModel
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
@@ -44,6 +44,7 @@ from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener
 from passerelle.server.connections import BodyBudget, BoundedReceive, ConnectionLimits
 from passerelle.server.keys_api import KeysApi
+from passerelle.server.login import AdminLogin
 from passerelle.server.responses import error_response, json_response, raw_response
 from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
 from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_requests
@@ -53,6 +54,7 @@ from passerelle.tenants.manage import KeyManager
 from passerelle.tenants.usage import UsageReader, UsageRecorder
 
 log = logging.getLogger("passerelle.server.app")
+_KEYLESS = frozenset({"/admin/login", "/admin/logout"})  # admin routes the admin key does not guard
 
 
 class ReloadRefused(InvalidRequest):
@@ -112,7 +114,9 @@ class App:
         self.metrics.is_known_tenant = keyring.has_tenant
         self.gateway.on_demand = self.swapper.poke
         self.gateway.catalogue = self._catalogue(cfg)
-        self.usage = UsageRecorder(connect(self.keystore.path))
+        self.usage = UsageRecorder(connect(self.keystore.path),
+                                   refused_retention_s=cfg.auth.usage_refused_retention_days * 86400.0,
+                                   max_rows=cfg.auth.usage_max_rows)
         self.usage_reader = UsageReader(self.keystore.path)
         self.gateway.keys.quotas.load = self._usage_since
         self.gateway.listeners.append(self.usage.record)
@@ -130,7 +134,9 @@ class App:
             self.gateway.listeners.append(self.live.observe)
         # Requests waiting in passerelle's queue by class (the scheduler may put its own counter here).
         self.waiting_by_class: Callable[[], Mapping[str, int]] = self.scheduler.waiting_by_class
-        self.admin_guard = AdminGuard(cfg.admin)
+        self.admin_guard = AdminGuard(cfg.admin, own_hosts=(cfg.server.host, cfg.admin.host))
+        self.admin_login_form = AdminLogin(self.admin_guard, failed_per_minute=cfg.auth.failed_attempts_per_minute,
+                                           body_timeout_s=cfg.server.body_timeout_s)
         self.admin_listener = (AdminListener(self.admin_app, cfg.admin.host, cfg.admin.port,
                                              ConnectionLimits.of(cfg.server, max_connections=64))
                                if cfg.admin.port else None)
@@ -176,7 +182,11 @@ class App:
                 raise NotFound(f"Only the admin routes are served on this port, not {path}.")
             if admin and separate and not on_admin_port:
                 raise NotFound(f"No route for {method} {path} on this port.")
-            if admin and (err := self.admin_guard.check(scope)) is not None:
+            # (the login form and the logout are where a browser has no key yet, or drops it)
+            if admin and (err := self.admin_guard.check(scope, need_key=path not in _KEYLESS)) is not None:
+                if isinstance(err, Unauthorized) and path == "/ui" and method in ("GET", "HEAD"):
+                    await self.admin_login_form.page(send, 401)  # a browser: the login form, not JSON
+                    return
                 raise err
             route = match(method, path, self.extra_routes)
             if route.access is Access.INFERENCE:
@@ -254,6 +264,12 @@ class App:
 
     async def me_usage(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.keys_api.me_usage(scope, receive, send)
+
+    async def admin_login(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.admin_login_form.login(scope, receive, send)
+
+    async def admin_logout(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.admin_login_form.logout(scope, receive, send)
 
     async def keys_collection(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.keys_api.collection(scope, receive, send)

@@ -90,6 +90,8 @@ ROUTES: tuple[Route, ...] = (
     Route("/metrics", GET, Access.ADMIN, "prom"),
     Route("/ui", GET, Access.ADMIN, "ui"),
     Route("/admin/stats", GET, Access.ADMIN, "admin_stats"),
+    Route("/admin/login", (*GET, *POST), Access.ADMIN, "admin_login"),  # the dashboard's login (server/login.py)
+    Route("/admin/logout", POST, Access.ADMIN, "admin_logout"),
     Route("/admin/reload", POST, Access.ADMIN, "reload_route"),
     Route("/admin/runtimes", GET, Access.ADMIN, "runtimes"),
     Route("/admin/runtimes/", (*GET, *POST), Access.ADMIN, "runtime_action"),

@@ -86,15 +86,29 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
             print(orjson.dumps(manager.get(args.id).describe(), option=orjson.OPT_INDENT_2).decode())
         elif action == "audit":
+            from passerelle.observe.accesslog import printable
+
+            # client text (the admin API's actor header, labels, owners, models): escaped, so that
+            # no control character or ANSI escape reaches the terminal or forges a line
             for row in reversed(store.audit_log(limit=args.limit, key_id=args.key)):
-                detail = " ".join(f"{k}={v}" for k, v in row["detail"].items())
-                print(f"{row['ts']}  {row['actor']:28}  {row['action']:7} {row['key_id']}  {detail}")
+                detail = " ".join(f"{printable(str(k))}={printable(_plain(v))}" for k, v in row["detail"].items())
+                print(f"{printable(row['ts'])}  {printable(row['actor']):28}  {printable(row['action']):7} "
+                      f"{printable(row['key_id'])}  {detail}")
         else:
             _list(store, show_all=args.all)
     except InvalidRequest as exc:
         print(f"passerelle: {exc.message}", file=sys.stderr)
         return 1 if exc.status == 404 else 2
     return 0
+
+
+def _plain(value: Any) -> str:
+    """An audit detail's value as it was printed: a string as it is, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    import orjson
+
+    return orjson.dumps(value).decode()
 
 
 def _summary(key: Any) -> str:

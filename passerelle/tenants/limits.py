@@ -6,7 +6,8 @@ the request ends with ``rate_limited`` and a ``Retry-After`` saying when the win
 
 Past ``max_concurrency`` a request is not refused: it waits in the key's own queue (most urgent
 class first, then arrival) until one of the key's requests ends, for at most its class's
-``max_queue_wait_s`` (then 429 ``queue_timeout``) and behind at most ``max_queue`` others (429
+``max_queue_wait_s`` and what the request's ``total_s`` leaves (then 429 ``queue_timeout``: a
+request out of time is never sent) and behind at most ``max_queue`` others (429
 ``queue_full``). Twenty streams on a key allowed four at once all complete, four at a time.
 
 Example::
@@ -95,9 +96,12 @@ class KeyLimiter:
         u.token_sum += tokens
         return Grant(key.id, entry)
 
-    async def wait_turn(self, grant: Grant, key: ApiKey, cls: ClassConfig) -> None:
-        """Take one of the key's ``max_concurrency`` slots, waiting in the key's queue for it."""
+    async def wait_turn(self, grant: Grant, key: ApiKey, cls: ClassConfig, max_wait_s: float | None = None) -> None:
+        """Take one of the key's ``max_concurrency`` slots, waiting in the key's queue for it at most
+        the class's ``max_queue_wait_s`` or ``max_wait_s`` (what the request's total time leaves)."""
         u = self._usage[grant.key_id]
+        if max_wait_s is not None and max_wait_s <= 0:
+            raise QueueTimeout("The request's total timeout ran out before it could be queued.", retry_after=1.0)
         u.limit = key.max_concurrency
         if u.has_room() and not u.waiters:
             u.running += 1
@@ -110,9 +114,12 @@ class KeyLimiter:
         fut: asyncio.Future[None] = loop.create_future()
         item = (cls.rank, next(self._seq), fut)
         heapq.heappush(u.waiters, item)
-        timer = loop.call_later(cls.max_queue_wait_s, _expire, fut, QueueTimeout(
-            f"Waited {cls.max_queue_wait_s:g} s (class {cls.name}) for one of this key's {key.max_concurrency} "
-            "concurrent slots.", retry_after=1.0))
+        wait, why = cls.max_queue_wait_s, ""
+        if max_wait_s is not None and max_wait_s < wait:
+            wait, why = max_wait_s, " (the request's total timeout ran out)"
+        timer = loop.call_later(wait, _expire, fut, QueueTimeout(
+            f"Waited {wait:.3g} s (class {cls.name}) for one of this key's {key.max_concurrency} "
+            f"concurrent slots{why}.", retry_after=1.0))
         try:
             await fut
             grant.holding = True  # the slot was handed over by _hand_on, already counted

@@ -64,7 +64,7 @@ def _text(name: str, value: Any, *, empty: bool = True, limit: int = 200) -> str
     if not isinstance(value, str) or (not empty and not value.strip()) or len(value) > limit:
         raise InvalidRequest(f"'{name}' must be a {'non-empty ' if not empty else ''}string of at most "
                              f"{limit} characters.", param=name)
-    if any(ord(ch) < 32 for ch in value):
+    if any(ord(ch) < 32 or 0x7f <= ord(ch) <= 0x9f for ch in value):  # C0, DEL, C1 (CSI)
         raise InvalidRequest(f"'{name}' must not contain control characters.", param=name)
     return value.strip()
 

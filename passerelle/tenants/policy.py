@@ -6,7 +6,8 @@
     admit(key, rec, cls, est)   may it, now: the model on its allow-list (403), its quota for the
                                 day / week / month (429 quota_exceeded), its rpm / tpm (429
                                 rate_limited), then a turn among its max_concurrency slots
-                                (waiting in the key's own queue, bounded by the class's queue wait)
+                                (waiting in the key's own queue, bounded by the class's queue wait
+                                and the request's total time)
     finish(ticket, rec)         it ended: the slot goes to the key's next request, the real token
                                 count replaces the estimate in the per-minute window and the quotas
 
@@ -154,7 +155,10 @@ class KeyPolicy:
             raise
         rec.t_queued = time.perf_counter()
         try:
-            await self.limiter.wait_turn(grant, key, cls)
+            # bounded by the request's total time too: one sent with none left would end as the
+            # runtime's timeout and count against a healthy replica's breaker
+            left = rec.t_arrival + self.cfg.timeouts.total_s - time.perf_counter()
+            await self.limiter.wait_turn(grant, key, cls, left)
         except BaseException:
             self.limiter.finish(grant, 0.0)
             self.quotas.settle(charge, 0)

@@ -1,7 +1,11 @@
 """Usage per request (time, tenant, key, class, model, cause, tokens) in SQLite, and reports on it.
 
 Rows are buffered and written by a background task every half second in one transaction, so the
-event loop never waits on the disk and a ``kill -9`` loses at most the last half second. Reports
+event loop never waits on the disk and a ``kill -9`` loses at most the last half second. The same
+task prunes the table (at start, then every ten minutes): a refused request (no token billed, a
+cause other than ``ok``: a wrong key, a rate limit, a full queue) leaves a row that only counts in
+reports, deleted after ``refused_retention_s``; past ``max_rows`` the oldest rows go, refused ones
+first, so that a spray of refused requests cannot grow the file without end. Reports
 (``passerelle usage``, ``GET /v1/me/usage``, quotas after a restart) read the same table.
 
 A request's tokens are the runtime's counts; when the runtime gave none (the client left
@@ -44,12 +48,20 @@ def billed_tokens(rec: RequestRecord) -> tuple[int, int]:
     return rec.prompt_tokens or 0, completion or 0
 
 
+# A row that billed nothing for a request that was not served: it only counts in reports.
+_REFUSED = "prompt_tokens = 0 AND completion_tokens = 0 AND cause != 'ok'"
+
+
 class UsageRecorder:
     def __init__(self, conn: sqlite3.Connection, *, flush_s: float = 0.5,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, refused_retention_s: float = 7 * 86400.0,
+                 max_rows: int = 5_000_000, prune_every_s: float = 600.0) -> None:
         self.conn = conn
         self.flush_s = flush_s
         self.clock = clock  # a row's time: when its request ended
+        self.refused_retention_s = refused_retention_s  # 0: kept
+        self.max_rows = max_rows  # 0: no cap
+        self.prune_every_s = prune_every_s
         self._rows: list[tuple] = []
         self._write_lock = threading.Lock()  # flushes may overlap (the timer, a report asking for one)
         self._task: asyncio.Task[None] | None = None
@@ -80,8 +92,40 @@ class UsageRecorder:
             except sqlite3.Error:
                 log.exception("could not record usage of %d requests", len(rows))
 
+    def _prune(self) -> int:
+        deleted = 0
+        with self._write_lock:
+            if self.refused_retention_s > 0:
+                deleted += self.conn.execute(f"DELETE FROM usage WHERE ts < ? AND {_REFUSED}",
+                                             (self.clock() - self.refused_retention_s,)).rowcount
+            if self.max_rows > 0:
+                over = self.conn.execute("SELECT COUNT(*) FROM usage").fetchone()[0] - self.max_rows
+                for which in (_REFUSED, "1"):  # refused rows first, then any, oldest first
+                    if over <= 0:
+                        break
+                    n = self.conn.execute(f"DELETE FROM usage WHERE rowid IN (SELECT rowid FROM usage WHERE {which} "
+                                          "ORDER BY ts LIMIT ?)", (over,)).rowcount
+                    deleted, over = deleted + n, over - n
+        return deleted
+
+    async def prune(self) -> int:
+        """Apply the retention of refused rows and the cap on the table now; rows deleted."""
+        try:
+            deleted = await asyncio.to_thread(self._prune)
+        except sqlite3.Error:
+            log.exception("could not prune the usage table")
+            return 0
+        if deleted:
+            log.info("usage table: %d old rows deleted (retention of refused requests, row cap)", deleted)
+        return deleted
+
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_prune = loop.time()
         while True:
+            if loop.time() >= next_prune:
+                await self.prune()
+                next_prune = loop.time() + self.prune_every_s
             await asyncio.sleep(self.flush_s)
             await self.flush()
 

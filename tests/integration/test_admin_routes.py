@@ -100,6 +100,13 @@ def test_admin_key_tenant_label_off_and_metrics_off(gateway, fake_backend):
     assert httpx.get(gw.url + "/ui", headers={"Authorization": "Bearer wrong"}).status_code == 401
     auth = {"Authorization": "Bearer adm1n"}
     assert httpx.get(gw.url + "/ui", headers=auth).status_code == 200
+    with httpx.Client(base_url=gw.url) as browser:  # a browser: the login form, then its cookie
+        assert browser.get("/ui").status_code == 401 and "<form" in browser.get("/ui").text
+        login = browser.post("/admin/login", data={"key": "adm1n"})
+        assert login.status_code == 303 and "HttpOnly" in login.headers["set-cookie"]
+        assert browser.get("/ui").status_code == 200 and browser.get("/admin/stats").status_code == 200
+        # a page of another site cannot use it to reload the configuration
+        assert browser.post("/admin/reload", headers={"origin": "http://evil.example"}).status_code == 403
     text = httpx.get(gw.url + "/metrics", headers=auth).text
     assert "tenant=" not in text
     got = samples(text)

@@ -7,13 +7,16 @@ reverse proxy's X-Forwarded-For) are covered in tests/integration/test_admin_rou
 from __future__ import annotations
 
 import dataclasses
+import socket
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
 from passerelle.config import AdminConfig, load_config
-from passerelle.server.admin import AdminGuard
+from passerelle.errors import ConfigError
+from passerelle.server.admin import AdminGuard, session_token
 from passerelle.server.app import App
 from passerelle.server.routes import is_admin_path
 
@@ -133,7 +136,107 @@ async def test_with_an_admin_port_the_main_port_does_not_serve_admin_routes():
 async def test_admin_key_applies_to_every_admin_route():
     app = make_app(key="s3cret")
     for path in ("/ui", "/metrics", "/admin/stats"):
-        status, _, body = await call(app, scope(path))
-        assert status == 401 and orjson.loads(body)["error"]["code"] == "invalid_api_key"
+        status, headers, body = await call(app, scope(path))
+        if path == "/ui":  # a browser's navigation: the login form (below)
+            assert status == 401 and headers[b"content-type"].startswith(b"text/html") and b"<form" in body
+        else:
+            assert status == 401 and orjson.loads(body)["error"]["code"] == "invalid_api_key"
         status, _, _ = await call(app, scope(path, headers=[(b"authorization", b"Bearer s3cret")]))
         assert status == 200
+
+
+# -- a browser: the login cookie, Origin and Host --------------------------------------------------
+def browser(app: App, base: str = "http://127.0.0.1:8080") -> httpx.AsyncClient:
+    """httpx in front of the ASGI app, as a browser on loopback (client 127.0.0.1, its cookie jar)."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base, follow_redirects=False)
+
+
+async def test_with_an_admin_key_the_dashboard_opens_in_a_browser_after_a_login():
+    app = make_app(key="s3cret")
+    async with browser(app) as b:
+        page = await b.get("/ui")  # a navigation: no Authorization header, so the login form
+        assert page.status_code == 401 and page.headers["content-type"].startswith("text/html")
+        assert 'action="/admin/login"' in page.text and 'name="key"' in page.text
+        assert "form-action 'self'" in page.headers["content-security-policy"]
+        assert (await b.get("/admin/stats")).status_code == 401  # JSON routes stay JSON
+        wrong = await b.post("/admin/login", data={"key": "guess"})
+        assert wrong.status_code == 401 and "not the admin key" in wrong.text and "set-cookie" not in wrong.headers
+        ok = await b.post("/admin/login", data={"key": "s3cret"})
+        assert ok.status_code == 303 and ok.headers["location"] == "/ui"
+        cookie = ok.headers["set-cookie"]
+        attrs = {a.strip().split("=")[0].lower() for a in cookie.split(";")[1:]}
+        assert {"httponly", "samesite", "path"} <= attrs and "SameSite=Strict" in cookie
+        value = cookie.split(";")[0].split("=", 1)[1]
+        assert "s3cret" not in cookie and value == session_token("s3cret").decode()
+        for path in ("/ui", "/admin/stats", "/metrics", "/admin/runtimes"):  # what the dashboard polls, and more
+            assert (await b.get(path)).status_code == 200, path
+        out = await b.post("/admin/logout")
+        assert out.status_code == 303 and "Max-Age=0" in out.headers["set-cookie"]
+        assert (await b.get("/admin/stats")).status_code == 401
+    async with browser(app) as b:  # a cookie that is not the key's HMAC opens nothing
+        for forged in ("s3cret", session_token("other").decode(), ""):
+            b.cookies.set("passerelle_admin", forged)
+            assert (await b.get("/admin/stats")).status_code == 401, forged
+    async with browser(make_app(key="other")) as b:  # another key, another cookie: changing the key logs out
+        b.cookies.set("passerelle_admin", value)
+        assert (await b.get("/admin/stats")).status_code == 401
+
+
+async def test_failed_logins_are_throttled_and_the_right_key_still_passes():
+    app = make_app(key="s3cret")
+    async with browser(app) as b:
+        for _ in range(app.cfg.auth.failed_attempts_per_minute):
+            assert (await b.post("/admin/login", data={"key": "guess"})).status_code == 401
+        assert (await b.post("/admin/login", data={"key": "guess"})).status_code == 429
+        assert (await b.post("/admin/login", data={"key": "s3cret"})).status_code == 303
+        big = await b.post("/admin/login", content=b"key=" + b"x" * 5000,
+                           headers={"content-type": "application/x-www-form-urlencoded"})
+        assert big.status_code == 400
+
+
+async def test_without_an_admin_key_the_login_sends_the_browser_to_the_dashboard():
+    async with browser(make_app()) as b:
+        assert (await b.get("/ui")).status_code == 200
+        r = await b.post("/admin/login", data={"key": "x"})
+        assert r.status_code == 303 and r.headers["location"] == "/ui" and "set-cookie" not in r.headers
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/admin/reload"), ("POST", "/admin/runtimes/chat/stop"), ("GET", "/admin/stats"),
+    ("POST", "/admin/keys"),
+])
+@pytest.mark.parametrize(("headers", "why"), [
+    ({"origin": "http://evil.example"}, "Origin"),  # a page of another site
+    ({"origin": "http://127.0.0.1:3000"}, "Origin"),  # a page on this host, another port
+    ({"origin": "null"}, "Origin"),  # a sandboxed frame, a file
+    ({"host": "evil.example:8080"}, "host names"),  # DNS rebinding: the attacker's name, resolving to 127.0.0.1
+    ({"host": "evil.example:8080", "origin": "http://evil.example:8080"}, "host names"),
+])
+async def test_admin_routes_refuse_other_sites_and_unknown_hosts(method, path, headers, why):
+    app = make_app()
+    async with browser(app) as b:
+        r = await b.request(method, path, headers=headers)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden" and why in r.json()["error"]["message"]
+
+
+async def test_admin_routes_answer_their_own_origin_and_host_names(tmp_path):
+    app = make_app(hosts=("gpu.example.org",))
+    machine = socket.gethostname()
+    async with browser(app) as b:
+        for host in ("127.0.0.1:8080", "localhost:8080", "[::1]:8080", "192.0.2.7", machine, "gpu.example.org",
+                     "GPU.example.org.:443", "app.localhost"):
+            assert (await b.get("/admin/stats", headers={"host": host})).status_code == 200, host
+        same = {"origin": "http://127.0.0.1:8080", "sec-fetch-site": "same-origin"}
+        assert (await b.get("/admin/stats", headers=same)).status_code == 200
+        # a reverse proxy that rewrites the Host: its public name, configured, is the page's origin
+        assert (await b.get("/admin/stats", headers={"origin": "https://gpu.example.org"})).status_code == 200
+        cross = await b.post("/admin/reload", headers={"sec-fetch-site": "cross-site"})
+        assert cross.status_code == 403 and "Sec-Fetch-Site" in cross.json()["error"]["message"]
+        # a cross-site navigation to the dashboard (a link) is no change: it may open it
+        assert (await b.get("/ui", headers={"sec-fetch-site": "cross-site"})).status_code == 200
+    async with browser(make_app(hosts=("*",))) as b:
+        assert (await b.get("/admin/stats", headers={"host": "anything.example"})).status_code == 200
+        assert (await b.get("/admin/stats", headers={"origin": "http://evil.example"})).status_code == 403
+    (tmp_path / "p.toml").write_text("[admin]\nhosts = ['http://x:80']\n")
+    with pytest.raises(ConfigError, match=r"admin\.hosts"):
+        load_config(tmp_path / "p.toml", env={})

@@ -327,3 +327,31 @@ async def test_a_finished_request_leaves_no_reference_cycle(case):
             gc.garbage.clear()
             gc.enable()
         assert len(gw.records) == 4 and len({r.cause for r in gw.records}) == 1 and settled(gw)
+
+
+async def test_a_wait_in_the_keys_own_queue_is_bounded_by_the_total_timeout(tmp_path):
+    # The regression: a request waiting for one of its key's concurrent slots waited past total_s,
+    # was sent with no time left, ended as the runtime's timeout and opened a healthy replica's breaker.
+    store = KeyStore(tmp_path / "keys.db")
+    key, secret = store.create("team", max_concurrency=1)
+    t = dataclasses.replace(QUICK, total_s=0.5, first_token_s=5, between_tokens_s=5)
+    async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "keys.db", timeouts=t) as gw:
+        policy = gw.app.gateway.keys
+        api_key = policy.ring.lookup(secret)
+        holder = policy.limiter.admit(api_key, 0)  # the key's one slot, taken by another of its requests
+        await policy.limiter.wait_turn(holder, api_key, gw.app.scheduler.classes["standard"])
+        # ... and given back after the queued request's total time, well within the class's queue wait
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.8, policy.limiter.finish, holder, 0.0)
+        start = time.monotonic()
+        queued = await gw.post("/v1/chat/completions", CHAT, headers={"authorization": f"Bearer {secret}"})
+        assert queued.status == 429 and queued.json()["error"]["code"] == "queue_timeout", queued.body
+        assert gw.records[-1].cause is Cause.QUEUE_TIMEOUT and time.monotonic() - start < 0.8
+        assert fake.runtime.counters.requests == 0  # never sent
+        b = gw.app.registry.backends[0]
+        assert b.breaker.state is BreakerState.CLOSED and b.breaker.failures == 0
+        assert policy.limiter.state(key.id)["queued"] == 0
+        async with asyncio.timeout(5):
+            while policy.limiter.state(key.id)["running"]:  # the holder gives its slot back
+                await asyncio.sleep(0.05)
+        assert settled(gw)

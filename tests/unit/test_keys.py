@@ -124,6 +124,9 @@ def test_the_ring_sees_a_change_made_by_another_connection(store, tmp_path):
     ({"tenant": "a", "models": [1, 2]}, "models"),
     ({"tenant": "a", "weight": 0}, "weight"),
     ({"tenant": "a", "colour": "blue"}, "colour"),
+    ({"tenant": "a", "label": "x\x1b[2J"}, "label"),
+    ({"tenant": "a", "owner": "x\x9b31m"}, "owner"),  # a C1 control: CSI on some terminals
+    ({"tenant": "a\x7f"}, "tenant"),
 ])
 def test_bad_input_is_refused_naming_the_field(manager, spec, field):
     with pytest.raises(InvalidRequest) as info:

@@ -11,10 +11,12 @@ import textwrap
 import pytest
 
 from passerelle import procfs
-from passerelle.config import budget_share, load_config
+from passerelle.config import BackendConfig, TimeoutConfig, budget_share, load_config
 from passerelle.errors import ConfigError
 from passerelle.runtimes import memory
+from passerelle.runtimes.factory import build_runtime
 from passerelle.runtimes.memory import GIB, MemoryBook, Reading, command_key
+from passerelle.runtimes.supervisor import Supervisor
 
 
 def vmrss(pid: int) -> int:
@@ -204,3 +206,53 @@ def test_runtimes_keys_load(tmp_path):
     rt = load_config(path, env={}).runtimes
     assert (rt.max_loaded, rt.min_resident_s, rt.drain_timeout_s, rt.swap_policy, rt.memory) == (
         "90%", 10.0, 5.0, "naive", "gpu")
+
+
+async def test_a_device_delta_is_taken_once_per_runtime_and_never_charges_it_another(tmp_path, monkeypatch):
+    """The regression: a runtime measured by the device's use before and after its start was measured
+    again later the same way, with a second runtime loaded since: charged both, and the inflated
+    figure saved to runtime-memory.json."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (tools / "rocm-smi").write_text(ROCM_SMI)
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    used = tmp_path / "used"
+    used.write_text(str(1 << 30))  # something else holds 1 GiB of the card
+    monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")
+    monkeypatch.setenv("ROCM_USED_FILE", str(used))
+    monkeypatch.setattr(memory, "_amdgpu_sysfs", functools.partial(memory._amdgpu_sysfs, tmp_path / "no-drm"))
+    fake = (sys.executable, "-m", "passerelle", "fake-backend", "--port", "{port}", "--ttft-ms", "1", "--itl-ms", "1")
+    procs = []
+    for name, gpu in (("a", 2 << 30), ("b", 3 << 30)):
+        bc = BackendConfig(name=name, kind="openai", launch=fake, models=("fake-model",),
+                           log_file=str(tmp_path / f"{name}.log"), ready_timeout_s=60)
+        _, proc = build_runtime(bc, TimeoutConfig())
+        assert proc is not None
+        real_start = proc.start
+
+        async def start(real_start=real_start, gpu=gpu) -> None:  # the runtime loads its weights on the card
+            await real_start()
+            used.write_text(str(int(used.read_text()) + gpu))
+
+        monkeypatch.setattr(proc, "start", start)
+        procs.append(proc)
+    book_path = tmp_path / "runtime-memory.json"
+    sup = Supervisor(procs, book=MemoryBook(book_path))
+    a, b = procs
+    try:
+        await sup.start("a")
+        await sup.start("b")
+        for _ in range(2):  # the periodic re-reading, with both loaded
+            await sup.measure(a)
+            await sup.measure(b)
+        assert (a.reading.source, a.reading.gpu_bytes) == ("device-delta", 2 << 30)
+        assert (b.reading.source, b.reading.gpu_bytes) == ("device-delta", 3 << 30)
+        saved = MemoryBook(book_path)
+        assert saved.get(sup.key(a))["gib_gpu"] == 2.0 and saved.get(sup.key(b))["gib_gpu"] == 3.0
+        assert a.reading.rss_bytes > 0  # RAM is still read each time
+    finally:
+        for p in procs:
+            await p.stop()
+            await p.backend.close()

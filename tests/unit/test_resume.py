@@ -192,3 +192,19 @@ def test_suspendable_prompts_and_endpoints():
     assert not suspendable({"model": "m", "input": "x"}, "embeddings")
     parts = {"model": "m", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{}]}]}
     assert not suspendable(parts, "chat")
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])  # llama-server and older vLLM; vLLM >= 0.16
+async def test_a_stream_that_produced_reasoning_is_never_suspended(field):
+    client = Client()
+    plain = Splice(DATA, "chat")
+    send = plain.watch(FakeResp(), client, "llama-server")
+    await send({"body": ev(chat_chunk("A", "x", timings=timings(3, 0, 1))), "more_body": True})
+    assert plain.suspend() is True  # the same stream without reasoning may be cut
+    splice = Splice(DATA, "chat")
+    send = splice.watch(FakeResp(), client, "llama-server")
+    think = chat_chunk("A")
+    think["choices"][0]["delta"] = {field: "Let me think"}
+    await send({"body": ev(think), "more_body": True})
+    await send({"body": ev(chat_chunk("A", "x", timings=timings(3, 0, 2))), "more_body": True})
+    assert splice.suspend() is False  # the continuation would lose the reasoning
