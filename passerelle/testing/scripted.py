@@ -142,13 +142,19 @@ def _has_tool_result(api: str, body: dict[str, Any]) -> bool:
 
 def _choose_tool(api: str, body: dict[str, Any]) -> tuple[str, str, Any] | None:
     tools = _tools(api, body)
-    if not tools or _has_tool_result(api, body) or body.get("tool_choice") == "none":
-        return None
     choice = body.get("tool_choice")
+    if not tools or choice == "none":
+        return None
+    kind = choice.get("type") if isinstance(choice, dict) else choice
     forced = choice.get("name") or (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
     by_name = {t[1]: t for t in tools}
     if forced in by_name:
         return by_name[forced]
+    if _has_tool_result(api, body):
+        if kind not in ("required", "any"):
+            return None
+        # a tool must be called again: an output tool (pydantic-ai's final_result) ends the run
+        return next((t for t in tools if t[1].startswith("final_result")), tools[-1])
     return next((by_name[n] for n in PREFERRED_TOOLS if n in by_name), tools[0])
 
 
