@@ -88,11 +88,11 @@ def example_of(schema: Any, root: Any = None, depth: int = 0, name: str = "") ->
         if kind == "array" and isinstance(known, str) and name in ("command", "cmd"):
             return ["bash", "-lc", known]
     if kind == "object":
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        required = schema.get("required") if isinstance(schema.get("required"), list) else list(props)
+        props = p if isinstance(p := schema.get("properties"), dict) else {}
+        required = r if isinstance(r := schema.get("required"), list) else list(props)
         return {k: example_of(props.get(k, {}), root, depth + 1, k) for k in required if isinstance(k, str)}
     if kind == "array":
-        n = schema.get("minItems") if isinstance(schema.get("minItems"), int) else 0
+        n = m if isinstance(m := schema.get("minItems"), int) else 0
         return [example_of(schema.get("items", {}), root, depth + 1) for _ in range(min(n, 3))]
     if kind == "integer":
         low = schema.get("minimum")
@@ -131,7 +131,7 @@ def _has_tool_result(api: str, body: dict[str, Any]) -> bool:
     if api == "chat":
         return any(isinstance(m, dict) and m.get("role") in ("tool", "function") for m in body.get("messages") or ())
     if api == "responses":
-        items = body.get("input") if isinstance(body.get("input"), list) else []
+        items = i if isinstance(i := body.get("input"), list) else []
         return any(isinstance(i, dict) and str(i.get("type", "")).endswith("_output") for i in items)
     for m in body.get("messages") or ():
         content = m.get("content") if isinstance(m, dict) else None
@@ -214,7 +214,7 @@ def _chat(api: str, body: dict[str, Any]) -> Answer:
     text = _structured(api, body) or TEXT
     usage = {"prompt_tokens": 20, "completion_tokens": 8, "total_tokens": 28}
     finish = "tool_calls" if tool else "stop"
-    calls = []
+    calls: list[dict[str, Any]] = []
     if tool:
         name, args = _call(tool)
         calls = [{"id": "call_rec1", "type": "function", "function": {"name": name, "arguments": args}}]
@@ -272,7 +272,8 @@ def _responses(api: str, body: dict[str, Any]) -> Answer:
     else:
         items.append({"type": "message", "id": "msg_rec1", "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
-    base = {"id": "resp_rec1", "object": "response", "created_at": int(time.time()), "model": str(body.get("model")),
+    base: dict[str, Any] = {
+            "id": "resp_rec1", "object": "response", "created_at": int(time.time()), "model": str(body.get("model")),
             "error": None, "incomplete_details": None, "instructions": None, "metadata": {},
             "parallel_tool_calls": True, "temperature": 1.0, "top_p": 1.0, "tool_choice": "auto", "tools": [],
             "text": body.get("text") or {"format": {"type": "text"}}}
@@ -370,7 +371,7 @@ def _count_tokens(api: str, body: dict[str, Any]) -> Answer:
 def _embeddings(api: str, body: dict[str, Any]) -> Answer:
     inputs = body.get("input")
     count = len(inputs) if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int) else 1
-    dims = body.get("dimensions") if isinstance(body.get("dimensions"), int) else 8
+    dims = d if isinstance(d := body.get("dimensions"), int) else 8
     vector = [round(1.0 / (i + 1), 4) for i in range(dims)]
     encoded: Any = vector
     if body.get("encoding_format") == "base64":

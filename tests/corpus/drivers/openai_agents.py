@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 
 
-class Priority(str, enum.Enum):
+class Priority(enum.StrEnum):
     low = "low"
     high = "high"
 

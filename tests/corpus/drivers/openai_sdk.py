@@ -21,7 +21,7 @@ SYSTEM = ("You are a careful assistant for a small team. Answer briefly, use the
           "needs live data, and never invent a value a tool could give. " * 3)
 
 
-class Unit(str, enum.Enum):
+class Unit(enum.StrEnum):
     celsius = "celsius"
     fahrenheit = "fahrenheit"
 
@@ -109,7 +109,8 @@ def chat(client: openai.OpenAI) -> None:
     client.chat.completions.create(model="gpt-4o", max_completion_tokens=300, messages=[{"role": "user", "content": [
         {"type": "text", "text": "What is in this image?"},
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}", "detail": "low"}}]}])
-    client.chat.completions.create(model="gpt-4o-audio-preview", modalities=["text"], messages=[{"role": "user", "content": [
+    client.chat.completions.create(model="gpt-4o-audio-preview", modalities=["text"], messages=[{"role": "user",
+                                                                                                 "content": [
         {"type": "text", "text": "Transcribe this."},
         {"type": "input_audio", "input_audio": {"data": WAV, "format": "wav"}}]}])
     client.chat.completions.create(model="gpt-4o", seed=7, n=1, logprobs=True, top_logprobs=2, user="ana",
