@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -53,6 +54,9 @@ TINY = {
                         "L1BhZ2VzL0tpZHNbMyAwIFJdL0NvdW50IDE+PmVuZG9iagozIDAgb2JqPDwvVHlwZS9QYWdlL1BhcmVudCAyIDAg"
                         "Ui9NZWRpYUJveFswIDAgMyAzXT4+ZW5kb2JqCnRyYWlsZXI8PC9Sb290IDEgMCBSPj4K"),
 }
+_ID = re.compile(r"(?<![0-9a-f])(?:[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{64})"
+                 r"(?![0-9a-f])")
+_ZEROS = str.maketrans("0123456789abcdef", "0000000000000000")
 _BINARY_KEYS = frozenset({"data", "file_data", "image_url", "url", "audio"})
 
 
@@ -124,10 +128,28 @@ def kept_headers(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
 class Recorder:
     """The ASGI app: answers (scripted.py) and writes each POST to ``out`` (``NNN-api.json``)."""
 
-    def __init__(self, out: Path, client: str, version: str) -> None:
+    def __init__(self, out: Path, client: str, version: str, *, literal: dict[str, str] | None = None) -> None:
         self.out, self.client, self.version = out, client, version
         self.count = 0
+        # Stable stand-ins, so that a re-recording's diff shows what the client changed, not its
+        # fresh ids: each id (a UUID, a 64-hex device id) is numbered in order of appearance, and
+        # ``literal`` strings (the throw-away folder's path) are replaced as given.
+        self.literal = dict(literal or {})
+        self.ids: dict[str, str] = {}
         out.mkdir(parents=True, exist_ok=True)
+
+    def stable(self, text: str) -> str:
+        for old, new in self.literal.items():
+            text = text.replace(old, new)
+
+        def number(m: re.Match[str]) -> str:
+            found = m.group(0)
+            if found not in self.ids:
+                n = f"{len(self.ids) + 1:x}"
+                self.ids[found] = found[: len(found) - len(n)].translate(_ZEROS) + n
+            return self.ids[found]
+
+        return _ID.sub(number, text)
 
     def api_of(self, method: str, path: str) -> str:
         try:
@@ -167,7 +189,8 @@ class Recorder:
                   "path": path + (f"?{query}" if query else ""), "headers": kept_headers(scope["headers"]),
                   "body": shorten(body)}
         name = self.out / f"{self.count:03d}-{api}.json"
-        name.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
+        text = self.stable(orjson.dumps(record, option=orjson.OPT_INDENT_2).decode())
+        name.write_text(text + "\n")
         ans = answer(api, body)
         await _respond(send, ans.status, ans.content_type, ans.events or [ans.body])
 

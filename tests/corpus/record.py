@@ -93,6 +93,15 @@ def _opencode(npm: str, model: str) -> Callable[[str, Path, argparse.Namespace],
     return command
 
 
+def _continue(url: str, work: Path, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    (work / "config.yaml").write_text(
+        "name: recorder\nversion: 0.0.1\nschema: v1\nmodels:\n  - name: recorded\n    provider: openai\n"
+        f"    model: gpt-4o\n    apiBase: {url}/v1\n    apiKey: dummy-not-a-key\n"
+        "    roles: [chat, edit, apply]\n    capabilities: [tool_use]\n")
+    return [str(args.continue_bin), "-p", TASK, "--config", str(work / "config.yaml"), "--auto"], \
+        _base_env(work / "home")
+
+
 def _python_driver(script: str, python: Callable[[argparse.Namespace], str]) \
         -> Callable[[str, Path, argparse.Namespace], tuple[list[str], dict[str, str]]]:
     def command(url: str, work: Path, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -125,6 +134,7 @@ RUNS = (
     Run("opencode", _opencode_version, _opencode("@ai-sdk/openai-compatible", "recorded-model")),
     Run("opencode-responses", _opencode_version, _opencode("@ai-sdk/openai", "gpt-5")),
     Run("opencode-anthropic", _opencode_version, _opencode("@ai-sdk/anthropic", "claude-sonnet-4-5")),
+    Run("continue", lambda a: _first_line([str(a.continue_bin), "--version"]), _continue),
     Run("openai-python", lambda a: _package_version(sys.executable, "openai"),
         _python_driver("openai_sdk.py", _shared)),
     Run("anthropic-python", lambda a: _package_version(sys.executable, "anthropic"),
@@ -143,9 +153,9 @@ async def record(run: Run, args: argparse.Namespace) -> tuple[int, int, str]:
     out = args.out / run.client
     shutil.rmtree(out, ignore_errors=True)
     version = run.version(args)
-    recorder = Recorder(out, run.client, version)
     with tempfile.TemporaryDirectory(prefix=f"corpus-{run.client}-") as tmp:
         work = Path(tmp)
+        recorder = Recorder(out, run.client, version, literal={str(work): "/tmp/corpus-work"})
         (work / "home").mkdir()
         async with serving(recorder) as url:
             cmd, env = run.command(url, work, args)
@@ -169,6 +179,10 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents-python", default=os.environ.get("AGENTS_PYTHON", "/tmp/corpus-venv/bin/python"),
                         help="a python with openai-agents, pydantic-ai-slim[openai,anthropic], langchain-openai "
                              "and langchain-anthropic installed")
+    parser.add_argument("--continue-bin", default=os.environ.get("CONTINUE_BIN",
+                                                                 "/tmp/continue-cli/node_modules/.bin/cn"),
+                        help="Continue's CLI (npm @continuedev/cli, installed apart: "
+                             "npm install --prefix /tmp/continue-cli @continuedev/cli)")
     args = parser.parse_args(argv)
     unknown = set(args.clients) - {r.client for r in RUNS}
     if unknown:
