@@ -1,7 +1,8 @@
 """Every request of the recorded corpus (tests/corpus/<client>/NNN-<api>.json: what Claude Code,
 Codex CLI, opencode, the openai and anthropic SDKs and the agent frameworks really send; see
-docs/corpus.md) replayed in-process through the gateway to the fake runtime, once in front of an
-OpenAI-compatible backend and once in front of a llama-server one. Each must
+docs/corpus.md) replayed in-process through the gateway to the fake runtime: in front of an
+OpenAI-compatible backend, of a llama-server one, and of a llama-server one whose catalogue entry
+caps the output limit. Each must
 
 (a) be answered, never with a 5xx of the gateway's own nor an ``internal_error`` (the answer's
     error code and the access record's cause are both checked), and
@@ -26,18 +27,23 @@ from tests.inprocess import fake_runtime, gateway
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
 FILES = sorted(CORPUS.glob("*/*.json"))
 SERVED = "fake-model"  # the fake runtime's model; every recorded name is an alias of it
-KINDS = ("openai", "llama-server")
+CAP = 64  # the "capped" variant's catalogue: cap = { max_tokens = 64 }
+# (backend kind, the catalogue entry caps the output limit)
+VARIANTS = {"openai": ("openai", False), "llama-server": ("llama-server", False),
+            "llama-server-capped": ("llama-server", True)}
 COLLECTED = ("chat", "completions", "responses", "messages")  # protocols.py: Api.collect
 SCHEDULED = ("chat", "completions", "embeddings", "responses", "messages")  # take a slot (llama-server's id_slot)
 CHAT_LIKE = ("chat", "completions")  # OpenAI chunk streams, whose usage the gateway asks for
 
 
-def expected_upstream(recorded: dict[str, Any], api: str, kind: str) -> dict[str, Any]:
+def expected_upstream(recorded: dict[str, Any], api: str, kind: str, capped: bool = False) -> dict[str, Any]:
     """The body the runtime should receive for ``recorded``: the documented rewrites, and only
     those, applied in the gateway's order. Each is documented in the README, section "The API,
     route by route" (the list of what is not forwarded untouched), and where it comes from:
 
-    1. ``model`` becomes the catalogue entry's ``served_name`` (README, "The catalogue").
+    1. ``model`` becomes the catalogue entry's ``served_name`` (README, "The catalogue"); with
+       ``cap = { max_tokens = N }`` the API's own output limit is bounded by N, and set to N when
+       the client sent none, except on routes that generate nothing (the same section).
     2. llama-server: a non-streaming request of an API that streams is asked as a stream
        (``"stream": true``, chat/completions with ``stream_options.include_usage``) and assembled
        by the gateway (README, "What it adds"; proxy/protocols.py ``collect``).
@@ -48,6 +54,11 @@ def expected_upstream(recorded: dict[str, Any], api: str, kind: str) -> dict[str
     """
     body = copy.deepcopy(recorded)
     body["model"] = SERVED
+    if capped and api not in ("embeddings", "count_tokens", "responses_input_tokens"):
+        fields = ("max_output_tokens",) if api == "responses" else ("max_tokens", "max_completion_tokens")
+        sent = [f for f in fields if body.get(f) is not None]
+        for f in sent or fields[:1]:
+            body[f] = min(body.get(f) or CAP, CAP)
     if api not in COLLECTED:
         pass
     elif not body.get("stream"):
@@ -93,9 +104,10 @@ def test_no_key_was_recorded() -> None:
         assert not re.search(rb"(?<![A-Za-z])sk-[A-Za-z0-9_-]{8,}", raw), path
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("path", FILES, ids=[f"{p.parent.name}/{p.stem}" for p in FILES])
-async def test_replay(path: Path, kind: str) -> None:
+async def test_replay(path: Path, variant: str) -> None:
+    kind, capped = VARIANTS[variant]
     record = _load(path)
     api, recorded = record["api"], record["body"]
     async with fake_runtime(ttft_ms=0, itl_ms=0, tokens=4) as fake:
@@ -112,7 +124,8 @@ async def test_replay(path: Path, kind: str) -> None:
                                       endpoints=() if kind == "llama-server" else (
                                           "chat", "completions", "embeddings", "responses", "messages",
                                           "count_tokens"))
-        catalogue = (ModelConfig(name="corpus", aliases=("*",), served_name=SERVED),)
+        catalogue = (ModelConfig(name="corpus", aliases=("*",), served_name=SERVED,
+                                 cap=(("max_tokens", float(CAP)),) if capped else ()),)
         async with gateway(backend, models=catalogue) as gw:
             headers = {k: v for k, v in record["headers"].items() if k != "content-type"}
             resp = await gw.post(record["path"], recorded, headers=headers)
@@ -129,4 +142,4 @@ async def test_replay(path: Path, kind: str) -> None:
     assert len(received) == 1, received
     upstream_path, upstream_body = received[0]
     assert upstream_path == record["path"].split("?")[0].encode()
-    assert orjson.loads(upstream_body) == expected_upstream(recorded, api, kind)
+    assert orjson.loads(upstream_body) == expected_upstream(recorded, api, kind, capped)
