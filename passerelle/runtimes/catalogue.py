@@ -53,6 +53,11 @@ _CLASSIC = ("chat", "completions", "embeddings")
 _CAPABILITY = {"chat": "chat", "completions": "completions", "embeddings": "embeddings", "rerank": "rerank",
                "transcriptions": "audio"}
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
+# A cap on the output limit bounds each API's own field (set there when the client sent none):
+# Responses names it max_output_tokens; routes that generate nothing get none.
+_OUTPUT_LIMITS = {"responses": ("max_output_tokens",)}
+_GENERATE_NOTHING = frozenset({"embeddings", "count_tokens", "responses_input_tokens", "tokenize", "detokenize",
+                               "apply_template", "rerank"})
 
 
 @dataclass
@@ -188,9 +193,10 @@ class Catalogue:
             applied.append(f"{k} set")
         for k, limit in m.cap:
             if k in _TOKEN_LIMITS:  # a cap on either names the output limit, whichever the client used
-                keys = [t for t in _TOKEN_LIMITS if out.get(t) is not None]
-                if not keys and endpoint != "embeddings":
-                    keys = [k]  # no limit asked for: the cap becomes the limit
+                fields = _OUTPUT_LIMITS.get(endpoint, _TOKEN_LIMITS)
+                keys = [t for t in fields if out.get(t) is not None]
+                if not keys and endpoint not in _GENERATE_NOTHING:
+                    keys = [k if k in fields else fields[0]]  # no limit asked for: the cap becomes the limit
                 limit = int(limit)
             else:
                 keys = [k] if out.get(k) is not None else []  # other keys: bounded when sent

@@ -415,6 +415,8 @@ class FakeBackend:
             (b"POST", b"/v1/embeddings"): self.embeddings,
             (b"POST", b"/v1/responses"): self.responses,
             (b"POST", b"/v1/messages"): self.messages,
+            (b"POST", b"/v1/messages/count_tokens"): self.count_tokens,
+            (b"POST", b"/v1/responses/input_tokens"): self.count_tokens,
             (b"GET", b"/v1/models"): self.models,
             (b"GET", b"/health"): self.health,
             (b"GET", b"/slots"): self.slots_view,
@@ -495,6 +497,17 @@ class FakeBackend:
             data.append({"object": "embedding", "index": i, "embedding": self._vector(text)})
         conn.respond(200, _dumps({"object": "list", "data": data, "model": body.get("model") or self.config.model,
                                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}), keep_alive)
+
+    async def count_tokens(self, conn: Connection, raw: bytes, keep_alive: bool) -> None:
+        """Messages' count_tokens and Responses' input_tokens, as llama-server answers them."""
+        try:
+            body = self._body(raw)
+        except BadRequest as exc:
+            conn.respond(400, _error_body(str(exc), "invalid_request_error", 400), keep_alive)
+            return
+        prompt = body.get("messages", body.get("input"))
+        conn.respond(200, _dumps({"input_tokens": _count_words(prompt) + _count_words(body.get("system"))}),
+                     keep_alive)
 
     def _vector(self, text: str) -> list[float]:
         rng = random.Random(hashlib.sha256(text.encode()).digest())

@@ -119,6 +119,25 @@ def test_parameters_defaults_set_cap_and_strip(cat):
     assert out["max_completion_tokens"] == 100 and "max_tokens" not in out  # under the cap, kept as sent
 
 
+def test_a_cap_bounds_each_apis_own_output_limit(cat):
+    """A cap on max_tokens bounds Responses' max_output_tokens (it left a Responses client's limit
+    as sent and added a max_tokens that API does not define), and adds no limit to a request that
+    generates nothing (count_tokens, input_tokens)."""
+    c = cat(always, CONFIG.replace('endpoints = ["chat", "completions"]', 'kind = "llama-server"'))
+    data = {"model": "gpt-4o", "input": "hi", "max_output_tokens": 4000}
+    out = orjson.loads(c.resolve("gpt-4o", "responses", data, orjson.dumps(data)).body)
+    assert out["max_output_tokens"] == 512 and "max_tokens" not in out
+    data = {"model": "gpt-4o", "input": "hi"}
+    out = orjson.loads(c.resolve("gpt-4o", "responses", data, orjson.dumps(data)).body)
+    assert out["max_output_tokens"] == 512 and "max_tokens" not in out  # no limit asked: the cap is the limit
+    data = {"model": "claude-x", "max_tokens": 32000, "messages": [{"role": "user", "content": "hi"}]}
+    assert orjson.loads(c.resolve("claude-x", "messages", data, orjson.dumps(data)).body)["max_tokens"] == 512
+    for endpoint, data in (("count_tokens", {"model": "claude-x", "messages": [{"role": "user", "content": "hi"}]}),
+                           ("responses_input_tokens", {"model": "gpt-4o", "input": "hi"})):
+        out = orjson.loads(c.resolve(data["model"], endpoint, data, orjson.dumps(data)).body)
+        assert not {"max_tokens", "max_output_tokens", "max_completion_tokens"} & set(out), endpoint
+
+
 def test_a_request_needing_no_change_keeps_its_exact_bytes(cat):
     body = b'{"model":"gemma-270m",  "messages":[{"role":"user","content":"hi"}]}'
     data = orjson.loads(body)
