@@ -237,8 +237,16 @@ class UpstreamStatus(UpstreamError):
         self.cause = Cause.INVALID_REQUEST if 400 <= status < 500 else Cause.UPSTREAM_ERROR
         self.retryable = status in (429, 503)
 
+    @property
+    def is_json(self) -> bool:
+        """Is the runtime's body a JSON object (then it may be passed on as it is)?"""
+        try:
+            return isinstance(orjson.loads(self.raw), dict)
+        except orjson.JSONDecodeError:
+            return False
+
     def body(self) -> bytes:
-        if self.raw.lstrip().startswith(b'{"error"'):
+        if self.raw.lstrip().startswith(b'{"error"') and self.is_json:
             return self.raw
         text = self.raw.decode("utf-8", "replace").strip()[:2000] or f"HTTP {self.status}"
         kind = "invalid_request_error" if self.status < 500 else "server_error"

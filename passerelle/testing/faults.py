@@ -15,6 +15,8 @@ through), or the whole server with ``passerelle fake-backend --fault NAME [--fau
 ``redirect``        302 to another host
 ``html``            200 ``text/html``: a proxy's error page in place of an answer
 ``after-done``      a complete stream, then events after ``[DONE]``, then silence with the body unended
+``second-response`` a complete answer (a stream, or JSON) and a second, unasked response in the same write
+``html-error``      500 ``text/html``: a proxy's error page in place of the runtime's error
 ==================  ======================================================================
 
 Large bodies are written as the reader takes them (flow control), so the fake's own memory stays
@@ -34,7 +36,7 @@ import struct
 from typing import Any, Protocol
 
 FAULTS = ("never-answer", "continue-forever", "head-then-silence", "drip", "reset-mid-chunk", "huge-event",
-          "huge-body", "huge-error", "redirect", "html", "after-done")
+          "huge-body", "huge-error", "redirect", "html", "after-done", "second-response", "html-error")
 
 _PIECE = 1 << 16
 
@@ -137,6 +139,23 @@ async def misbehave(conn: Conn, fault: str, *, chat: bool, stream: bool, fault_b
         await conn.write_chunk(_chunk("a", chat) + _chunk("b", chat) + b"data: [DONE]\n\n")
         await conn.write_chunk(_chunk("after", chat) + b'data: {"error":{"message":"after the end"}}\n\n')
         await _forever()
+    elif fault == "second-response":
+        extra = b'{"unasked":"second answer"}'
+        unasked = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+            len(extra), extra)
+        if stream:
+            conn.start_stream()
+            done = _chunk("a", chat) + b"data: [DONE]\n\n"
+            await conn.write_raw(b"%x\r\n%s\r\n0\r\n\r\n%s" % (len(done), done, unasked))
+        else:
+            msg = b'{"role":"assistant","content":"a"}' if chat else b'"a"'
+            body = b'{"choices":[{"index":0,"%s":%s,"finish_reason":"stop"}]}' % (b"message" if chat else b"text", msg)
+            await conn.write_raw(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s%s"
+                                 % (len(body), body, unasked))
+        await _forever()
+    elif fault == "html-error":
+        page = b"<html><body><h1>500 Internal Server Error</h1>nginx</body></html>"
+        conn.respond(500, page, True, b"text/html")
     else:
         raise ValueError(f"unknown fault {fault!r}; expected one of {', '.join(FAULTS)}")
 
