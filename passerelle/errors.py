@@ -63,6 +63,27 @@ class Cause(enum.StrEnum):
     SERVER_BUSY = "server_busy"  # the gateway's own capacity (bodies held at once), not a model's queue
 
 
+# The most characters of a client's own string (a model name, a path, a header's value) that an
+# error message repeats: a 1 MB model name is not echoed back whole.
+ECHO_CHARS = 100
+
+
+def clip(text: object, limit: int = ECHO_CHARS) -> str:
+    """A client's string as an error message may show it: control characters escaped, at most
+    ``limit`` characters, the rest cut with an ellipsis.
+
+    >>> clip("gpt-4o"), clip("x" * 500, 8)
+    ('gpt-4o', 'xxxxxxx…')
+    """
+    s = text if isinstance(text, str) else str(text)
+    cut = len(s) > limit
+    s = s[:limit]
+    if not s.isprintable():
+        s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+        cut = cut or len(s) > limit
+    return s[:limit - 1] + "…" if cut else s
+
+
 class PasserelleError(Exception):
     """Base of every error passerelle raises on purpose."""
 
@@ -119,14 +140,14 @@ class UnknownModel(InvalidRequest):
 
     def __init__(self, model: str, served: list[str]) -> None:
         listed = ", ".join(served) if served else "none"
-        super().__init__(f"The model '{model}' does not exist here. Models served: {listed}.", param="model")
+        super().__init__(f"The model '{clip(model)}' does not exist here. Models served: {listed}.", param="model")
 
 
 class KeyNotFound(InvalidRequest):
     status, code = 404, "key_not_found"
 
     def __init__(self, key_id: str) -> None:
-        super().__init__(f"No active API key with id '{key_id}'; GET /admin/keys or 'passerelle keys list' "
+        super().__init__(f"No active API key with id '{clip(key_id)}'; GET /admin/keys or 'passerelle keys list' "
                          "lists them.", param="id")
 
 
@@ -153,7 +174,7 @@ class ModelNotAllowed(Forbidden):
     code = "model_not_allowed"
 
     def __init__(self, model: str, allowed: tuple[str, ...] | list[str]) -> None:
-        super().__init__(f"This API key may not use the model '{model}'. "
+        super().__init__(f"This API key may not use the model '{clip(model)}'. "
                          f"Models it may use: {', '.join(allowed)}.")
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import orjson
 
 from passerelle.config import ModelConfig
-from passerelle.errors import InvalidRequest, UnknownModel
+from passerelle.errors import InvalidRequest, UnknownModel, clip
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import ProcState, Supervisor
@@ -137,8 +137,8 @@ class Catalogue:
         if not pool:
             where = path or ROUTES.get(endpoint, f"/v1/{endpoint}")
             served = f" It is served on: {routes_of(chosen.target)}." if routes_of is not None else ""
-            raise InvalidRequest(f"The model '{requested}' is not served on {where}: no backend of it serves "
-                                 f"that route.{served}", param="model")
+            raise InvalidRequest(f"The model '{clip(requested)}' is not served on {clip(where)}: no backend of it "
+                                 f"serves that route.{served}", param="model")
         route = self._apply(chosen, pool, endpoint, data, body)
         route.requested = requested
         if chosen is not entry:

@@ -22,7 +22,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from passerelle.config import Config, RuntimesConfig, budget_share
-from passerelle.errors import ConfigError, GatewayError, InvalidRequest, UnknownModel
+from passerelle.errors import ConfigError, GatewayError, InvalidRequest, UnknownModel, clip
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
@@ -169,9 +169,9 @@ class App:
         try:
             admin = is_admin_path(path)
             if on_admin_port and not admin:
-                raise NotFound(f"Only the admin routes are served on this port, not {path}.")
+                raise NotFound(f"Only the admin routes are served on this port, not {clip(path)}.")
             if admin and separate and not on_admin_port:
-                raise NotFound(f"No route for {method} {path} on this port.")
+                raise NotFound(f"No route for {clip(method)} {clip(path)} on this port.")
             if admin and (err := self.admin_guard.check(scope)) is not None:
                 raise err
             route = match(method, path, self.extra_routes)

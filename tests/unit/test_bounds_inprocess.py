@@ -54,3 +54,25 @@ async def test_a_runtimes_error_that_looks_like_json_but_is_not_is_wrapped_as_js
     assert ctype == b"application/json" and orjson.loads(body)["error"]["code"] == "upstream_500"
     passed, ctype = error_body(UpstreamStatus(400, b'{"error":{"message":"too long"}}', b"text/plain"), OPENAI)
     assert ctype == b"application/json" and orjson.loads(passed)["error"]["message"] == "too long"
+
+
+LONG = "m" * (1024 * 1024)
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", "/v1/chat/completions", {**CHAT, "model": LONG}),
+    ("POST", "/v1/messages", {**CHAT, "model": LONG}),
+    ("POST", "/v1/embeddings", {"model": "fake-model" + LONG, "input": "hi"}),
+    ("GET", "/v1/models/" + LONG, None),
+    ("GET", "/nope/" + LONG, None),
+    ("POST", "/v1/nope/" + LONG, {}),
+])
+async def test_a_client_string_is_echoed_cut_short_in_an_error(method, path, body):
+    async with fake_runtime() as fake, gateway(fake.backend_config(endpoints=("chat", "messages"))) as gw:
+        if body is None:
+            resp = await gw.request(method, path)
+        else:
+            resp = await gw.post(path, body)
+        assert 400 <= resp.status < 500
+        assert len(resp.body) < 1024, resp.body[:300]
+        assert "mmm…" in resp.json()["error"]["message"]
