@@ -85,6 +85,9 @@ class ServerConfig:
     # POST paths forwarded as they are to every backend, beyond the built-in inference routes
     # (a runtime's newer inference route); management routes are refused
     extra_routes: tuple[str, ...] = ()
+    # Reverse proxies whose X-Forwarded-For, Forwarded and X-Real-IP headers say who the client is
+    # (addresses or networks); from any other peer, loopback included, those headers are ignored
+    trusted_proxies: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -705,6 +708,13 @@ def _check_routes(routes: tuple[str, ...], *, file: str, text: str, header: str,
 
 def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: str) -> None:
     ck: dict[str, Any] = dict(file=file, text=text, header="admin")
+    for net in server.trusted_proxies:
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError:
+            raise ConfigError(f"expected an address or network like 127.0.0.1 or 10.0.0.0/8, got {net!r}",
+                              key="server.trusted_proxies", line=_line_of(text, "server", "trusted_proxies"),
+                              file=file) from None
     for net in admin.allow:
         try:
             ipaddress.ip_network(net, strict=False)

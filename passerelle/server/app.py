@@ -42,6 +42,7 @@ from passerelle.scheduling.swapper import Swapper
 from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener
 from passerelle.server.connections import BodyBudget, BoundedReceive, ConnectionLimits
+from passerelle.server.forwarded import ForwardedTrust
 from passerelle.server.keys_api import KeysApi
 from passerelle.server.responses import error_response, json_response, raw_response
 from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
@@ -80,6 +81,7 @@ class App:
         self.backends_configured = bool(cfg.backends) if backends_configured is None else backends_configured
         self._ending: asyncio.Task[None] | None = None
         self.body_budget = BodyBudget(cfg.server.max_body_bytes_total)
+        self.forwarded = ForwardedTrust(cfg.server.trusted_proxies)  # who the client is behind a proxy
         self._tasks: set[asyncio.Future[Any]] = set()
         self.metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
         self.registry = Registry(backends, self.metrics)
@@ -164,6 +166,7 @@ class App:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, *, on_admin_port: bool) -> None:
         """Find the route (routes.py), apply who may call it, and hand over to its handler."""
+        self.forwarded.apply(scope)  # before anything reads the client's address
         path, method = scope["path"], scope["method"]
         separate = self.admin_listener is not None
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from passerelle.config import AuthConfig, ServerConfig
 from passerelle.errors import Cause
 from tests.inprocess import fake_runtime, gateway
 
@@ -76,3 +77,57 @@ async def test_a_client_string_is_echoed_cut_short_in_an_error(method, path, bod
         assert 400 <= resp.status < 500
         assert len(resp.body) < 1024, resp.body[:300]
         assert "mmm…" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("trusted", "headers", "client"), [
+    # by default no peer is trusted, loopback included: the headers change nothing
+    ((), {"x-forwarded-for": "10.9.9.9"}, "127.0.0.1"),
+    ((), {"x-real-ip": "10.9.9.9"}, "127.0.0.1"),
+    ((), {"forwarded": "for=10.9.9.9"}, "127.0.0.1"),
+    # from a trusted proxy: the nearest hop it does not trust
+    (("127.0.0.1",), {"x-forwarded-for": "1.1.1.1, 10.9.9.9"}, "10.9.9.9"),
+    (("127.0.0.1", "10.0.0.0/8"), {"x-forwarded-for": "1.1.1.1, 10.9.9.9"}, "1.1.1.1"),
+    (("127.0.0.0/8",), {"forwarded": 'for=1.1.1.1, for="[2001:db8::1]:4711";proto=https'}, "2001:db8::1"),
+    (("127.0.0.1",), {"x-real-ip": "10.9.9.9"}, "10.9.9.9"),
+    (("127.0.0.1",), {"x-forwarded-for": "not-an-address"}, "127.0.0.1"),
+    (("127.0.0.1",), {}, "127.0.0.1"),
+    # a peer that is not a trusted proxy
+    (("10.0.0.1",), {"x-forwarded-for": "10.9.9.9"}, "127.0.0.1"),
+])
+async def test_forwarded_addresses_are_believed_only_from_configured_proxies(trusted, headers, client):
+    async with fake_runtime() as fake, \
+            gateway(fake.backend_config(), server=ServerConfig(trusted_proxies=trusted)) as gw:
+        resp = await gw.post("/v1/chat/completions", CHAT, headers=headers)
+        assert resp.status == 200 and gw.records[0].client == client
+
+
+async def test_a_local_client_cannot_rotate_its_failed_key_throttle_with_forwarded_headers(tmp_path):
+    async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "keys.db",
+                                               auth=AuthConfig(required=True, failed_attempts_per_minute=3)) as gw:
+        codes = []
+        for i in range(5):
+            resp = await gw.post("/v1/chat/completions", CHAT, headers={
+                "authorization": "Bearer sk-wrong-key", "x-forwarded-for": f"10.0.0.{i}", "x-real-ip": f"10.1.0.{i}"})
+            codes.append(resp.status)
+        assert codes == [401, 401, 401, 429, 429]
+
+
+def test_uvicorn_never_reads_forwarded_headers_itself():
+    # (uvicorn trusts X-Forwarded-For from 127.0.0.1 by default; the gateway decides, server/forwarded.py)
+    from passerelle.config import Config
+    from passerelle.server.serving import gateway_server
+
+    server = gateway_server(object(), Config())
+    assert server.config.proxy_headers is False
+
+
+def test_trusted_proxies_must_be_addresses_or_networks(tmp_path):
+    from passerelle.config import load_config
+    from passerelle.errors import ConfigError
+
+    path = tmp_path / "p.toml"
+    path.write_text('[server]\ntrusted_proxies = ["127.0.0.1", "10.0.0.0/8", "::1"]\n')
+    assert load_config(str(path), env={}).server.trusted_proxies == ("127.0.0.1", "10.0.0.0/8", "::1")
+    path.write_text('[server]\ntrusted_proxies = ["localhost"]\n')
+    with pytest.raises(ConfigError, match=r"server\.trusted_proxies"):
+        load_config(str(path), env={})
