@@ -50,6 +50,7 @@ from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.attempt import fetch, outcome_of
+from passerelle.proxy.capabilities import check_media
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.intake import (
@@ -147,6 +148,7 @@ class Gateway:
                                                path=scope["path"], routes_of=self._routes_of)
                 rec.model = model = route.name
                 pool = route.pool
+                check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
                 if req.data is None:  # a form (an upload): its model field alone is rewritten, the file untouched
                     if route.served != req.model:
                         body = replace_form_field(body, header(scope, b"content-type"), "model", route.served)

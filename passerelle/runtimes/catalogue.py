@@ -69,6 +69,7 @@ class Route:
     fallback_from: str = ""  # the model asked for, when a fallback serves the request
     rewritten: bool = False
     applied: list[str] = field(default_factory=list)  # parameter changes, for the log
+    capabilities: tuple[str, ...] = ()  # what the model serving it declares it can do; () = not declared
 
 
 class Catalogue:
@@ -141,6 +142,7 @@ class Catalogue:
                                  f"serves that route.{served}", param="model")
         route = self._apply(chosen, pool, endpoint, data, body)
         route.requested = requested
+        route.capabilities = chosen.capabilities
         if chosen is not entry:
             route.fallback_from = entry.name
             log.info("model %s cannot serve within %g s; fallback %s serves the request", entry.name, wait_s,

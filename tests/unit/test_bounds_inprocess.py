@@ -7,7 +7,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from passerelle.config import AuthConfig, ServerConfig
+from passerelle.config import AuthConfig, ModelConfig, ServerConfig
 from passerelle.errors import Cause
 from tests.inprocess import fake_runtime, gateway
 
@@ -131,3 +131,88 @@ def test_trusted_proxies_must_be_addresses_or_networks(tmp_path):
     path.write_text('[server]\ntrusted_proxies = ["localhost"]\n')
     with pytest.raises(ConfigError, match=r"server\.trusted_proxies"):
         load_config(str(path), env={})
+
+
+IMAGE_URL = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+B64 = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+MEDIA_CASES = [
+    # path, content part(s), capability it needs
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE_URL]}]},
+     "vision"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [AUDIO]}]}, "audio"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]}, "vision"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]}, "audio"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_file", "filename": "a.pdf", "file_data": "data:application/pdf;base64,JVBERi0="}]}]}, "vision"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": B64}]}]}, "vision"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}]}]},
+     "vision"),
+    # an image inside a tool result
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image", "source": B64}]}]}]}, "vision"),
+]
+ENDPOINTS = ("chat", "responses", "messages")
+
+
+def _media_gateway(fake, capabilities):
+    models = (ModelConfig(name="fake-model", capabilities=capabilities),) if capabilities is not None else ()
+    return gateway(fake.backend_config(endpoints=ENDPOINTS), models=models)
+
+
+@pytest.mark.parametrize(("path", "body", "needs"), MEDIA_CASES)
+async def test_media_to_a_model_that_declares_no_such_capability_is_a_400_naming_both(path, body, needs):
+    async with fake_runtime() as fake, _media_gateway(fake, ("chat", "tools")) as gw:
+        resp = await gw.post(path, {"model": "fake-model", **body})
+        assert resp.status == 400, resp.body
+        err = resp.json()
+        if path == "/v1/messages":
+            assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        else:
+            assert err["error"]["type"] == "invalid_request_error"
+        message = err["error"]["message"]
+        assert "'fake-model'" in message and f"'{needs}'" in message
+        assert gw.records[0].cause is Cause.INVALID_REQUEST
+        assert fake.runtime.counters.requests == 0  # refused before the runtime saw it
+
+
+@pytest.mark.parametrize(("path", "body", "needs"), MEDIA_CASES)
+async def test_media_passes_to_a_model_that_declares_it_or_declares_nothing(path, body, needs):
+    for capabilities in (("chat", needs), None):
+        async with fake_runtime() as fake, _media_gateway(fake, capabilities) as gw:
+            resp = await gw.post(path, {"model": "fake-model", **body})
+            assert resp.status == 200, (capabilities, resp.body)
+
+
+@pytest.mark.parametrize("body", [
+    # text parts, a text document, a tool whose schema has properties named like media types
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "an image_url or input_audio"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "document", "source": {
+        "type": "text", "media_type": "text/plain", "data": "plain words"}}]}], "max_tokens": 5},
+    {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"image": {"type": "image"},
+                                                                      "type": {"type": "string"}}}}}]},
+])
+async def test_text_only_requests_pass_a_text_model(body):
+    path = "/v1/messages" if "max_tokens" in body else "/v1/chat/completions"
+    async with fake_runtime() as fake, _media_gateway(fake, ("chat",)) as gw:
+        resp = await gw.post(path, {"model": "fake-model", **body})
+        assert resp.status == 200, resp.body
+
+
+def test_the_embedded_default_declares_a_text_model_without_vision_or_audio():
+    from passerelle.config import Config, EmbeddedConfig
+    from passerelle.runtimes.factory import embedded_models
+
+    (entry,) = embedded_models(Config())
+    assert entry.name == Config().embedded.model_id
+    assert "chat" in entry.capabilities and not {"vision", "audio"} & set(entry.capabilities)
+    # a model of the operator's own (embedded.model_path) may see or hear: nothing is declared for it
+    assert embedded_models(Config(embedded=EmbeddedConfig(model_path="/models/llava.gguf"))) == ()
+    # nor for a model the operator's [[models]] already describes
+    own = ModelConfig(name="chat", served_name=Config().embedded.model_id)
+    assert embedded_models(Config(models=(own,))) == ()
