@@ -191,6 +191,9 @@ class LimitsConfig:
     """
 
     max_answer_bytes: int = 64 * 1024 * 1024  # a non-streamed answer, or the stream it is assembled from
+    # answers assembled from streams (llama-server's non-streamed requests), held at once by all
+    # requests together; past it: 503 answers_busy
+    max_answer_bytes_total: int = 256 * 1024 * 1024
     max_error_bytes: int = 256 * 1024  # the body of a runtime's 4xx/5xx answer
     max_event_bytes: int = 1024 * 1024  # one SSE event of a stream (a line with no end counts as one)
     image_tokens: int = 768  # per image part (image_url, input_image, a data:image/... URL)
@@ -509,6 +512,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     for name in ("max_answer_bytes", "max_error_bytes", "max_event_bytes"):
         _check(getattr(limits, name) >= 1024, "expected a size in bytes of at least 1024", file=file,
                key=f"limits.{name}", text=text, header="limits", field_name=name)
+    _check(limits.max_answer_bytes_total >= limits.max_answer_bytes, "expected at least limits.max_answer_bytes",
+           file=file, key="limits.max_answer_bytes_total", text=text, header="limits",
+           field_name="max_answer_bytes_total")
 
     _check_admin(sections["admin"], server, file=file, text=text)
     metrics: MetricsConfig = sections["metrics"]

@@ -20,6 +20,7 @@ rendered in OpenAI's shape ``{"error": {"message", "type", "code"}}``.
         ├── QueueFull                429 queue_full                   cause queue_full
         ├── QueueTimeout             429 queue_timeout                cause queue_timeout
         ├── NoBackend                503 no_backend                   cause no_backend
+        ├── AnswersBusy              503 answers_busy                 cause answers_busy
         ├── UpstreamError            502 upstream_error               cause upstream_error
         │   ├── UpstreamStatus       the runtime's own 4xx/5xx answer, status passed through
         │   ├── UpstreamTooLarge     502 upstream_too_large (a cap)   cause upstream_error
@@ -61,6 +62,7 @@ class Cause(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"  # a fault of the gateway itself, never blamed on the runtime
     CLIENT_TIMEOUT = "client_timeout"  # the client stopped reading: the gateway cut the connection
     SERVER_BUSY = "server_busy"  # the gateway's own capacity (bodies held at once), not a model's queue
+    ANSWERS_BUSY = "answers_busy"  # answers being assembled at once hold [limits] max_answer_bytes_total
 
 
 # The most characters of a client's own string (a model name, a path, a header's value) that an
@@ -200,6 +202,18 @@ class QueueTimeout(GatewayError):
 
 class NoBackend(GatewayError):
     status, type, code, cause = 503, "server_error", "no_backend", Cause.NO_BACKEND
+
+
+class AnswersBusy(GatewayError):
+    """The answers the gateway assembles from streams at once would hold more than ``[limits]
+    max_answer_bytes_total``: the gateway's own memory is the limit, not the runtime (cause
+    ``answers_busy``; its runtime connection is closed, so the runtime stops generating)."""
+
+    status, type, code, cause = 503, "server_error", "answers_busy", Cause.ANSWERS_BUSY
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The gateway already holds {limit} bytes of answers being assembled "
+                         "([limits] max_answer_bytes_total); retry shortly.", retry_after=1)
 
 
 class UpstreamError(GatewayError):
