@@ -216,3 +216,11 @@ def test_the_embedded_default_declares_a_text_model_without_vision_or_audio():
     # nor for a model the operator's [[models]] already describes
     own = ModelConfig(name="chat", served_name=Config().embedded.model_id)
     assert embedded_models(Config(models=(own,))) == ()
+
+
+async def test_a_media_type_written_with_escapes_is_still_a_media_part():
+    body = b'{"model":"fake-model","messages":[{"role":"user","content":[{"type":"image\\u005furl",' \
+           b'"image_url":{"url":"data:image/png;base64,iVBORw0KGgo="}}]}]}'
+    async with fake_runtime() as fake, _media_gateway(fake, ("chat",)) as gw:
+        resp = await gw.request("POST", "/v1/chat/completions", body, headers={"content-type": "application/json"})
+        assert resp.status == 400 and "'vision'" in resp.json()["error"]["message"]
