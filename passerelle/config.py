@@ -85,6 +85,9 @@ class ServerConfig:
     # POST paths forwarded as they are to every backend, beyond the built-in inference routes
     # (a runtime's newer inference route); management routes are refused
     extra_routes: tuple[str, ...] = ()
+    # Reverse proxies whose X-Forwarded-For, Forwarded and X-Real-IP headers say who the client is
+    # (addresses or networks); from any other peer, loopback included, those headers are ignored
+    trusted_proxies: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,9 @@ class LimitsConfig:
     """
 
     max_answer_bytes: int = 64 * 1024 * 1024  # a non-streamed answer, or the stream it is assembled from
+    # answers assembled from streams (llama-server's non-streamed requests), held at once by all
+    # requests together; past it: 503 answers_busy
+    max_answer_bytes_total: int = 256 * 1024 * 1024
     max_error_bytes: int = 256 * 1024  # the body of a runtime's 4xx/5xx answer
     max_event_bytes: int = 1024 * 1024  # one SSE event of a stream (a line with no end counts as one)
     image_tokens: int = 768  # per image part (image_url, input_image, a data:image/... URL)
@@ -532,6 +538,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     for name in ("max_answer_bytes", "max_error_bytes", "max_event_bytes"):
         _check(getattr(limits, name) >= 1024, "expected a size in bytes of at least 1024", file=file,
                key=f"limits.{name}", text=text, header="limits", field_name=name)
+    _check(limits.max_answer_bytes_total >= limits.max_answer_bytes, "expected at least limits.max_answer_bytes",
+           file=file, key="limits.max_answer_bytes_total", text=text, header="limits",
+           field_name="max_answer_bytes_total")
 
     _check_batches(sections["batches"], file=file, text=text)
     _check_admin(sections["admin"], server, file=file, text=text)
@@ -749,6 +758,13 @@ def _check_routes(routes: tuple[str, ...], *, file: str, text: str, header: str,
 
 def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: str) -> None:
     ck: dict[str, Any] = dict(file=file, text=text, header="admin")
+    for net in server.trusted_proxies:
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError:
+            raise ConfigError(f"expected an address or network like 127.0.0.1 or 10.0.0.0/8, got {net!r}",
+                              key="server.trusted_proxies", line=_line_of(text, "server", "trusted_proxies"),
+                              file=file) from None
     for net in admin.allow:
         try:
             ipaddress.ip_network(net, strict=False)

@@ -20,6 +20,7 @@ rendered in OpenAI's shape ``{"error": {"message", "type", "code"}}``.
         ├── QueueFull                429 queue_full                   cause queue_full
         ├── QueueTimeout             429 queue_timeout                cause queue_timeout
         ├── NoBackend                503 no_backend                   cause no_backend
+        ├── AnswersBusy              503 answers_busy                 cause answers_busy
         ├── UpstreamError            502 upstream_error               cause upstream_error
         │   ├── UpstreamStatus       the runtime's own 4xx/5xx answer, status passed through
         │   ├── UpstreamTooLarge     502 upstream_too_large (a cap)   cause upstream_error
@@ -61,6 +62,28 @@ class Cause(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"  # a fault of the gateway itself, never blamed on the runtime
     CLIENT_TIMEOUT = "client_timeout"  # the client stopped reading: the gateway cut the connection
     SERVER_BUSY = "server_busy"  # the gateway's own capacity (bodies held at once), not a model's queue
+    ANSWERS_BUSY = "answers_busy"  # answers being assembled at once hold [limits] max_answer_bytes_total
+
+
+# The most characters of a client's own string (a model name, a path, a header's value) that an
+# error message repeats: a 1 MB model name is not echoed back whole.
+ECHO_CHARS = 100
+
+
+def clip(text: object, limit: int = ECHO_CHARS) -> str:
+    """A client's string as an error message may show it: control characters escaped, at most
+    ``limit`` characters, the rest cut with an ellipsis.
+
+    >>> clip("gpt-4o"), clip("x" * 500, 8)
+    ('gpt-4o', 'xxxxxxx…')
+    """
+    s = text if isinstance(text, str) else str(text)
+    cut = len(s) > limit
+    s = s[:limit]
+    if not s.isprintable():
+        s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+        cut = cut or len(s) > limit
+    return s[:limit - 1] + "…" if cut else s
 
 
 class PasserelleError(Exception):
@@ -119,14 +142,14 @@ class UnknownModel(InvalidRequest):
 
     def __init__(self, model: str, served: list[str]) -> None:
         listed = ", ".join(served) if served else "none"
-        super().__init__(f"The model '{model}' does not exist here. Models served: {listed}.", param="model")
+        super().__init__(f"The model '{clip(model)}' does not exist here. Models served: {listed}.", param="model")
 
 
 class KeyNotFound(InvalidRequest):
     status, code = 404, "key_not_found"
 
     def __init__(self, key_id: str) -> None:
-        super().__init__(f"No active API key with id '{key_id}'; GET /admin/keys or 'passerelle keys list' "
+        super().__init__(f"No active API key with id '{clip(key_id)}'; GET /admin/keys or 'passerelle keys list' "
                          "lists them.", param="id")
 
 
@@ -153,7 +176,7 @@ class ModelNotAllowed(Forbidden):
     code = "model_not_allowed"
 
     def __init__(self, model: str, allowed: tuple[str, ...] | list[str]) -> None:
-        super().__init__(f"This API key may not use the model '{model}'. "
+        super().__init__(f"This API key may not use the model '{clip(model)}'. "
                          f"Models it may use: {', '.join(allowed)}.")
 
 
@@ -179,6 +202,18 @@ class QueueTimeout(GatewayError):
 
 class NoBackend(GatewayError):
     status, type, code, cause = 503, "server_error", "no_backend", Cause.NO_BACKEND
+
+
+class AnswersBusy(GatewayError):
+    """The answers the gateway assembles from streams at once would hold more than ``[limits]
+    max_answer_bytes_total``: the gateway's own memory is the limit, not the runtime (cause
+    ``answers_busy``; its runtime connection is closed, so the runtime stops generating)."""
+
+    status, type, code, cause = 503, "server_error", "answers_busy", Cause.ANSWERS_BUSY
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The gateway already holds {limit} bytes of answers being assembled "
+                         "([limits] max_answer_bytes_total); retry shortly.", retry_after=1)
 
 
 class UpstreamError(GatewayError):
@@ -237,8 +272,16 @@ class UpstreamStatus(UpstreamError):
         self.cause = Cause.INVALID_REQUEST if 400 <= status < 500 else Cause.UPSTREAM_ERROR
         self.retryable = status in (429, 503)
 
+    @property
+    def is_json(self) -> bool:
+        """Is the runtime's body a JSON object (then it may be passed on as it is)?"""
+        try:
+            return isinstance(orjson.loads(self.raw), dict)
+        except orjson.JSONDecodeError:
+            return False
+
     def body(self) -> bytes:
-        if self.raw.lstrip().startswith(b'{"error"'):
+        if self.raw.lstrip().startswith(b'{"error"') and self.is_json:
             return self.raw
         text = self.raw.decode("utf-8", "replace").strip()[:2000] or f"HTTP {self.status}"
         kind = "invalid_request_error" if self.status < 500 else "server_error"

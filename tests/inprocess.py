@@ -97,6 +97,7 @@ class Response:
     headers: dict[bytes, bytes] = field(default_factory=dict)
     chunks: list[bytes] = field(default_factory=list)
     aborted: bool = False  # the gateway dropped the connection
+    size: int = 0  # body bytes received (kept in ``chunks`` or not)
 
     @property
     def body(self) -> bytes:
@@ -117,11 +118,12 @@ class InProcessGateway:
 
     async def request(self, method: str, path: str, body: bytes = b"", *, headers: dict[str, str] | None = None,
                       client: str = "127.0.0.1", leave_after_chunks: int | None = None,
-                      stop_reading_after_chunks: int | None = None, timeout: float = 10.0) -> Response:
+                      stop_reading_after_chunks: int | None = None, timeout: float = 10.0,
+                      keep_body: bool = True) -> Response:
         """One request through the app. ``leave_after_chunks``: the client hangs up after that many
         body chunks (0: right after the response head). ``stop_reading_after_chunks``: after that
         many, every send blocks as on a full socket, until the gateway aborts the connection
-        (``Response.aborted``)."""
+        (``Response.aborted``). ``keep_body=False``: the body is counted (``Response.size``), not kept."""
         hdrs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         if body:
             hdrs.append((b"content-length", str(len(body)).encode()))
@@ -152,7 +154,9 @@ class InProcessGateway:
                 resp.status = message["status"]
                 resp.headers = dict(message.get("headers", []))
             elif message.get("body"):
-                resp.chunks.append(message["body"])
+                resp.size += len(message["body"])
+                if keep_body or not resp.chunks:  # (the first piece is kept: an error's body)
+                    resp.chunks.append(message["body"])
             if leave_after_chunks is not None and len(resp.chunks) >= leave_after_chunks and resp.status:
                 gone.set()
             if message["type"] == "http.response.body" and not message.get("more_body"):

@@ -10,6 +10,9 @@ slot of a departed client only while it streams).
 * llama-server native (``/infill``): the chunks' ``content`` joined into the last chunk, which
   carries the stop reason, counts and timings.
 
+Each event is read as it arrives (:class:`EventsAssembler`) and only what the answer keeps is held,
+its text encoded as it will be sent (answer.py).
+
 Example::
 
     >>> body = assemble_events(b'event: message_start\\ndata: {"type":"message_start","message":'
@@ -29,71 +32,141 @@ from typing import Any
 import orjson
 
 from passerelle.errors import UpstreamError
+from passerelle.proxy.answer import Piece, Raw, Text, render
 from passerelle.proxy.grammars import data_json
 from passerelle.proxy.relay import SSEScanner
 
-
-def _events(sse: bytes) -> list[Any]:
-    return [obj for ev in SSEScanner().feed(sse + b"\n\n") if isinstance(obj := data_json(ev), dict)]
-
-
-def _responses(events: list[Any]) -> dict[str, Any]:
-    for obj in reversed(events):
-        if obj.get("type") in ("response.completed", "response.incomplete", "response.failed") \
-                and isinstance(obj.get("response"), dict):
-            final: dict[str, Any] = obj["response"]
-            return final
-    raise UpstreamError("The model runtime's Responses stream ended without its final response.")
+_FINAL = ("response.completed", "response.incomplete", "response.failed")
+_DELTAS = {"text_delta": ("text", "text"), "thinking_delta": ("thinking", "thinking"),
+           "signature_delta": ("signature", "signature")}
+_MAX_BLOCKS = 1024  # (a runtime inventing block indexes would make a dict of any size)
 
 
-def _messages(events: list[Any]) -> dict[str, Any]:
-    message: dict[str, Any] | None = None
-    blocks: dict[int, dict[str, Any]] = {}
-    partial_json: dict[int, str] = {}
-    for obj in events:
+class EventsAssembler:
+    """A Responses, Messages or llama-server native answer built from its stream's events, fed one
+    at a time (:meth:`feed`); :attr:`held` is about the bytes it holds, :meth:`finish` the body's pieces."""
+
+    __slots__ = ("blocks", "final", "grammar", "held", "last", "message", "partial_json", "text")
+
+    def __init__(self, grammar: str) -> None:
+        self.grammar = grammar
+        self.held = 0
+        self.final: dict[str, Any] | None = None  # responses: the final response object
+        self.message: dict[str, Any] | None = None  # messages
+        self.blocks: dict[int, dict[str, Any]] = {}
+        self.partial_json: dict[int, bytearray] = {}
+        self.last: dict[str, Any] | None = None  # llama: the last chunk
+        self.text = Text()  # llama: the chunks' content
+
+    def feed(self, ev: bytes) -> None:
+        obj = data_json(ev)
+        if not isinstance(obj, dict):
+            return
+        if self.grammar == "responses":
+            if obj.get("type") in _FINAL and isinstance(obj.get("response"), dict):
+                self.final = obj["response"]
+                self.held = len(ev)  # (the last one replaces the one before)
+        elif self.grammar == "messages":
+            self._message_event(obj, len(ev))
+        else:
+            content = obj.get("content")
+            if isinstance(content, str) and content:
+                self.held += self.text.add(content)
+            self.last = obj
+
+    def _message_event(self, obj: dict[str, Any], size: int) -> None:
         kind = obj.get("type")
         if kind == "message_start" and isinstance(obj.get("message"), dict):
-            message = dict(obj["message"])
+            self.message = dict(obj["message"])
+            self.held += size
         elif kind == "content_block_start" and isinstance(obj.get("content_block"), dict):
-            blocks[obj.get("index", len(blocks))] = dict(obj["content_block"])
+            idx = obj.get("index", len(self.blocks))
+            if isinstance(idx, int) and (idx in self.blocks or len(self.blocks) < _MAX_BLOCKS):
+                self.blocks[idx] = self._block(dict(obj["content_block"]))
+                self.held += size
         elif kind == "content_block_delta":
-            idx, delta = obj.get("index", 0), obj.get("delta") or {}
-            block = blocks.setdefault(idx, {"type": "text", "text": ""})
+            idx, delta = obj.get("index", 0), obj.get("delta")
+            if not isinstance(idx, int) or not isinstance(delta, dict) or (
+                    idx not in self.blocks and len(self.blocks) >= _MAX_BLOCKS):
+                return
+            block = self.blocks.get(idx)
+            if block is None:
+                block = self.blocks[idx] = self._block({"type": "text", "text": ""})
             dtype = delta.get("type")
-            if dtype == "text_delta":
-                block["text"] = block.get("text", "") + (delta.get("text") or "")
-            elif dtype == "thinking_delta":
-                block["thinking"] = block.get("thinking", "") + (delta.get("thinking") or "")
-            elif dtype == "signature_delta":
-                block["signature"] = block.get("signature", "") + (delta.get("signature") or "")
+            if dtype in _DELTAS:
+                field, key = _DELTAS[dtype]
+                part = delta.get(key)
+                if isinstance(part, str) and part:
+                    text = block.get(field)
+                    if not isinstance(text, Text):
+                        text = block[field] = self._text(text)
+                    self.held += text.add(part)
             elif dtype == "input_json_delta":
-                partial_json[idx] = partial_json.get(idx, "") + (delta.get("partial_json") or "")
-        elif kind == "message_delta" and message is not None:
-            message.update({k: v for k, v in (obj.get("delta") or {}).items()})
+                part = delta.get("partial_json")
+                if isinstance(part, str) and part:
+                    encoded = part.encode("utf-8", "surrogatepass")
+                    self.partial_json.setdefault(idx, bytearray()).extend(encoded)
+                    self.held += len(encoded)
+        elif kind == "message_delta" and self.message is not None:
+            delta = obj.get("delta")
+            if isinstance(delta, dict):
+                self.message.update(delta)
             if isinstance(obj.get("usage"), dict):
-                message["usage"] = {**(message.get("usage") or {}), **obj["usage"]}
-    if message is None:
-        raise UpstreamError("The model runtime's Messages stream ended without message_start.")
-    for idx, text in partial_json.items():
-        try:
-            blocks[idx]["input"] = orjson.loads(text) if text.strip() else {}
-        except orjson.JSONDecodeError:
-            blocks[idx]["input"] = {}
-    message["content"] = [blocks[i] for i in sorted(blocks)]
-    return message
+                usage = self.message.get("usage")
+                self.message["usage"] = {**(usage if isinstance(usage, dict) else {}), **obj["usage"]}
+
+    @staticmethod
+    def _text(value: Any) -> Text:
+        text = Text()
+        if isinstance(value, str) and value:
+            text.add(value)
+        return text
+
+    def _block(self, block: dict[str, Any]) -> dict[str, Any]:
+        for field in ("text", "thinking", "signature"):
+            if isinstance(block.get(field), str):
+                block[field] = self._text(block[field])
+        return block
+
+    def finish(self) -> list[Piece]:
+        """The JSON body a non-streaming request would have received, as pieces to write in order."""
+        if self.grammar == "responses":
+            if self.final is None:
+                raise UpstreamError("The model runtime's Responses stream ended without its final response.")
+            return render(self.final)
+        if self.grammar == "messages":
+            message = self.message
+            if message is None:
+                raise UpstreamError("The model runtime's Messages stream ended without message_start.")
+            for idx, raw in self.partial_json.items():
+                block = self.blocks.get(idx)
+                if block is not None:
+                    block["input"] = _json_value(raw)
+            message["content"] = [self.blocks[i] for i in sorted(self.blocks)]
+            return render(message)
+        if self.last is None:
+            raise UpstreamError("The model runtime's stream was empty.")
+        last = dict(self.last)
+        last["content"] = self.text
+        return render(last)
 
 
-def _llama(events: list[Any]) -> dict[str, Any]:
-    if not events:
-        raise UpstreamError("The model runtime's stream was empty.")
-    last = dict(events[-1])
-    last["content"] = "".join(e.get("content") or "" for e in events if isinstance(e.get("content"), str))
-    return last
-
-
-_BUILDERS = {"responses": _responses, "messages": _messages, "llama": _llama}
+def _json_value(raw: bytearray) -> Any:
+    """A tool's input from its JSON text, kept as that text when it is valid (``{}`` when not)."""
+    if not raw.strip():
+        return {}
+    try:
+        orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {}
+    value = Raw()
+    value.buf = raw
+    return value
 
 
 def assemble_events(sse: bytes, grammar: str) -> bytes:
     """The JSON body a non-streaming request would have received, from a complete stream."""
-    return orjson.dumps(_BUILDERS[grammar](_events(sse)))
+    asm = EventsAssembler(grammar)
+    for ev in SSEScanner(max_event=max(len(sse) + 2, 1 << 20)).feed(sse + b"\n\n"):
+        asm.feed(ev)
+    return b"".join(asm.finish())

@@ -7,7 +7,7 @@ the relay moves the same timer token by token (relay.py). What is read is capped
 
     fetch ─► Backend.post ─► check_head ─► error body (capped) ─► UpstreamStatus
                                         └► a stream: StreamRelay to the client, or to a _Collector
-                                           and assemble() (llama-server's non-streamed answers)
+                                           that assembles it (llama-server's non-streamed answers)
                                         └► a whole answer: read_body (capped), JSON or 502
 
 Every attempt's end is one :class:`Outcome` for the replica's circuit breaker (``outcome_of``).
@@ -32,12 +32,13 @@ import orjson
 from passerelle.config import Config
 from passerelle.errors import UpstreamError, UpstreamStatus, UpstreamTooLarge
 from passerelle.proxy import grammars
-from passerelle.proxy.assemble import assemble
-from passerelle.proxy.assemble_events import assemble_events
+from passerelle.proxy.answer import Hold, Piece
+from passerelle.proxy.assemble import ChatAssembler
+from passerelle.proxy.assemble_events import EventsAssembler
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Send
 from passerelle.proxy.protocols import Api
-from passerelle.proxy.relay import StreamRelay, finish_upstream, read_body, read_error
+from passerelle.proxy.relay import SSEScanner, StreamRelay, finish_upstream, read_body, read_error
 from passerelle.proxy.resume import Splice
 from passerelle.runtimes.breaker import Outcome
 from passerelle.runtimes.kinds import Backend
@@ -48,20 +49,32 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 
 
 class _Collector:
-    """An ASGI ``send`` that keeps the body, for answers assembled from a stream; at most ``limit``
-    bytes (``[limits] max_answer_bytes``)."""
+    """An ASGI ``send`` that assembles the answer as its events arrive (for answers assembled from
+    a stream): at most ``limit`` bytes of stream (``[limits] max_answer_bytes``), and what the
+    answer holds counted against every answer's budget (``hold``: ``max_answer_bytes_total``)."""
 
-    def __init__(self, limit: int) -> None:
-        self.parts: list[bytes] = []
+    def __init__(self, limit: int, builder: ChatAssembler | EventsAssembler, hold: Hold | None) -> None:
         self.size = 0
         self.limit = limit
+        self.builder = builder
+        self.hold = hold
+        self.scanner = SSEScanner(max_event=limit)
 
     async def __call__(self, message: dict[str, Any]) -> None:
         body = message.get("body", b"")
         self.size += len(body)
         if self.size > self.limit:
             raise UpstreamTooLarge("answer", self.limit, "max_answer_bytes")
-        self.parts.append(body)
+        builder = self.builder
+        for ev in self.scanner.feed(body):
+            builder.feed(ev)
+        if self.hold is not None:
+            self.hold.grow_to(builder.held)
+
+    def finish(self) -> list[Piece]:
+        if pending := self.scanner.pending:
+            self.builder.feed(pending + b"\n\n")  # (a last event without its blank line)
+        return self.builder.finish()
 
 
 def outcome_of(err: BaseException | None) -> Outcome:
@@ -79,10 +92,12 @@ def outcome_of(err: BaseException | None) -> Outcome:
 
 async def fetch(ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: bytes, deadline: Deadline, cfg: Config,
                 *, collect: bool, strip_usage: bool, splice: Splice | None = None, dialect: str = "",
-                on_streaming: Callable[[], None] | None = None) -> tuple[bytes, bytes] | None:
+                on_streaming: Callable[[], None] | None = None,
+                hold: Hold | None = None) -> tuple[bytes | list[Piece], bytes] | None:
     """Send the request and take the runtime's answer within the attempt's one timer (the
     response head, then the stream it moves): a stream is relayed to the client (None); a
-    non-streamed answer is returned whole, with its content type, for the caller to send.
+    non-streamed answer is returned whole, with its content type, for the caller to send (an
+    answer assembled from a stream as pieces, answer.py; what it holds counted in ``hold``).
 
     With a ``splice`` (a preemptible stream, resume.py) the events pass through it, the
     scheduler may cut the attempt once ``on_streaming`` was called, and a cut attempt returns
@@ -96,8 +111,9 @@ async def fetch(ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: by
     relay: StreamRelay | None = None
     sink: _Collector | None = None
     if collect:
+        builder = ChatAssembler(api.name) if api.grammar == "chat" else EventsAssembler(api.grammar)
         sink = splice.collector if splice is not None and splice.collector is not None else \
-            _Collector(limits.max_answer_bytes)
+            _Collector(limits.max_answer_bytes, builder, hold)
         if splice is not None:
             splice.collector = sink
     finishing = False  # the answer is whole; only what follows [DONE] is being read
@@ -154,10 +170,7 @@ async def fetch(ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: by
             resp.close()  # drops the connection if unread: the runtime stops generating
     if sink is None:
         return None
-    sse = b"".join(sink.parts)
-    sink.parts.clear()
-    raw = assemble(sse, api.name) if api.grammar == "chat" else assemble_events(sse, api.grammar)
-    return raw, b"application/json"
+    return sink.finish(), b"application/json"
 
 
 def check_head(resp: Response, backend: Backend, *, streamed: bool, json: bool = True) -> None:

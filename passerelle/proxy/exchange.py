@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from passerelle.errors import GatewayError
@@ -70,7 +70,7 @@ def _transport_of(send: Send) -> Any:
 
 class Exchange:
     __slots__ = ("_aborted", "_asgi_send", "_cancel_pending", "_cancelled", "_loop", "_watcher", "disconnected",
-                 "errors", "finishing", "grammar", "rec", "receive", "scope", "stalled", "started", "task",
+                 "errors", "finishing", "grammar", "held", "rec", "receive", "scope", "stalled", "started", "task",
                  "writing_since")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
@@ -81,6 +81,7 @@ class Exchange:
         self.finishing = False
         self.disconnected = False
         self.stalled = False  # the client took no byte for too long; its connection is cut
+        self.held: Any = None  # an answer being assembled: its share of the gateway's budget (answer.Hold)
         self._cancelled = False  # this exchange cancelled its task (once at most: see ``_cancel``)
         self._cancel_pending = False  # ... and the request's task has not caught it yet
         self._aborted = False  # the client's connection was dropped
@@ -209,19 +210,31 @@ class Exchange:
     async def send_body(self, body: bytes, *, more: bool) -> None:
         await self.send({"type": "http.response.body", "body": body, "more_body": more})
 
-    async def send_whole(self, body: bytes, *, piece: int = 1 << 18) -> None:
-        """A whole body, in pieces of ``piece`` bytes: between pieces the send waits for the client
-        to take what it has, so a client that stops reading holds at most a piece in memory (and is
-        found by the watchdog), not the whole answer."""
-        n = len(body)
-        at = 0
-        if n > piece:
-            view = memoryview(body)
-            while n - at > piece:
-                await self.send_body(bytes(view[at:at + piece]), more=True)
-                at += piece
+    async def send_whole(self, body: bytes | Sequence[bytes | bytearray | memoryview], *,
+                         piece: int = 1 << 18) -> None:
+        """A whole body (bytes, or pieces written one after the other), in pieces of ``piece``
+        bytes: between pieces the send waits for the client to take what it has, so a client that
+        stops reading holds at most a piece in memory (and is found by the watchdog), not the whole
+        answer."""
+        if isinstance(body, bytes) and len(body) <= piece:
+            self.mark_finishing()
+            await self.send_body(body, more=False)
+            return
+        parts = [memoryview(body)] if isinstance(body, bytes) else [memoryview(p) for p in body]
+        total = sum(len(p) for p in parts)
+        sent = 0
+        out = bytearray()
+        for part in parts:
+            while len(part):
+                take = min(piece - len(out), len(part))
+                out += part[:take]
+                part = part[take:]
+                if len(out) == piece and sent + piece < total:
+                    await self.send_body(bytes(out), more=True)
+                    sent += piece
+                    out.clear()
         self.mark_finishing()
-        await self.send_body(body[at:] if at else body, more=False)
+        await self.send_body(bytes(out), more=False)
 
     async def report(self, err: GatewayError) -> None:
         """Tell the client about ``err``: an error response in its API's shape, or that API's own

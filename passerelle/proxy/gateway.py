@@ -50,7 +50,9 @@ from passerelle.errors import (
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
 from passerelle.observe.record import RequestRecord, State
+from passerelle.proxy.answer import AnswerBudget, size_of
 from passerelle.proxy.attempt import fetch, outcome_of
+from passerelle.proxy.capabilities import check_media
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.intake import (
@@ -91,6 +93,7 @@ class Gateway:
         self.keys = KeyPolicy(cfg, keyring)  # keys: who, which models, quotas, limits (tenants/policy.py)
         self.classes = {c.name: c for c in cfg.classes}
         self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
+        self.answers = AnswerBudget(cfg.limits.max_answer_bytes_total)  # answers assembled at once
         self._watchdog: asyncio.TimerHandle | None = None
         self.catalogue = Catalogue((), registry)  # model names -> pools; the app sets the configured one
         self.preemption_stats = {"suspensions": 0, "resumed_streams": 0, "resume_prompt_tokens_processed": 0,
@@ -155,6 +158,7 @@ class Gateway:
                                                path=scope["path"], routes_of=self._routes_of)
                 rec.model = model = route.name
                 pool = route.pool
+                check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
                 if req.data is None:  # a form (an upload): its model field alone is rewritten, the file untouched
                     if route.served != req.model:
                         body = replace_form_field(body, header(scope, b"content-type"), "model", route.served)
@@ -206,6 +210,8 @@ class Gateway:
                 elif rec.cause is None:  # cancelled by the server itself (shutdown)
                     rec.finish(Cause.INTERNAL_ERROR, 500, "cancelled by the gateway")
                 self._release(rec, job, grant)
+                if ex.held is not None:
+                    ex.held.release()
             if failure is not None and not isinstance(failure, ClientDisconnect | ClientTimeout):
                 await ex.report(failure)  # watched: a client that takes nothing is cut (watchdog)
         except asyncio.CancelledError:
@@ -361,9 +367,13 @@ class Gateway:
 
             def on_streaming() -> None:  # its first token went out: from now on it may be cut
                 self.scheduler.allow_suspend(job, sp.suspend, lambda: sp.tokens)
+        if collect and ex.held is None:  # (the answers assembled at once share a budget: answer.py)
+            ex.held = self.answers.hold()
+            ex.held.check()
         try:
             answer = await fetch(ex, api, backend, body, ctype, deadline, self.cfg, collect=collect,
-                                 strip_usage=strip_usage, splice=splice, dialect=dialect, on_streaming=on_streaming)
+                                 strip_usage=strip_usage, splice=splice, dialect=dialect, on_streaming=on_streaming,
+                                 hold=ex.held)
         finally:
             if splice is not None:
                 self.scheduler.forbid_suspend(job)
@@ -371,8 +381,9 @@ class Gateway:
         if answer is None:
             return  # streamed to the client, or suspended
         raw, ctype = answer
+        size = len(raw) if isinstance(raw, bytes) else size_of(raw)
         # The client's writes are the watchdog's (client_write_s), no longer the runtime's deadline.
-        await ex.start(200, [(b"content-type", ctype), (b"content-length", str(len(raw)).encode())])
+        await ex.start(200, [(b"content-type", ctype), (b"content-length", str(size).encode())])
         await ex.send_whole(raw)
 
     def account(self, rec: RequestRecord) -> None:

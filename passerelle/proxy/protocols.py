@@ -286,14 +286,12 @@ def _message_of(err: GatewayError) -> str:
 
 def anthropic_body(err: GatewayError) -> bytes:
     """``err`` in Anthropic's error shape; a runtime's answer already in that shape passes as is."""
-    if isinstance(err, UpstreamStatus) and re.match(rb'\s*\{\s*"type"\s*:\s*"error"', err.raw):
+    if isinstance(err, UpstreamStatus) and re.match(rb'\s*\{\s*"type"\s*:\s*"error"', err.raw) and err.is_json:
         return err.raw
     return orjson.dumps({"type": "error", "error": {"type": anthropic_type(err.status), "message": _message_of(err)}})
 
 
 def error_body(err: GatewayError, style: str) -> tuple[bytes, bytes]:
-    """The error response body for ``err`` and its content type, in the API's shape."""
-    if style == ANTHROPIC:
-        return anthropic_body(err), b"application/json"
-    ctype = err.content_type if isinstance(err, UpstreamStatus) and err.content_type else b"application/json"
-    return err.body(), ctype
+    """The error response body for ``err`` and its content type, in the API's shape: always JSON
+    (a runtime's error page, say ``text/html``, is wrapped, and its content type stays behind)."""
+    return (anthropic_body(err) if style == ANTHROPIC else err.body()), b"application/json"

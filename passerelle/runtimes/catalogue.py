@@ -32,7 +32,7 @@ from typing import Any
 import orjson
 
 from passerelle.config import ModelConfig
-from passerelle.errors import InvalidRequest, UnknownModel
+from passerelle.errors import InvalidRequest, UnknownModel, clip
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import ProcState, Supervisor
@@ -74,6 +74,7 @@ class Route:
     fallback_from: str = ""  # the model asked for, when a fallback serves the request
     rewritten: bool = False
     applied: list[str] = field(default_factory=list)  # parameter changes, for the log
+    capabilities: tuple[str, ...] = ()  # what the model serving it declares it can do; () = not declared
 
 
 class Catalogue:
@@ -142,10 +143,11 @@ class Catalogue:
         if not pool:
             where = path or ROUTES.get(endpoint, f"/v1/{endpoint}")
             served = f" It is served on: {routes_of(chosen.target)}." if routes_of is not None else ""
-            raise InvalidRequest(f"The model '{requested}' is not served on {where}: no backend of it serves "
-                                 f"that route.{served}", param="model")
+            raise InvalidRequest(f"The model '{clip(requested)}' is not served on {clip(where)}: no backend of it "
+                                 f"serves that route.{served}", param="model")
         route = self._apply(chosen, pool, endpoint, data, body)
         route.requested = requested
+        route.capabilities = chosen.capabilities
         if chosen is not entry:
             route.fallback_from = entry.name
             log.info("model %s cannot serve within %g s; fallback %s serves the request", entry.name, wait_s,

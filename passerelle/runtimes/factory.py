@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from passerelle.config import BackendConfig, Config, TimeoutConfig
+from passerelle.config import BackendConfig, Config, ModelConfig, TimeoutConfig
 from passerelle.errors import ConfigError
 from passerelle.runtimes import embedded, tiny_reranker
 from passerelle.runtimes.kinds import Backend, make_backend
@@ -50,11 +50,26 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     return tuple(out)
 
 
+# What the embedded default model can do: a small text model (no vision, no audio), declared so
+# that an image or audio part sent to it gets a clear 400 (proxy/capabilities.py), not the runtime's 500.
+EMBEDDED_CAPABILITIES = ("chat", "completions", "embeddings")
+
+
+def embedded_models(cfg: Config) -> tuple[ModelConfig, ...]:
+    """The catalogue entry that declares the embedded default model's capabilities; none for a
+    model of the operator's own (``embedded.model_path``: it may see or hear) or one a
+    ``[[models]]`` entry already describes."""
+    e = cfg.embedded
+    if e.model_path or any(m.target == e.model_id or m.name == e.model_id for m in cfg.models):
+        return ()
+    return (ModelConfig(name=e.model_id, capabilities=EMBEDDED_CAPABILITIES),)
+
+
 def expand(cfg: Config) -> Config:
     """``cfg`` with the embedded runtime spelled out when it lists no backend, and the routes
     ``[server] extra_routes`` adds given to every backend."""
     if cfg.uses_embedded:
-        cfg = dataclasses.replace(cfg, backends=embedded_backends(cfg))
+        cfg = dataclasses.replace(cfg, backends=embedded_backends(cfg), models=(*cfg.models, *embedded_models(cfg)))
     extra = cfg.server.extra_routes
     if extra:
         cfg = dataclasses.replace(cfg, backends=tuple(

@@ -20,9 +20,9 @@ rebinding: the ``Host`` is that name). So an admin request whose ``Host`` is not
 gateway's own names, or whose ``Origin`` is another site's (or ``null``), or that a browser marks
 cross-site (``Sec-Fetch-Site``) on a method that changes something, gets 403.
 
-The client address is the connection's peer, or the address a reverse proxy on loopback gives
-in ``X-Forwarded-For`` (uvicorn's ``forwarded_allow_ips`` default), so a proxy in front does
-not make every client look local.
+The client address is the connection's peer, or the address a reverse proxy listed in
+``[server] trusted_proxies`` gives in its forwarded headers (server/forwarded.py; none is trusted
+by default, loopback included), so a proxy in front does not make every client look local.
 """
 
 from __future__ import annotations
@@ -195,7 +195,8 @@ class AdminListener:
         limits = self.limits
         config = uvicorn.Config(self.app, interface="asgi3", http=guarded_protocol(limits), lifespan="off",
                                 access_log=False, log_config=None, log_level="warning", timeout_graceful_shutdown=2,
-                                timeout_keep_alive=limits.keep_alive_s)  # type: ignore[arg-type]
+                                timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
+                                proxy_headers=False)  # (server/forwarded.py decides, in the app)
         self._server = _AdminServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="passerelle-admin-server")
         while not self._server.started:

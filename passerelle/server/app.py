@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from passerelle.batches.api import BatchApi
 from passerelle.config import Config, RuntimesConfig, budget_share
-from passerelle.errors import ConfigError, GatewayError, InvalidRequest, Unauthorized, UnknownModel
+from passerelle.errors import ConfigError, GatewayError, InvalidRequest, Unauthorized, UnknownModel, clip
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
@@ -43,6 +43,7 @@ from passerelle.scheduling.swapper import Swapper
 from passerelle.server import control
 from passerelle.server.admin import AdminGuard, AdminListener
 from passerelle.server.connections import BodyBudget, BoundedReceive, ConnectionLimits
+from passerelle.server.forwarded import ForwardedTrust
 from passerelle.server.keys_api import KeysApi
 from passerelle.server.login import AdminLogin
 from passerelle.server.responses import error_response, json_response, raw_response
@@ -83,6 +84,7 @@ class App:
         self.backends_configured = bool(cfg.backends) if backends_configured is None else backends_configured
         self._ending: asyncio.Task[None] | None = None
         self.body_budget = BodyBudget(cfg.server.max_body_bytes_total)
+        self.forwarded = ForwardedTrust(cfg.server.trusted_proxies)  # who the client is behind a proxy
         self._tasks: set[asyncio.Future[Any]] = set()
         self.metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
         self.registry = Registry(backends, self.metrics)
@@ -174,14 +176,15 @@ class App:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, *, on_admin_port: bool) -> None:
         """Find the route (routes.py), apply who may call it, and hand over to its handler."""
+        self.forwarded.apply(scope)  # before anything reads the client's address
         path, method = scope["path"], scope["method"]
         separate = self.admin_listener is not None
         try:
             admin = is_admin_path(path)
             if on_admin_port and not admin:
-                raise NotFound(f"Only the admin routes are served on this port, not {path}.")
+                raise NotFound(f"Only the admin routes are served on this port, not {clip(path)}.")
             if admin and separate and not on_admin_port:
-                raise NotFound(f"No route for {method} {path} on this port.")
+                raise NotFound(f"No route for {clip(method)} {clip(path)} on this port.")
             # (the login form and the logout are where a browser has no key yet, or drops it)
             if admin and (err := self.admin_guard.check(scope, need_key=path not in _KEYLESS)) is not None:
                 if isinstance(err, Unauthorized) and path == "/ui" and method in ("GET", "HEAD"):

@@ -22,7 +22,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from passerelle.errors import InvalidRequest, NoBackend
+from passerelle.errors import InvalidRequest, NoBackend, clip
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.supervisor import RuntimeFailed, Supervisor
 from passerelle.server.routes import NotFound
@@ -47,14 +47,14 @@ async def runtime_action(sup: Supervisor | None, path: str, method: str, query: 
     parts = path.removeprefix("/admin/runtimes/").split("/")
     proc = sup.get(parts[0]) if sup is not None and len(parts) == 2 else None
     if sup is None or proc is None:
-        raise NotFound(f"No runtime at {path}; GET /admin/runtimes lists them.")
+        raise NotFound(f"No runtime at {clip(path)}; GET /admin/runtimes lists them.")
     name, action = parts
     if action == "logs" and method in ("GET", "HEAD"):
         raw = parse_qs(query.decode("latin-1")).get("lines", ["100"])[0]
         try:
             lines = max(1, min(int(raw), 10_000))
         except ValueError:
-            raise InvalidRequest(f"'lines' must be a whole number, not {raw!r}.", param="lines") from None
+            raise InvalidRequest(f"'lines' must be a whole number, not '{clip(raw)}'.", param="lines") from None
         return proc.log_tail(lines) + "\n"
     if method != "POST" or action not in ("start", "stop", "restart"):
         raise InvalidRequest(f"Use POST /admin/runtimes/{name}/start, stop or restart, "

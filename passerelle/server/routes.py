@@ -29,7 +29,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from passerelle.errors import InvalidRequest
+from passerelle.errors import InvalidRequest, clip
 
 
 class NotFound(InvalidRequest):
@@ -125,9 +125,9 @@ def match(method: str, path: str, extra: Mapping[str, Route] | None = None) -> R
     if route is None and extra:
         route = extra.get(path)
     if route is None:
-        raise NotFound(f"No route for {method} {path}.")
+        raise NotFound(f"No route for {clip(method)} {clip(path)}.")
     if method not in route.methods:
-        raise MethodNotAllowed(f"Use {' or '.join(m for m in route.methods if m != 'HEAD')} for {path}.")
+        raise MethodNotAllowed(f"Use {' or '.join(m for m in route.methods if m != 'HEAD')} for {clip(path)}.")
     return route
 
 

@@ -93,5 +93,6 @@ def gateway_server(app: Any, cfg: Config) -> GatewayServer:
     config = uvicorn.Config(
         app, host=s.host, port=s.port, loop="uvloop", http=guarded_protocol(limits), lifespan="on",
         access_log=False, log_level="warning", timeout_graceful_shutdown=math.ceil(s.shutdown_grace_s) + 2,
-        timeout_keep_alive=s.keep_alive_s)  # type: ignore[arg-type]  # a float works: it goes to call_later
+        timeout_keep_alive=s.keep_alive_s,  # type: ignore[arg-type]  # a float works: it goes to call_later
+        proxy_headers=False)  # (uvicorn would trust X-Forwarded-For from loopback: server/forwarded.py decides)
     return GatewayServer(config, app)

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from passerelle.errors import InvalidRequest, KeyNotFound
+from passerelle.errors import InvalidRequest, KeyNotFound, clip
 from passerelle.tenants.keys import EDITABLE, ApiKey, KeyStore
 from passerelle.tenants.quota import PERIODS, Quota, parse_quota
 
@@ -84,8 +84,8 @@ class KeyManager:
         """``spec`` checked and converted to :class:`~passerelle.tenants.keys.ApiKey` field values."""
         unknown = [k for k in spec if k not in EDITABLE]
         if unknown:
-            raise InvalidRequest(f"Unknown field(s) {', '.join(map(repr, unknown))}; a key has: "
-                                 f"{', '.join(EDITABLE)}.", param=unknown[0])
+            raise InvalidRequest(f"Unknown field(s) {', '.join(repr(clip(k)) for k in unknown[:10])}; a key has: "
+                                 f"{', '.join(EDITABLE)}.", param=clip(unknown[0]))
         if creating and "tenant" not in spec:
             raise InvalidRequest("Missing required field 'tenant' (who the key belongs to).", param="tenant")
         out: dict[str, Any] = {}

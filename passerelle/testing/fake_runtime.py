@@ -550,7 +550,7 @@ class FakeBackend:
             self.counters.faults += 1
             try:
                 await misbehave(conn, fault, chat=chat, stream=bool(body.get("stream")),
-                                fault_bytes=cfg.fault_bytes, drip_ms=cfg.drip_ms)
+                                fault_bytes=cfg.fault_bytes, drip_ms=cfg.drip_ms, api=api)
             except (asyncio.CancelledError, ConnectionResetError):
                 self.counters.disconnected += 1
                 raise

@@ -15,6 +15,11 @@ through), or the whole server with ``passerelle fake-backend --fault NAME [--fau
 ``redirect``        302 to another host
 ``html``            200 ``text/html``: a proxy's error page in place of an answer
 ``after-done``      a complete stream, then events after ``[DONE]``, then silence with the body unended
+``second-response`` a complete answer (a stream, or JSON) and a second, unasked response in the same write
+``html-error``      500 ``text/html``: a proxy's error page in place of the runtime's error
+``big-answer``      a stream of ``fault_bytes`` of text in events of 64 KiB (chat, completions or
+                    Messages events), then its end: a large answer, well-formed
+``big-answer-stall`` the same text, then silence: the answer never ends
 ==================  ======================================================================
 
 Large bodies are written as the reader takes them (flow control), so the fake's own memory stays
@@ -29,12 +34,14 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import struct
 from typing import Any, Protocol
 
 FAULTS = ("never-answer", "continue-forever", "head-then-silence", "drip", "reset-mid-chunk", "huge-event",
-          "huge-body", "huge-error", "redirect", "html", "after-done")
+          "huge-body", "huge-error", "redirect", "html", "after-done", "second-response", "html-error",
+          "big-answer", "big-answer-stall")
 
 _PIECE = 1 << 16
 
@@ -52,6 +59,8 @@ class Conn(Protocol):
     async def write_raw(self, data: bytes) -> None: ...
 
     def respond(self, status: int, body: bytes, keep_alive: bool, content_type: bytes = ...) -> None: ...
+
+    def end_stream(self, keep_alive: bool) -> None: ...
 
 
 def _chunk(text: str, chat: bool) -> bytes:
@@ -76,9 +85,16 @@ def _reset(conn: Conn) -> None:
     conn.closed = True
 
 
-async def misbehave(conn: Conn, fault: str, *, chat: bool, stream: bool, fault_bytes: int, drip_ms: float) -> None:
-    """Play ``fault`` on ``conn`` (one of FAULTS). Returns, or waits until the connection closes."""
+async def misbehave(conn: Conn, fault: str, *, chat: bool, stream: bool, fault_bytes: int, drip_ms: float,
+                    api: str = "") -> None:
+    """Play ``fault`` on ``conn`` (one of FAULTS). Returns, or waits until the connection closes.
+    ``api``: "messages" for Anthropic's events, else OpenAI chunks (chat or completions)."""
     drip = drip_ms / 1000
+    if fault.startswith("big-answer"):
+        await _big_answer(conn, fault_bytes, chat=chat, messages=api == "messages", end=fault == "big-answer")
+        if fault != "big-answer":
+            await _forever()
+        return
     if fault == "never-answer":
         await _forever()
     elif fault == "continue-forever":
@@ -137,8 +153,58 @@ async def misbehave(conn: Conn, fault: str, *, chat: bool, stream: bool, fault_b
         await conn.write_chunk(_chunk("a", chat) + _chunk("b", chat) + b"data: [DONE]\n\n")
         await conn.write_chunk(_chunk("after", chat) + b'data: {"error":{"message":"after the end"}}\n\n')
         await _forever()
+    elif fault == "second-response":
+        extra = b'{"unasked":"second answer"}'
+        unasked = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+            len(extra), extra)
+        if stream:
+            conn.start_stream()
+            done = _chunk("a", chat) + b"data: [DONE]\n\n"
+            await conn.write_raw(b"%x\r\n%s\r\n0\r\n\r\n%s" % (len(done), done, unasked))
+        else:
+            msg = b'{"role":"assistant","content":"a"}' if chat else b'"a"'
+            body = b'{"choices":[{"index":0,"%s":%s,"finish_reason":"stop"}]}' % (b"message" if chat else b"text", msg)
+            await conn.write_raw(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s%s"
+                                 % (len(body), body, unasked))
+        await _forever()
+    elif fault == "html-error":
+        page = b"<html><body><h1>500 Internal Server Error</h1>nginx</body></html>"
+        conn.respond(500, page, True, b"text/html")
     else:
         raise ValueError(f"unknown fault {fault!r}; expected one of {', '.join(FAULTS)}")
+
+
+# 64 KiB of text with what JSON must escape (quotes, a newline, a backslash) and a non-ASCII letter
+_TEXT = ('The "river" carried small boats \\ past old mills é\n' * 1300)[:_PIECE]
+_TEXT_JSON = json.dumps(_TEXT, ensure_ascii=False).encode()  # (quoted)
+
+
+async def _big_answer(conn: Conn, size: int, *, chat: bool, messages: bool, end: bool) -> None:
+    conn.start_stream()
+    if messages:
+        await conn.write_chunk(
+            b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_big","type":"message",'
+            b'"role":"assistant","model":"fake-model","content":[],"stop_reason":null,"usage":{"input_tokens":3,'
+            b'"output_tokens":0}}}\n\nevent: content_block_start\ndata: {"type":"content_block_start","index":0,'
+            b'"content_block":{"type":"text","text":""}}\n\n')
+        event = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":'
+                 b'{"type":"text_delta","text":%s}}\n\n' % _TEXT_JSON)
+        tail = (b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
+                b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+                b'"usage":{"output_tokens":%d}}\n\nevent: message_stop\ndata: {"type":"message_stop"}\n\n'
+                % (size // 4))
+    else:
+        field = b'"delta":{"content":%s}' if chat else b'"text":%s'
+        event = b'data: {"id":"big","choices":[{"index":0,%s,"finish_reason":null}]}\n\n' % (field % _TEXT_JSON)
+        last = b'"delta":{}' if chat else b'"text":""'
+        tail = (b'data: {"id":"big","choices":[{"index":0,%s,"finish_reason":"stop"}]}\n\n'
+                b'data: {"id":"big","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n'
+                b"data: [DONE]\n\n" % (last, size // 4))
+    for _ in range(max(1, size // len(_TEXT))):
+        await conn.write_chunk(event)
+    if end:
+        await conn.write_chunk(tail)
+        conn.end_stream(True)
 
 
 async def _fill(conn: Conn, size: int, *, chunked: bool) -> None:

@@ -5,7 +5,8 @@ The body is buffered only up to a high-water mark: beyond it the socket stops be
 the consumer catches up, so a slow client slows the runtime down instead of filling memory. The
 response decides what happens to its connection when closed: back to the pool if the body is
 complete and the server keeps the connection, otherwise closed, which is how a runtime learns
-that nobody listens any more.
+that nobody listens any more. A byte after the end of a response (a second response nobody asked
+for, even one in the same segment as the first) is never read: the connection is closed, never reused.
 
 Example (what :meth:`UpstreamClient.request <passerelle.upstream.client.UpstreamClient.request>` does)::
 
@@ -196,6 +197,10 @@ class Response:
         self._wake()
 
 
+class _Unsolicited(Exception):
+    """Raised inside the parser to stop it at a response nobody asked for."""
+
+
 class _ClosedParser:
     """Stands in for the parser of a connection that is gone (no cycle, and a late call is harmless)."""
 
@@ -263,8 +268,10 @@ class Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._broken(BadResponse(f"invalid HTTP response: {exc}"))
+            if not resp._done:  # (else: bytes after the complete response, see on_message_begin)
+                self._broken(BadResponse(f"invalid HTTP response: {exc}"))
             self.transport.close()
+            resp._wake()
             return
         if heading and not resp.status and self.head_bytes > MAX_HEAD:
             self._broken(BadResponse(f"the response head is larger than {MAX_HEAD} bytes"))
@@ -308,6 +315,15 @@ class Connection(asyncio.Protocol):
         return b"content-length" not in names and b"transfer-encoding" not in names
 
     # -- httptools callbacks -----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        resp = self.resp
+        if resp is not None and resp._done:
+            # A second response in the bytes of the first (a segment carries both): nobody asked
+            # for it, and what the connection says next cannot be matched to a request. It is
+            # never read, and the connection never reused (data_received closes it).
+            resp.keep_alive = False
+            raise _Unsolicited
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.resp._raw_headers.append((name, value))  # type: ignore[union-attr]
 

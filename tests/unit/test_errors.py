@@ -65,7 +65,9 @@ def test_one_enum_of_causes_matches_the_contract():
         # added by the keys work (issue 16): one cause each, none overloaded
         "forbidden", "quota_exceeded",
         # added by the client-side limits (issue 11)
-        "shutdown", "server_busy"}
+        "shutdown", "server_busy",
+        # added by the answers' memory budget (issue 20)
+        "answers_busy"}
 
 
 def test_model_not_allowed_lists_the_keys_models():
@@ -87,3 +89,14 @@ def test_a_timeout_is_an_upstream_error_that_names_its_phase_and_a_cap_names_its
                                                                               detail="no response head").message
     cap = e.UpstreamTooLarge("single event", 1024, "max_event_bytes")
     assert "1024 bytes ([limits] max_event_bytes)" in cap.message and not cap.retryable
+
+
+def test_a_client_string_is_cut_to_a_short_length_with_an_ellipsis():
+    from passerelle.errors import ECHO_CHARS, clip
+
+    assert clip("gpt-4o") == "gpt-4o"
+    assert clip("x" * ECHO_CHARS) == "x" * ECHO_CHARS
+    cut = clip("x" * 10_000)
+    assert len(cut) == ECHO_CHARS and cut.endswith("…")
+    assert clip("ab\ncd\x00") == "ab\\ncd\\x00"  # no line breaks or control characters in a message
+    assert len(e.UnknownModel("y" * 10_000, ["m"]).message) < 2 * ECHO_CHARS

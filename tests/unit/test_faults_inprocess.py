@@ -198,7 +198,7 @@ async def test_a_fault_of_the_gateway_is_internal_error_not_the_runtimes(monkeyp
         def broken(*_a, **_k):
             raise ZeroDivisionError("a bug")
 
-        monkeypatch.setattr("passerelle.proxy.attempt.assemble", broken)
+        monkeypatch.setattr("passerelle.proxy.assemble.ChatAssembler.finish", broken)
         monkeypatch.setattr(gw.app.registry.backends[0], "stream_always", True)
         resp = await gw.post("/v1/chat/completions", CHAT)
         assert resp.status == 500 and resp.json()["error"]["code"] == "internal_error"

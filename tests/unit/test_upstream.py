@@ -272,6 +272,42 @@ async def test_connection_close_is_honoured():
         client.close()
 
 
+async def test_a_second_response_in_the_same_segment_is_never_read_and_drops_the_connection():
+    # A runtime that answers twice in one write: the second answer is nobody's, so the connection
+    # cannot be trusted any more (whatever it says next would be taken for the next request's).
+    async def handler(req, reader, writer):
+        writer.write(ok(b"first") + ok(b"second, unasked") + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nthird")
+        await writer.drain()
+
+    async with Server(handler) as srv:
+        client = UpstreamClient(srv.url, limit=1)
+        assert await get(client) == (200, b"first")
+        assert client.idle_count == 0  # not back in the pool
+        await srv.until(lambda: srv.closed == 1)
+        assert await get(client) == (200, b"first")  # on a fresh connection
+        assert srv.opened == 2 and client.opened == 2
+        client.close()
+
+
+async def test_a_second_response_after_a_chunked_body_is_never_read():
+    async def handler(req, reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(b"one") + b"0\r\n\r\n"
+                     + ok(b"two"))
+        await writer.drain()
+
+    async with Server(handler) as srv:
+        client = UpstreamClient(srv.url, limit=1)
+        resp = await client.request(b"GET", "/x")
+        got = []
+        while data := await resp.readany():
+            got.append(data)
+        assert b"".join(got) == b"one" and resp.complete and not resp.keep_alive
+        resp.close()
+        assert client.idle_count == 0
+        await srv.until(lambda: srv.closed == 1)
+        client.close()
+
+
 async def test_body_that_ends_with_the_connection():
     async def handler(req, reader, writer):
         writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end")
