@@ -152,7 +152,11 @@ class MessagesGrammar(Grammar):
         if t == b"content_block_delta":
             return CONTENT if MESSAGES.search(ev) else 0
         if t == b"message_start":
-            self._take_usage(data_json(ev))
+            # its output_tokens is a start (0 or 1), not a count: a stream cut before message_delta
+            # is counted by its content events
+            p, _ = usage_of(data_json(ev))
+            if p is not None:
+                self.prompt_tokens = p
             return 0
         if t == b"message_delta":
             p, c = usage_of(data_json(ev))

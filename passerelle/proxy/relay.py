@@ -216,6 +216,8 @@ class StreamRelay:
         if g.completion_tokens is not None:
             rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = \
                 g.prompt_tokens, g.completion_tokens, True
+        elif g.prompt_tokens is not None:  # (Messages: the prompt's count comes first, in message_start)
+            rec.prompt_tokens = g.prompt_tokens
         return b"".join(events) if len(events) > 1 else events[0]
 
     async def run(self, resp: Response, deadline: Deadline, budget: asyncio.Timeout | None = None) -> None:
