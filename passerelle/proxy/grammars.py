@@ -39,13 +39,23 @@ from passerelle.chunks import LLAMA, MESSAGES, RESPONSES, TRANSCRIPTION
 from passerelle.errors import GatewayError
 from passerelle.proxy.protocols import anthropic_body
 
-CONTENT, END, ERROR = 1, 2, 4
+CONTENT, END, ERROR, AMENDED = 1, 2, 4, 8
 
 _EVENT = re.compile(rb"^event:[ \t]*([^\r\n]*)", re.M)
 _TYPE = re.compile(rb'"type"\s*:\s*"([^"]*)"')
 _DATA_ERROR = re.compile(rb'^data:\s*\{\s*"error"', re.M)
 _DONE = re.compile(rb"^data:\s*\[DONE\]\s*$", re.M)
 _LLAMA_STOP = re.compile(rb'"stop"\s*:\s*true')
+_ITEM_ID = re.compile(rb'"item_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_FIRST_ID = re.compile(rb'"id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_OUTPUT_INDEX = re.compile(rb'"output_index"\s*:\s*(\d+)')
+_CONTENT_INDEX = re.compile(rb'"content_index"\s*:\s*(\d+)')
+_INDEX = re.compile(rb'"index"\s*:\s*(\d+)')
+# Responses events that are about one response (a sequence number is all they lack), and those about
+# a content part of an output item (they have a content_index besides the item's output_index)
+_WHOLE = frozenset((b"response.created", b"response.in_progress", b"response.queued", b"response.completed",
+                    b"response.incomplete", b"response.failed", b"error"))
+_PART = re.compile(rb"response\.(?:content_part|output_text|refusal|reasoning_text)\.")
 
 
 def event_type(ev: bytes) -> bytes:
@@ -91,15 +101,32 @@ def usage_of(obj: Any) -> tuple[int | None, int | None]:
     return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
 
 
+def with_fields(ev: bytes, fields: bytes) -> bytes:
+    """``ev`` with ``fields`` (``"name":value`` pairs, comma-separated) first in its data object;
+    ``ev`` itself when its data is not an object. The rest of its bytes are kept as they are."""
+    at = ev.find(b"data:")
+    brace = ev.find(b"{", at + 5) if at >= 0 else -1
+    if brace < 0 or ev[at + 5:brace].strip():
+        return ev
+    after = brace + 1
+    while after < len(ev) and ev[after] in b" \t\r\n":
+        after += 1
+    sep = b"" if ev[after:after + 1] == b"}" else b","
+    return ev[:brace + 1] + fields + sep + ev[brace + 1:]
+
+
 class Grammar:
     """The generic grammar; subclasses know one API. ``scan`` returns CONTENT | END | ERROR flags
-    and keeps the usage it read in ``prompt_tokens`` / ``completion_tokens``."""
+    and keeps the usage it read in ``prompt_tokens`` / ``completion_tokens``. A grammar may also
+    complete an event that lacks a field its API defines (AMENDED: the event to relay instead is
+    ``amended``); an event that has them all is never touched."""
 
     ends_at_close = True  # no end marker to miss: a clean close is a complete stream
 
     def __init__(self) -> None:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
+        self.amended = b""
 
     def scan(self, ev: bytes) -> int:
         if ev.startswith(b":") or b"data:" not in ev:
@@ -123,18 +150,89 @@ class Grammar:
 
 
 class ResponsesGrammar(Grammar):
+    """Responses events. Each one the API numbers or places and the runtime did not (llama-server
+    sends ``item_id`` alone) gets its ``sequence_number`` (its place in the stream, from 0), its
+    ``output_index`` (its item's place in the output, in the order items were added), its
+    ``item_id`` and ``content_index`` (the item's latest content part), which the openai SDKs'
+    stream helpers index with. Only the rare item and part events are searched for ids; a delta
+    is checked for the fields with substring tests and, when one lacks, one regex and one splice."""
+
     ends_at_close = False
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._seq = 0  # data events so far
+        self._outputs: dict[bytes, int] = {}  # item id -> output_index
+        self._parts: dict[int, int] = {}  # output_index -> content parts added
+        self._n_outputs = 0
+        self._item = b""  # the last item added, and its output_index
+        self._out = 0
+
     def scan(self, ev: bytes) -> int:
+        if ev.startswith(b":") or b"data:" not in ev:
+            return 0
+        seq = self._seq
+        self._seq = seq + 1
         if RESPONSES.search(ev):
-            return CONTENT
+            if b'"sequence_number"' in ev and b'"output_index"' in ev and b'"item_id"' in ev:
+                if b'"content_index"' in ev:
+                    return CONTENT  # complete: the runtime's bytes as they are
+                t = event_type(ev)
+                return CONTENT | (self._complete(ev, t, seq) if _PART.match(t) else 0)
+            return CONTENT | self._complete(ev, event_type(ev), seq)
         t = event_type(ev)
+        flags = 0
         if t in (b"response.completed", b"response.incomplete", b"response.failed"):
             self._take_usage(data_json(ev))
-            return END | (ERROR if t == b"response.failed" else 0)
-        if t == b"error" or (not t.startswith(b"response.") and _DATA_ERROR.search(ev)):
+            flags = END | (ERROR if t == b"response.failed" else 0)
+        elif t == b"error" or (not t.startswith(b"response.") and _DATA_ERROR.search(ev)):
             return END | ERROR
-        return 0
+        if not t.startswith(b"response."):
+            return flags
+        return flags | self._complete(ev, t, seq)
+
+    def _complete(self, ev: bytes, t: bytes, seq: int) -> int:
+        """Supply what ``ev`` (of type ``t``, ``seq``-th in the stream) lacks: AMENDED, or 0."""
+        add = b"" if b'"sequence_number"' in ev else b'"sequence_number":%d' % seq
+        if t in _WHOLE:
+            pass
+        elif t == b"response.output_item.added" or t == b"response.output_item.done":
+            m = _FIRST_ID.search(ev)  # the item's id: the event's own fields have none
+            item = m.group(1) if m is not None else b""
+            m = _OUTPUT_INDEX.search(ev)
+            if m is not None:
+                out = int(m.group(1))
+            else:
+                out = self._outputs.get(item, -1) if t == b"response.output_item.done" else -1
+                if out < 0:
+                    out = self._n_outputs
+                add += b',"output_index":%d' % out
+            if t == b"response.output_item.added" or out >= self._n_outputs:
+                self._n_outputs = max(self._n_outputs, out + 1)
+                if item:
+                    self._outputs[item] = out
+                self._item, self._out = item, out
+        else:  # about one item (and one of its content parts)
+            m = _ITEM_ID.search(ev)
+            item = m.group(1) if m is not None else self._item
+            out = self._outputs.get(item, self._out)
+            if m is None and item:
+                add += b',"item_id":"' + item + b'"'
+            if b'"output_index"' not in ev:
+                add += b',"output_index":%d' % out
+            if _PART.match(t):
+                if t == b"response.content_part.added":
+                    m = _CONTENT_INDEX.search(ev)
+                    part = int(m.group(1)) if m is not None else self._parts.get(out, 0)
+                    self._parts[out] = max(self._parts.get(out, 0), part + 1)
+                else:
+                    part = max(self._parts.get(out, 1) - 1, 0)
+                if b'"content_index"' not in ev:
+                    add += b',"content_index":%d' % part
+        if not add:
+            return 0
+        self.amended = with_fields(ev, add.lstrip(b","))
+        return AMENDED
 
     def error_event(self, err: GatewayError) -> bytes:
         # Responses' `error` event (type, code, message, param); the `error` object is there too
@@ -145,12 +243,38 @@ class ResponsesGrammar(Grammar):
 
 
 class MessagesGrammar(Grammar):
+    """Messages events. A content block event without its ``index`` (the Anthropic SDKs' stream
+    helpers index the message's content with it) gets its block's: a start, the number of blocks
+    started before it; a delta or a stop, that of the last block started."""
+
     ends_at_close = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._blocks = 0  # content blocks started
+        self._block = 0  # the index of the last one
 
     def scan(self, ev: bytes) -> int:
         t = event_type(ev)
         if t == b"content_block_delta":
-            return CONTENT if MESSAGES.search(ev) else 0
+            flags = CONTENT if MESSAGES.search(ev) else 0
+            if b'"index"' in ev:
+                return flags
+            self.amended = with_fields(ev, b'"index":%d' % self._block)
+            return flags | AMENDED
+        if t == b"content_block_start":
+            m = _INDEX.search(ev)
+            self._block = int(m.group(1)) if m is not None else self._blocks
+            self._blocks = max(self._blocks, self._block + 1)
+            if m is not None:
+                return 0
+            self.amended = with_fields(ev, b'"index":%d' % self._block)
+            return AMENDED
+        if t == b"content_block_stop":
+            if b'"index"' in ev:
+                return 0
+            self.amended = with_fields(ev, b'"index":%d' % self._block)
+            return AMENDED
         if t == b"message_start":
             # its output_tokens is a start (0 or 1), not a count: a stream cut before message_delta
             # is counted by its content events

@@ -40,7 +40,7 @@ from passerelle.config import TimeoutConfig
 from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, UpstreamTimeout, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
-from passerelle.proxy.grammars import CONTENT, END, ERROR, Grammar
+from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar
 from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -197,6 +197,8 @@ class StreamRelay:
         assert g is not None
         for i, ev in enumerate(events):
             flags = g.scan(ev)
+            if flags & AMENDED:  # (a field its API defines, which the runtime left out: supplied)
+                events[i] = g.amended
             if flags & CONTENT:
                 if rec.content_chunks == 0:
                     rec.t_first = now
