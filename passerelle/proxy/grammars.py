@@ -4,7 +4,10 @@ stream, which reports an error, and the error event the gateway sends in that AP
 The relay (relay.py) scans OpenAI chat/completions chunks itself; every other stream is read
 through one of these grammars, one instance per stream (Anthropic's usage comes in two events).
 Nothing is buffered and only usage-carrying events are decoded as JSON. Which event is content is
-defined once for the gateway and the benchmark (passerelle/chunks.py):
+defined once for the gateway and the benchmark (passerelle/chunks.py). Where a runtime leaves out
+a field the API defines and the official SDKs' stream helpers index with (llama-server's Responses
+events have no ``sequence_number``, ``output_index`` nor ``content_index``), the grammar supplies it,
+spliced first into the event's data object (AMENDED); an event that has its fields passes as it came.
 
 * Responses (``/v1/responses``): every ``response.*.delta`` is content (output text, reasoning
   text and summaries, refusals, function-call arguments); ``response.completed`` /
@@ -12,7 +15,8 @@ defined once for the gateway and the benchmark (passerelle/chunks.py):
   errors.
 * Anthropic Messages (``/v1/messages``): ``content_block_delta`` with ``text_delta``,
   ``thinking_delta`` or ``input_json_delta`` is content; usage comes from ``message_start``
-  (input) and ``message_delta`` (output); ``message_stop`` ends it; ``event: error`` is an error.
+  (input) and ``message_delta`` (output: ``message_start``'s is a start, not a count);
+  ``message_stop`` ends it; ``event: error`` is an error.
 * llama-server's native chunks (``/infill``): a non-empty ``content`` is content; the chunk with
   ``"stop": true`` carries ``tokens_evaluated`` / ``tokens_predicted`` and ends the stream.
 * Transcriptions: ``transcript.text.delta`` is content, ``transcript.text.done`` carries usage.
@@ -46,8 +50,8 @@ _TYPE = re.compile(rb'"type"\s*:\s*"([^"]*)"')
 _DATA_ERROR = re.compile(rb'^data:\s*\{\s*"error"', re.M)
 _DONE = re.compile(rb"^data:\s*\[DONE\]\s*$", re.M)
 _LLAMA_STOP = re.compile(rb'"stop"\s*:\s*true')
-_ITEM_ID = re.compile(rb'"item_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_FIRST_ID = re.compile(rb'"id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_STRING = re.compile(rb'\s*:\s*"((?:[^"\\]|\\.)*)"')  # after a key: its string value, still escaped
+_NUMBERED = re.compile(rb'"(?:sequence_number|output_index|content_index)"')
 _OUTPUT_INDEX = re.compile(rb'"output_index"\s*:\s*(\d+)')
 _CONTENT_INDEX = re.compile(rb'"content_index"\s*:\s*(\d+)')
 _INDEX = re.compile(rb'"index"\s*:\s*(\d+)')
@@ -105,14 +109,33 @@ def with_fields(ev: bytes, fields: bytes) -> bytes:
     """``ev`` with ``fields`` (``"name":value`` pairs, comma-separated) first in its data object;
     ``ev`` itself when its data is not an object. The rest of its bytes are kept as they are."""
     at = ev.find(b"data:")
-    brace = ev.find(b"{", at + 5) if at >= 0 else -1
-    if brace < 0 or ev[at + 5:brace].strip():
+    if at < 0:
         return ev
+    brace = at + 6 if ev[at + 5:at + 7] == b" {" else at + 5 if ev[at + 5:at + 6] == b"{" else -1
+    if brace < 0:  # (not the usual `data: {`: spaces or tabs before it, or no object at all)
+        brace = ev.find(b"{", at + 5)
+        if brace < 0 or ev[at + 5:brace].strip():
+            return ev
     after = brace + 1
     while after < len(ev) and ev[after] in b" \t\r\n":
         after += 1
     sep = b"" if ev[after:after + 1] == b"}" else b","
     return ev[:brace + 1] + fields + sep + ev[brace + 1:]
+
+
+def _string_at(ev: bytes, key: bytes) -> bytes | None:
+    """The raw (still escaped) JSON string value of the first ``key`` (``b'"name"'``) in ``ev``;
+    None when there is none."""
+    i = ev.find(key)
+    if i < 0:
+        return None
+    i += len(key)
+    if ev[i:i + 2] == b':"':  # (the usual compact form: no regex)
+        j = ev.find(b'"', i + 2)
+        if j >= 0 and ev[j - 1:j] != b"\\":
+            return ev[i + 2:j]
+    m = _STRING.match(ev, i)
+    return m.group(1) if m is not None else None
 
 
 class Grammar:
@@ -167,19 +190,20 @@ class ResponsesGrammar(Grammar):
         self._n_outputs = 0
         self._item = b""  # the last item added, and its output_index
         self._out = 0
+        # The runtime's deltas have every field: it sends them all so, and the rest are relayed
+        # unchecked (a delta is the hot path; the rare other events are still checked).
+        self._whole = False
+        self._kind, self._kind_part = b"", False  # the last delta's type, and whether it has a content_index
 
     def scan(self, ev: bytes) -> int:
-        if ev.startswith(b":") or b"data:" not in ev:
-            return 0
         seq = self._seq
         self._seq = seq + 1
-        if RESPONSES.search(ev):
-            if b'"sequence_number"' in ev and b'"output_index"' in ev and b'"item_id"' in ev:
-                if b'"content_index"' in ev:
-                    return CONTENT  # complete: the runtime's bytes as they are
-                t = event_type(ev)
-                return CONTENT | (self._complete(ev, t, seq) if _PART.match(t) else 0)
-            return CONTENT | self._complete(ev, event_type(ev), seq)
+        m = RESPONSES.search(ev)
+        if m is not None:
+            return CONTENT if self._whole else CONTENT | self._delta(ev, m.group(), seq)
+        if ev.startswith(b":"):
+            self._seq = seq  # a comment is no event
+            return 0
         t = event_type(ev)
         flags = 0
         if t in (b"response.completed", b"response.incomplete", b"response.failed"):
@@ -191,14 +215,48 @@ class ResponsesGrammar(Grammar):
             return flags
         return flags | self._complete(ev, t, seq)
 
+    def _delta(self, ev: bytes, kind: bytes, seq: int) -> int:
+        """A delta (the hot path: one per token); ``kind`` is the text its type matched in."""
+        if kind == self._kind:
+            part = self._kind_part
+        else:  # (a stream's deltas are of one kind or two: decided once per run of one kind)
+            part = self._kind_part = b"output_text" in kind or b"reasoning_text" in kind or b"refusal" in kind
+            self._kind = kind
+        item = _string_at(ev, b'"item_id"')
+        if part and item is not None and _NUMBERED.search(ev) is None:  # (llama-server's: one search)
+            out = self._outputs.get(item, self._out)
+            self.amended = with_fields(ev, b'"sequence_number":%d,"output_index":%d,"content_index":%d' % (
+                seq, out, max(self._parts.get(out, 1) - 1, 0)))
+            return AMENDED
+        has_seq = b'"sequence_number"' in ev
+        has_out = b'"output_index"' in ev
+        has_part = not part or b'"content_index"' in ev
+        if has_seq and has_out and item is not None and has_part:
+            self._whole = part  # a runtime that sends its deltas whole sends them all so: see __init__
+            return 0
+        add = b"" if has_seq else b',"sequence_number":%d' % seq
+        if item is None:
+            item = self._item
+            if item:
+                add += b',"item_id":"' + item + b'"'
+        out = self._outputs.get(item, self._out)
+        if not has_out:
+            add += b',"output_index":%d' % out
+        if not has_part:
+            add += b',"content_index":%d' % max(self._parts.get(out, 1) - 1, 0)
+        if not add:
+            return 0
+        self.amended = with_fields(ev, add[1:])
+        return AMENDED
+
     def _complete(self, ev: bytes, t: bytes, seq: int) -> int:
-        """Supply what ``ev`` (of type ``t``, ``seq``-th in the stream) lacks: AMENDED, or 0."""
-        add = b"" if b'"sequence_number"' in ev else b'"sequence_number":%d' % seq
+        """Supply what ``ev`` (of type ``t``, ``seq``-th in the stream, not a delta) lacks:
+        AMENDED, or 0."""
+        add = b"" if b'"sequence_number"' in ev else b',"sequence_number":%d' % seq
         if t in _WHOLE:
             pass
         elif t == b"response.output_item.added" or t == b"response.output_item.done":
-            m = _FIRST_ID.search(ev)  # the item's id: the event's own fields have none
-            item = m.group(1) if m is not None else b""
+            item = _string_at(ev, b'"id"') or b""  # the item's id: the event's own fields have none
             m = _OUTPUT_INDEX.search(ev)
             if m is not None:
                 out = int(m.group(1))
@@ -213,10 +271,10 @@ class ResponsesGrammar(Grammar):
                     self._outputs[item] = out
                 self._item, self._out = item, out
         else:  # about one item (and one of its content parts)
-            m = _ITEM_ID.search(ev)
-            item = m.group(1) if m is not None else self._item
+            found = _string_at(ev, b'"item_id"')
+            item = self._item if found is None else found
             out = self._outputs.get(item, self._out)
-            if m is None and item:
+            if found is None and item:
                 add += b',"item_id":"' + item + b'"'
             if b'"output_index"' not in ev:
                 add += b',"output_index":%d' % out
@@ -231,7 +289,7 @@ class ResponsesGrammar(Grammar):
                     add += b',"content_index":%d' % part
         if not add:
             return 0
-        self.amended = with_fields(ev, add.lstrip(b","))
+        self.amended = with_fields(ev, add[1:])
         return AMENDED
 
     def error_event(self, err: GatewayError) -> bytes:
@@ -253,12 +311,16 @@ class MessagesGrammar(Grammar):
         super().__init__()
         self._blocks = 0  # content blocks started
         self._block = 0  # the index of the last one
+        self._whole = False  # the runtime's deltas have their index
 
     def scan(self, ev: bytes) -> int:
         t = event_type(ev)
         if t == b"content_block_delta":
             flags = CONTENT if MESSAGES.search(ev) else 0
+            if self._whole:
+                return flags
             if b'"index"' in ev:
+                self._whole = True  # (as in Responses: a runtime that sends a delta whole sends all so)
                 return flags
             self.amended = with_fields(ev, b'"index":%d' % self._block)
             return flags | AMENDED

@@ -15,7 +15,8 @@ Caps and time: an event is at most ``[limits] max_event_bytes``; the scan is lin
 received however they are cut; every wait is bounded by the request's :class:`Deadline`.
 
 Other APIs' streams (Responses, Anthropic Messages, llama-server's native chunks) are read through
-their grammar (grammars.py), which says the same things in their words.
+their grammar (grammars.py), which says the same things in their words, and supplies the fields of
+that API a runtime left out of an event (the event is then relayed with them).
 
 Example::
 

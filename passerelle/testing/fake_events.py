@@ -15,8 +15,8 @@ out Messages' ``index`` as well: a runtime whose events the gateway must complet
 
 Example::
 
-    >>> Events((" a", " b")).token("messages", 1)[:40]
-    b'event: content_block_delta\\ndata: {"type'
+    >>> Events((" a", " b")).token("messages", 1)[:49]
+    b'event: content_block_delta\\ndata: {"type":"content_block_delta"'
 """
 
 from __future__ import annotations
@@ -64,13 +64,14 @@ class Events:
         if api == "responses":
             started = self._response(rid, model, "in_progress")
             item = {"id": _ITEM, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
-            return b"".join(self._responses_event(name, seq, fields) for seq, (name, fields) in enumerate([
+            head: list[tuple[str, dict[str, Any]]] = [
                 ("response.created", {"response": started}),
                 ("response.in_progress", {"response": started}),
                 ("response.output_item.added", {"output_index": 0, "item": item}),
                 ("response.content_part.added", {"item_id": _ITEM, "output_index": 0, "content_index": 0,
                                                  "part": {"type": "output_text", "text": "", "annotations": []}}),
-            ]))
+            ]
+            return b"".join(self._responses_event(name, seq, fields) for seq, (name, fields) in enumerate(head))
         return (_event("message_start", {"message": self._message(rid, model, 0, prompt_tokens, False)})
                 + self._block_event("content_block_start", {"content_block": {"type": "text", "text": ""}}))
 
@@ -79,14 +80,14 @@ class Events:
             text = self.text(n)
             part = {"type": "output_text", "text": text, "annotations": []}
             at = {"item_id": _ITEM, "output_index": 0, "content_index": 0}
-            return b"".join(self._responses_event(name, _RESPONSES_HEAD + n + k, fields) for k, (name, fields)
-                            in enumerate([
-                                ("response.output_text.done", {**at, "text": text, "logprobs": []}),
-                                ("response.content_part.done", {**at, "part": part}),
-                                ("response.output_item.done", {"output_index": 0, "item": self._item(text)}),
-                                ("response.completed",
-                                 {"response": self._response(rid, model, "completed", n, prompt_tokens)}),
-                            ]))
+            tail: list[tuple[str, dict[str, Any]]] = [
+                ("response.output_text.done", {**at, "text": text, "logprobs": []}),
+                ("response.content_part.done", {**at, "part": part}),
+                ("response.output_item.done", {"output_index": 0, "item": self._item(text)}),
+                ("response.completed", {"response": self._response(rid, model, "completed", n, prompt_tokens)}),
+            ]
+            return b"".join(self._responses_event(name, _RESPONSES_HEAD + n + k, fields)
+                            for k, (name, fields) in enumerate(tail))
         return (self._block_event("content_block_stop", {})
                 + _event("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
                                            "usage": {"output_tokens": n}})

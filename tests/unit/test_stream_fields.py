@@ -169,11 +169,17 @@ def test_fields_go_first_in_the_data_object_whatever_its_shape():
         assert with_fields(odd, b'"a":1') == odd
 
 
-def test_a_grammar_completes_only_what_lacks():
-    g = make("messages")
+def test_a_grammar_completes_only_what_lacks_and_checks_deltas_until_one_is_whole():
     whole = sse("content_block_delta", {"index": 4, "delta": {"type": "text_delta", "text": "x"}})
-    assert g.scan(whole) == CONTENT
-    assert g.scan(sse("content_block_delta", {"delta": {"type": "text_delta", "text": "x"}})) == CONTENT | AMENDED
+    bare = sse("content_block_delta", {"delta": {"type": "text_delta", "text": "x"}})
+    g = make("messages")
+    assert [g.scan(bare), g.scan(bare), g.scan(whole)] == [CONTENT | AMENDED, CONTENT | AMENDED, CONTENT]
+    assert g.scan(bare) == CONTENT  # a runtime that sends a delta whole is taken to send all so (the hot path)
+    r = make("responses")
+    delta = sse("response.output_text.delta", {"delta": "x", "item_id": "m", "output_index": 0, "content_index": 0})
+    assert r.scan(delta) == CONTENT | AMENDED  # (its sequence number)
+    assert r.scan(b'data: {"sequence_number":1,' + delta.split(b"data: {")[1]) == CONTENT
+    assert r.scan(delta) == CONTENT
 
 
 # -- the SDKs' helpers through the gateway (in-process) ----------------------------------------
