@@ -15,7 +15,7 @@ out Messages' ``index`` as well: a runtime whose events the gateway must complet
 
 Example::
 
-    >>> Events((" a", " b")).token("messages", 1)[:49]
+    >>> Events((" a", " b")).token("messages", 1)[:62]
     b'event: content_block_delta\\ndata: {"type":"content_block_delta"'
 """
 
