@@ -104,7 +104,7 @@ async def test_a_client_gone_before_its_stream_began_is_charged_nothing_it_was_n
         assert rec.cause is Cause.CLIENT_DISCONNECT and rec.completion_tokens == 0
 
 
-def test_the_record_fields_of_a_cut_stream_are_the_same_object_as_the_usage_row():
+def test_the_access_log_and_the_usage_row_read_one_figure():
     # (record_fields reads completion_tokens the way billed_tokens does: one figure everywhere)
     from passerelle.observe.record import RequestRecord
     from passerelle.tenants.usage import billed_tokens
