@@ -81,6 +81,22 @@ log = logging.getLogger("passerelle.proxy.gateway")
 INTERNAL_KEY = "passerelle.key_id"
 
 
+_CUT_BY_CLIENT = (Cause.CLIENT_DISCONNECT, Cause.CLIENT_TIMEOUT)
+
+
+def charge_as_sent(rec: RequestRecord, est_prompt: int) -> None:
+    """A stream its client cut (left, or stopped reading) is charged what it was sent, before the
+    scheduler, the key's limits, the usage store, the metrics and the access log read its counts:
+    the content events relayed (the runtime stops generating when its connection drops), unless
+    the runtime's own count came; the prompt, unless the runtime counted it, at the gateway's
+    estimate (it was sent to the runtime). Otherwise a client could make any answer cheaper than
+    reading it by hanging up before its last event, which carries the runtime's usage."""
+    if rec.completion_tokens is None:
+        rec.completion_tokens = rec.content_chunks
+    if rec.prompt_tokens is None:
+        rec.prompt_tokens = est_prompt
+
+
 class Gateway:
     def __init__(self, cfg: Config, registry: Registry, metrics: Metrics, access_log: AccessLog,
                  scheduler: Scheduler, keyring: KeyRing | None = None) -> None:
@@ -229,6 +245,8 @@ class Gateway:
                 self.account(rec)  # one line, one cause, one usage row: whatever happened above
 
     def _release(self, rec: RequestRecord, job: Job | None, grant: Ticket | None) -> None:
+        if rec.stream and rec.t_dispatch and rec.cause in _CUT_BY_CLIENT and job is not None:
+            charge_as_sent(rec, job.est_prompt_tokens)
         if job is not None:
             self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
         if grant is not None:

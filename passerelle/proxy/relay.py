@@ -15,7 +15,8 @@ Caps and time: an event is at most ``[limits] max_event_bytes``; the scan is lin
 received however they are cut; every wait is bounded by the request's :class:`Deadline`.
 
 Other APIs' streams (Responses, Anthropic Messages, llama-server's native chunks) are read through
-their grammar (grammars.py), which says the same things in their words.
+their grammar (grammars.py), which says the same things in their words, and supplies the fields of
+that API a runtime left out of an event (the event is then relayed with them).
 
 Example::
 
@@ -40,7 +41,7 @@ from passerelle.config import TimeoutConfig
 from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, UpstreamTimeout, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
-from passerelle.proxy.grammars import CONTENT, END, ERROR, Grammar
+from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar
 from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -197,6 +198,8 @@ class StreamRelay:
         assert g is not None
         for i, ev in enumerate(events):
             flags = g.scan(ev)
+            if flags & AMENDED:  # (a field its API defines, which the runtime left out: supplied)
+                events[i] = g.amended
             if flags & CONTENT:
                 if rec.content_chunks == 0:
                     rec.t_first = now
@@ -216,6 +219,8 @@ class StreamRelay:
         if g.completion_tokens is not None:
             rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = \
                 g.prompt_tokens, g.completion_tokens, True
+        elif g.prompt_tokens is not None:  # (Messages: the prompt's count comes first, in message_start)
+            rec.prompt_tokens = g.prompt_tokens
         return b"".join(events) if len(events) > 1 else events[0]
 
     async def run(self, resp: Response, deadline: Deadline, budget: asyncio.Timeout | None = None) -> None:

@@ -79,7 +79,6 @@ _CHAT_MID = tuple(b'"content":' + w + b'},"logprobs":null,"finish_reason":null}]
 _COMPL_MID = tuple(b'"text":' + w + b',"logprobs":null,"finish_reason":null}]}\n\n' for w in _WORDS_JSON)
 _ROLE_MID = b'"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
 _DONE = b"data: [DONE]\n\n"
-_EVENTS = Events(VOCAB)
 
 
 @dataclass(frozen=True)
@@ -109,6 +108,9 @@ class FakeConfig:
     # only the OpenAI routes: no /props, /slots or /metrics, like a runtime that says nothing
     # about how many requests it runs at once (its capacity must be learned)
     openai_only: bool = False
+    # Responses and Messages events without the fields a runtime may leave out (sequence numbers,
+    # output and content indexes; Messages' index), as llama-server's /v1/responses stream has them
+    bare_events: bool = False
 
 
 class Slots:
@@ -409,6 +411,7 @@ class FakeBackend:
         self.rng = random.Random(self.config.seed)
         self.prompts_seen: set[int] = set()  # hashes, for tests: does a client ever repeat a prompt?
         self.cache = PromptCache(self.config.prefix_cache) if self.config.prefix_cache else None
+        self.events = Events(VOCAB, bare=self.config.bare_events)
         self.routes = {
             (b"POST", b"/v1/chat/completions"): self.chat,
             (b"POST", b"/v1/completions"): self.completions,
@@ -587,7 +590,7 @@ class FakeBackend:
                 await _sleep_until(start + (cfg.ttft_ms + max(n_tokens - 1, 0) * cfg.itl_ms) / 1000)
                 self.counters.completed += 1
                 self.counters.completion_tokens += n_tokens
-                full = (_EVENTS.full_body(api, rid, model, n_tokens, prompt_tokens) if api
+                full = (self.events.full_body(api, rid, model, n_tokens, prompt_tokens) if api
                         else self._full_body(chat, rid, model, n_tokens, prompt_tokens, finish, cached))
                 conn.respond(200, full, keep_alive)
                 return
@@ -657,7 +660,7 @@ class FakeBackend:
         """A Responses or Messages stream on the chat stream's schedule (no injected cuts)."""
         cfg = self.config
         conn.start_stream()
-        await conn.write_chunk(_EVENTS.head(api, rid, model, prompt_tokens))
+        await conn.write_chunk(self.events.head(api, rid, model, prompt_tokens))
         ttft, itl = cfg.ttft_ms / 1000, cfg.itl_ms / 1000
         sent = 0
         while sent < n_tokens:
@@ -665,13 +668,13 @@ class FakeBackend:
             if due > time.perf_counter():
                 await _sleep_until(due)
             upto = n_tokens if itl <= 0 else min(n_tokens, int((time.perf_counter() - start - ttft) / itl) + 1)
-            out = b"".join([_EVENTS.token(api, i) for i in range(sent, upto)])
+            out = b"".join([self.events.token(api, i) for i in range(sent, upto)])
             sent = upto
             if sent == n_tokens:
-                out += _EVENTS.tail(api, rid, model, n_tokens, prompt_tokens)
+                out += self.events.tail(api, rid, model, n_tokens, prompt_tokens)
             await conn.write_chunk(out)
         if n_tokens == 0:
-            await conn.write_chunk(_EVENTS.tail(api, rid, model, 0, prompt_tokens))
+            await conn.write_chunk(self.events.tail(api, rid, model, 0, prompt_tokens))
         self.counters.completed += 1
         self.counters.completion_tokens += n_tokens
         conn.end_stream(keep_alive)
@@ -801,6 +804,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
                         help="size of huge-event, huge-body and huge-error (default 200 MiB)")
     parser.add_argument("--drip-ms", type=_non_negative, default=100.0,
                         help="pace of drip and continue-forever (default 100)")
+    parser.add_argument("--bare-events", action="store_true",
+                        help="Responses and Messages events without sequence numbers and indexes, as "
+                             "llama-server's /v1/responses stream sends them")
 
 
 def config_from_args(args: argparse.Namespace) -> FakeConfig:
@@ -811,7 +817,7 @@ def config_from_args(args: argparse.Namespace) -> FakeConfig:
                       close_after_stream_ms=args.close_after_stream_ms, prefix_cache=max(args.prefix_cache, 0),
                       openai_only=args.openai_only,
                       fault=args.fault, fault_rate=args.fault_rate, fault_bytes=args.fault_bytes,
-                      drip_ms=args.drip_ms)
+                      drip_ms=args.drip_ms, bare_events=args.bare_events)
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -271,3 +271,16 @@ def test_openai_only_hides_the_side_api_a_gateway_reads_capacity_from():
             assert httpx.get(fake.url + path).status_code == 404, path
         r = httpx.post(fake.url + "/v1/chat/completions", json=chat(stream=False))
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+def test_bare_events_leave_out_what_llama_server_leaves_out():
+    body = {"model": "fake-model", "input": "hi", "max_output_tokens": 2, "stream": True}
+    with start_fake_backend(ttft_ms=0, itl_ms=0, bare_events=True) as fake:
+        bare = httpx.post(fake.url + "/v1/responses", json=body).text
+    with start_fake_backend(ttft_ms=0, itl_ms=0) as fake:
+        whole = httpx.post(fake.url + "/v1/responses", json=body).text
+    events = [json.loads(line[5:]) for line in bare.splitlines() if line.startswith("data:")]
+    assert events and not any(k in e for e in events for k in ("sequence_number", "output_index", "content_index"))
+    assert [e.get("item_id") for e in events if e["type"] == "response.output_text.delta"] == ["msg_fake"] * 2
+    numbered = [json.loads(line[5:]) for line in whole.splitlines() if line.startswith("data:")]
+    assert [e["sequence_number"] for e in numbered] == list(range(len(numbered))) == list(range(len(events)))
