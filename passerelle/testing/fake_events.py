@@ -9,7 +9,7 @@ schedule as its chat completions, in those APIs' events (pre-encoded, as the cha
 Example::
 
     >>> Events((" a", " b")).token("messages", 1)[:40]
-    b'event: content_block_delta\\ndata: {"type"'
+    b'event: content_block_delta\\ndata: {"type'
 """
 
 from __future__ import annotations
