@@ -31,7 +31,7 @@ test: setup
 test-quick: $(STAMP)
 	$(BIN)/pytest -q -m "not llama and not vllm" $(PYTEST_ARGS)
 
-# ruff, and mypy over the package (configured in pyproject.toml: strict on the hot path)
+# ruff, and mypy over the package (configured in pyproject.toml: strict on all of it)
 lint: $(STAMP)
 	$(BIN)/ruff check passerelle tests bench
 	$(BIN)/mypy

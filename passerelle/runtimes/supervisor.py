@@ -70,7 +70,8 @@ class RuntimeFailed(PasserelleError):
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) for AF_INET
+        return port
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec

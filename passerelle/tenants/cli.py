@@ -19,9 +19,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from passerelle.errors import ConfigError, InvalidRequest
+
+if TYPE_CHECKING:
+    from passerelle.config import Config
+    from passerelle.tenants.keys import KeyStore
 
 
 def _actor() -> str:
@@ -31,7 +35,7 @@ def _actor() -> str:
         return f"cli:uid {os.getuid()}"
 
 
-def _open(args: argparse.Namespace):  # -> (Config, KeyStore)
+def _open(args: argparse.Namespace) -> tuple[Config, KeyStore]:
     from passerelle.config import load_config
     from passerelle.tenants.keys import KeyStore
 

@@ -223,7 +223,7 @@ class KeyStore:
     def version(self) -> int:
         """Changes whenever anyone (this process or ``passerelle keys``) changes a key."""
         with self._lock:
-            return self.conn.execute("SELECT value FROM meta WHERE name = 'keys_version'").fetchone()[0]
+            return int(self.conn.execute("SELECT value FROM meta WHERE name = 'keys_version'").fetchone()[0])
 
 
 def _shown(key: ApiKey, names: Any) -> dict[str, Any]:

@@ -41,6 +41,9 @@ log = logging.getLogger("passerelle.tenants.usage")
 # --by dimensions and the columns they group on
 DIMENSIONS = {"key": "key_id", "tenant": "tenant", "model": "model", "class": "class"}
 
+# A buffered row: (ts, tenant, key_id, class, model, cause, prompt_tokens, completion_tokens)
+_Row = tuple[float, str, str, str, str, str, int, int]
+
 
 def billed_tokens(rec: RequestRecord) -> tuple[int, int]:
     """(prompt, completion) tokens a finished request is charged."""
@@ -62,7 +65,7 @@ class UsageRecorder:
         self.refused_retention_s = refused_retention_s  # 0: kept
         self.max_rows = max_rows  # 0: no cap
         self.prune_every_s = prune_every_s
-        self._rows: list[tuple] = []
+        self._rows: list[_Row] = []
         self._write_lock = threading.Lock()  # flushes may overlap (the timer, a report asking for one)
         self._task: asyncio.Task[None] | None = None
 
@@ -73,7 +76,7 @@ class UsageRecorder:
         self._rows.append((self.clock(), rec.tenant, rec.key_id, rec.priority, clip(rec.model), rec.cause.value,
                            prompt, completion))
 
-    def _write(self, rows: list[tuple]) -> None:
+    def _write(self, rows: list[_Row]) -> None:
         with self._write_lock:
             self.conn.execute("BEGIN")
             try:
@@ -187,7 +190,7 @@ def tokens_since(conn: sqlite3.Connection, key_id: str, starts: Sequence[float])
     return [int(v) for v in row]
 
 
-def summarize(conn: sqlite3.Connection, since: float = 0.0) -> list[tuple]:
+def summarize(conn: sqlite3.Connection, since: float = 0.0) -> list[tuple[str, str, int, int, int, int]]:
     """(tenant, class, requests, prompt tokens, completion tokens, requests not ok) since ``since``."""
     return [(r["tenant"], r["class"], r["requests"], r["prompt_tokens"], r["completion_tokens"], r["not_ok"])
             for r in sorted(report(conn, since=since, by=("tenant", "class")),

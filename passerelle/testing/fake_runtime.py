@@ -59,7 +59,8 @@ except ImportError:  # pragma: no cover - orjson is a dependency
 
 def _dumps(obj: Any) -> bytes:
     if _ORJSON is not None:
-        return _ORJSON.dumps(obj)
+        data: bytes = _ORJSON.dumps(obj)  # _ORJSON is Any: it may be None
+        return data
     import json
 
     return json.dumps(obj, separators=(",", ":")).encode()
@@ -824,7 +825,7 @@ def _main(args: argparse.Namespace) -> int:
     return run(config_from_args(args))
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Register ``fake-backend`` on the ``passerelle`` command line."""
     parser = subparsers.add_parser(
         "fake-backend", help="run a deterministic OpenAI-compatible runtime (tests, benchmarks)",
@@ -845,7 +846,8 @@ class FakeProcess:
         import urllib.request
 
         with urllib.request.urlopen(self.url + "/fake/stats", timeout=10) as resp:
-            return _loads(resp.read())
+            stats: dict[str, int] = _loads(resp.read())
+            return stats
 
     def stop(self) -> None:
         if self.process.poll() is None:

