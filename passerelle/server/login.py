@@ -16,8 +16,9 @@ import html
 from importlib import resources
 from urllib.parse import parse_qs
 
-from passerelle.errors import InvalidRequest
+from passerelle.errors import ClientDisconnect, InvalidRequest
 from passerelle.proxy.exchange import Receive, Scope, Send
+from passerelle.proxy.intake import read_request_body
 from passerelle.server.admin import COOKIE, AdminGuard
 from passerelle.server.connections import RequestTimeout
 from passerelle.server.responses import raw_response
@@ -29,25 +30,16 @@ _CSP = (b"default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; bas
         b"frame-ancestors 'none'")
 
 
-async def read_form(receive: Receive, timeout_s: float) -> dict[str, str]:
+async def read_form(scope: Scope, receive: Receive, timeout_s: float) -> dict[str, str]:
     """A small ``application/x-www-form-urlencoded`` body (at most 4 KiB, within ``timeout_s``)."""
-    chunks, size = [], 0
     try:
         async with asyncio.timeout(timeout_s):
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    raise InvalidRequest("The client left while sending the form.")
-                chunk = msg.get("body", b"")
-                size += len(chunk)
-                if size > MAX_FORM_BYTES:
-                    raise InvalidRequest(f"The form is larger than {MAX_FORM_BYTES} bytes.")
-                chunks.append(chunk)
-                if not msg.get("more_body"):
-                    break
+            body = await read_request_body(scope, receive, MAX_FORM_BYTES)
     except TimeoutError:
         raise RequestTimeout(timeout_s) from None
-    fields = parse_qs(b"".join(chunks).decode("utf-8", "replace"), max_num_fields=8)
+    except ClientDisconnect:
+        raise InvalidRequest("The client left while sending the form.") from None
+    fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
     return {k: v[-1] for k, v in fields.items()}
 
 
@@ -74,7 +66,7 @@ class AdminLogin:
         if scope["method"] != "POST":
             await self.page(send, 200)
             return
-        form = await read_form(receive, self.body_timeout_s)
+        form = await read_form(scope, receive, self.body_timeout_s)
         if not self.guard.matches_key(form.get("key", "")):
             client = client_address(scope)
             self.throttle.check(client, "admin")  # raises RateLimited (the right key always passes)
