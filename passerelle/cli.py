@@ -66,9 +66,12 @@ def build_app(cfg, loader=None):
 def cmd_serve(args: argparse.Namespace) -> int:
     from passerelle.config import load_config, with_server
     from passerelle.errors import ConfigError
+    from passerelle.server.sdnotify import Notifier
     from passerelle.server.serving import gateway_server
 
     _setup_logging()
+    # systemd's notify socket, taken out of the environment before a runtime is launched
+    notifier = Notifier.from_env()
     try:
         upstreams = tuple(_parse_upstream(u, i) for i, u in enumerate(args.upstream or [], 1))
         def loader():
@@ -88,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"passerelle: cannot listen on {cfg.server.host}:{cfg.server.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
+    app.notifier = notifier  # READY, watchdog, RELOADING, STOPPING (server/sdnotify.py)
     server = gateway_server(app, app.cfg)  # client limits, descriptor budget, clean shutdown: server/serving.py
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, through the handlers that were
     # in place before it started; no-op handlers make a graceful stop exit with status 0.
@@ -173,6 +177,31 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return _admin_result(status, body)
 
 
+def cmd_service(args: argparse.Namespace) -> int:
+    import shlex
+
+    from passerelle.server.unit import UnitOptions, render
+
+    config = str(Path(args.config).resolve()) if args.config else UnitOptions.config
+    program = f"{shlex.quote(sys.executable)} -m passerelle"  # this installation, virtualenv or not
+    text = render(UnitOptions(exec_start=program, config=config, user=args.user or ""))
+    if args.output == "-":
+        print(text, end="")
+        return 0
+    out = Path(args.output)
+    try:
+        out.write_text(text)
+        out.chmod(0o644)
+    except OSError as exc:
+        print(f"passerelle: cannot write {out}: {exc.strerror or exc} (run it as root, or --output - to print it)",
+              file=sys.stderr)
+        return 1
+    if not Path(config).exists():
+        print(f"note: {config} does not exist yet (copy passerelle.example.toml there)", file=sys.stderr)
+    print(f"wrote {out}\nnext: systemctl daemon-reload && systemctl enable --now {out.stem}")
+    return 0
+
+
 def _add_admin_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="the gateway (or its admin port); default $PASSERELLE_URL or http://127.0.0.1:8080")
     p.add_argument("--admin-key", help="[admin] key, when set (default $PASSERELLE_ADMIN_KEY)")
@@ -216,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
                               "(refused otherwise: it would drain them all for the embedded default)")
     _add_admin_client_flags(reload_)
     reload_.set_defaults(func=cmd_reload)
+
+    from passerelle.server.unit import DEFAULT_CONFIG, DEFAULT_PATH
+
+    service = sub.add_parser("service", help="install the systemd unit that runs this gateway as a service")
+    service.add_argument("action", choices=("install",))
+    service.add_argument("--config", help=f"the configuration file the service serves (default {DEFAULT_CONFIG})")
+    service.add_argument("--user", help="run as this user (default: a dynamic user systemd allocates)")
+    service.add_argument("--output", default=DEFAULT_PATH, help=f"where to write the unit (default {DEFAULT_PATH}; "
+                                                               "- prints it)")
+    service.set_defaults(func=cmd_service)
 
     setup = sub.add_parser("setup", help="build llama-server and assemble the default model (idempotent)")
     setup.set_defaults(func=cmd_setup)

@@ -47,6 +47,7 @@ from passerelle.server.keys_api import KeysApi
 from passerelle.server.login import AdminLogin
 from passerelle.server.responses import error_response, json_response, raw_response
 from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
+from passerelle.server.sdnotify import Notifier
 from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_requests
 from passerelle.tenants.db import connect
 from passerelle.tenants.keys import KeyRing, KeyStore
@@ -82,6 +83,7 @@ class App:
         # The configuration lists backends (not the embedded default): a reload to none is refused.
         self.backends_configured = bool(cfg.backends) if backends_configured is None else backends_configured
         self._ending: asyncio.Task[None] | None = None
+        self.notifier: Notifier | None = None  # systemd's notify socket (server/sdnotify.py), when set
         self.body_budget = BodyBudget(cfg.server.max_body_bytes_total)
         self._tasks: set[asyncio.Future[Any]] = set()
         self.metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
@@ -234,10 +236,26 @@ class App:
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         await json_response(send, 200, {"status": "ok"})
 
-    async def ready(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def readiness(self) -> tuple[list[str], list[str]]:
+        """The backends up, and the on-demand ones that start when asked: ready if either."""
         up = [b.name for b in self.registry.backends if b.stats.up]
-        # an on-demand runtime can serve too: it starts when asked
         on_demand = [b.name for b in self.registry.backends if b.cfg.on_demand and not b.stats.up and not b.draining]
+        return up, on_demand
+
+    def is_ready(self) -> bool:
+        return any(self.readiness())
+
+    def service_status(self) -> str:
+        """One line for systemd's STATUS= (``systemctl status``)."""
+        up, on_demand = self.readiness()
+        if not up and not on_demand:
+            return "waiting for a backend to come up"
+        s = self.cfg.server
+        more = f", {len(on_demand)} on demand" if on_demand else ""
+        return f"serving on {s.host}:{s.port}: {len(up)} backend(s) up{more}, {len(self.gateway.open)} request(s) open"
+
+    async def ready(self, scope: Scope, receive: Receive, send: Send) -> None:
+        up, on_demand = self.readiness()
         status = 200 if up or on_demand else 503
         await json_response(send, status, {"status": "ready" if status == 200 else "unavailable", "backends_up": up,
                                         "on_demand": on_demand})
@@ -428,6 +446,17 @@ class App:
         self._spawn(run(), "reload")
 
     async def reload(self, *, force: bool = False) -> dict[str, list[str]]:
+        """:meth:`_reload`, told to systemd (RELOADING=1, then READY=1) when it runs the gateway."""
+        notifier = self.notifier
+        if notifier is None:
+            return await self._reload(force=force)
+        notifier.reloading()
+        try:
+            return await self._reload(force=force)
+        finally:
+            notifier.reloaded(self.service_status())
+
+    async def _reload(self, *, force: bool = False) -> dict[str, list[str]]:
         """Re-read the configuration: added backends start, removed ones drain (finish their
         requests, then stop), unchanged ones are not touched and keep their streams.
 
