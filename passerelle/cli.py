@@ -58,7 +58,7 @@ def build_app(cfg, loader=None):
 
     configured = not cfg.uses_embedded
     cfg = expand(cfg)
-    built = [build_runtime(bc, cfg.timeouts) for bc in cfg.backends]
+    built = [build_runtime(bc, cfg.timeouts, cfg.state_path()) for bc in cfg.backends]
     return App(cfg, [b for b, _ in built], [p for _, p in built if p is not None], loader=loader,
                backends_configured=configured)
 
@@ -123,14 +123,32 @@ def cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
+def admin_address(cfg) -> str:
+    """Where a gateway run with ``cfg`` answers its admin routes: the admin port when it has one,
+    else the main one (an address listening everywhere is reached on loopback)."""
+    host, port = (cfg.admin.host, cfg.admin.port) if cfg.admin.port else (cfg.server.host, cfg.server.port)
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def _admin_call(args: argparse.Namespace, method: str, path: str) -> tuple[int, bytes]:
     import os
     import urllib.error
     import urllib.request
 
-    url = (args.url or os.environ.get("PASSERELLE_URL") or "http://127.0.0.1:8080").rstrip("/") + path
+    base, key = args.url, args.admin_key
+    if getattr(args, "config", None) is not None:  # port and admin key from the gateway's own file
+        from passerelle.config import load_config
+        from passerelle.errors import ConfigError
+
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as exc:
+            return 0, f"configuration error: {exc}".encode()
+        base, key = base or admin_address(cfg), key or cfg.admin.key or None
+    url = (base or os.environ.get("PASSERELLE_URL") or "http://127.0.0.1:8080").rstrip("/") + path
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    key = args.admin_key or os.environ.get("PASSERELLE_ADMIN_KEY")
+    key = key or os.environ.get("PASSERELLE_ADMIN_KEY")
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
@@ -203,8 +221,11 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 
 def _add_admin_client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="the gateway (or its admin port); default $PASSERELLE_URL or http://127.0.0.1:8080")
-    p.add_argument("--admin-key", help="[admin] key, when set (default $PASSERELLE_ADMIN_KEY)")
+    p.add_argument("--config", type=Path, help="the gateway's configuration file: its port (or admin port) and "
+                                               "[admin] key")
+    p.add_argument("--url", help="the gateway (or its admin port); default: from --config, $PASSERELLE_URL or "
+                                 "http://127.0.0.1:8080")
+    p.add_argument("--admin-key", help="[admin] key, when set (default: from --config, $PASSERELLE_ADMIN_KEY)")
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait (a start may take long)")
 
 

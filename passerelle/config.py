@@ -61,6 +61,9 @@ def is_management_route(path: str) -> bool:
     return any(w in p for w in MANAGEMENT_WORDS)
 
 
+# In a backend's ``launch``, the llama-server passerelle built and cached (``passerelle setup``).
+CACHED_LLAMA_SERVER = "{llama-server}"
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -584,8 +587,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                "the launch command must contain {port} so passerelle can choose the port",
                key=f"{key}.launch", field_name="launch", **ck)
         program = b.launch[0] if b.launch else ""
-        _check(not program or shutil.which(program) is not None,
-               f"the program {program!r} is not an executable file or a command on PATH",
+        _check(not program or program == CACHED_LLAMA_SERVER or shutil.which(program) is not None,
+               f"the program {program!r} is not an executable file or a command on PATH (or "
+               f"{CACHED_LLAMA_SERVER!r}, the llama-server `passerelle setup` built)",
                key=f"{key}.launch", field_name="launch", **ck)
         _check(bool(b.models), "list at least one model id this backend serves", key=f"{key}.models",
                field_name="models" if "models" in table else "name", **ck)

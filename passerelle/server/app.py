@@ -28,7 +28,6 @@ from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
 from passerelle.observe.runtime_metrics import RuntimeMetrics
-from passerelle.paths import state_dir
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
@@ -98,7 +97,7 @@ class App:
                                    if sc.preemption else None)
         self.supervisor = Supervisor(processes or [], max_loaded_gib=budget_gib(cfg.runtimes),
                                      memory_kind=cfg.runtimes.memory,
-                                     book=MemoryBook(state_dir() / "runtime-memory.json"),
+                                     book=MemoryBook(cfg.state_path() / "runtime-memory.json"),
                                      on_ready=self.scheduler.dispatch)
         for proc in self.supervisor.processes.values():
             proc.on_ready = self.scheduler.dispatch
@@ -491,7 +490,7 @@ class App:
         backends = [current[n] for n in kept]
         fresh: list[Backend] = []
         for name in added:
-            backend, proc = build_runtime(wanted[name], self.cfg.timeouts)
+            backend, proc = build_runtime(wanted[name], self.cfg.timeouts, self.cfg.state_path())
             await backend.start()
             backends.append(backend)
             if proc is None:

@@ -71,10 +71,14 @@ def cmd_keys(args: argparse.Namespace) -> int:
     action = args.keys_command
     try:
         if action == "create":
+            first = not store.list(include_revoked=True)
             key, secret = manager.create(_spec(args), actor=_actor())
             print(secret)
             print(f"key {key.id} for tenant '{key.tenant}' created; the key above is shown only once "
                   f"(store: {store.path})", file=sys.stderr)
+            if first and not cfg.auth.required:
+                print("note: this is the store's first key, so anonymous access is now off: a gateway using "
+                      "this store refuses requests without a key from now on", file=sys.stderr)
         elif action == "update":
             key = manager.update(args.id, _spec(args), actor=_actor())
             print(f"key {key.id} updated: {_summary(key)}")
@@ -95,6 +99,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 print(f"{printable(row['ts'])}  {printable(row['actor']):28}  {printable(row['action']):7} "
                       f"{printable(row['key_id'])}  {detail}")
         else:
+            print(f"store: {store.path}", file=sys.stderr)  # (stderr: the table stays a table)
             _list(store, show_all=args.all)
     except InvalidRequest as exc:
         print(f"passerelle: {exc.message}", file=sys.stderr)
@@ -177,6 +182,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
         return export_trace(usage_rows(store.conn, since), args.export_trace,
                             f"the usage store {store.path} (arrivals approximate: it keeps when requests ended)")
     rows = report(store.conn, since=since, until=until, by=by)
+    print(f"store: {store.path}", file=sys.stderr)  # (stderr: --csv output stays CSV)
     keys = {k.id: k for k in store.list()} if "key" in by else {}
     figures = ["requests", "prompt_tokens", "completion_tokens", "total_tokens", "not_ok", "limited", "last_seen"]
     head: list[str] = []
