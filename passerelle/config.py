@@ -206,6 +206,18 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry traces of requests (GenAI conventions), sent over OTLP/HTTP; needs the
+    ``otel`` extra (``pip install passerelle[otel]``). Off: nothing of OpenTelemetry is loaded."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"  # an OTLP/HTTP collector's traces URL
+    sample_ratio: float = 1.0  # share of traces kept (a client's traceparent decides for its own)
+    record_prompts: bool = False  # the request body (cut to 4 KiB) as a span event; never by default
+    service_name: str = "passerelle"
+
+
+@dataclass(frozen=True)
 class BatchesConfig:
     """The Batch API (``/v1/files``, ``/v1/batches``): what it may keep on disk, and how hard its
     lines may push (passerelle/batches/). Every limit's error is in docs/limits.md."""
@@ -336,6 +348,7 @@ class Config:
     runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     batches: BatchesConfig = field(default_factory=BatchesConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()
@@ -379,7 +392,7 @@ _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
                               "scheduler": SchedulerConfig, "routing": RoutingConfig,
                               "runtimes": RuntimesConfig, "limits": LimitsConfig,
-                              "batches": BatchesConfig}
+                              "batches": BatchesConfig, "tracing": TracingConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -537,6 +550,11 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                key=f"limits.{name}", text=text, header="limits", field_name=name)
 
     _check_batches(sections["batches"], file=file, text=text)
+    tracing: TracingConfig = sections["tracing"]
+    _check(0.0 <= tracing.sample_ratio <= 1.0, "expected a share between 0 and 1", file=file,
+           key="tracing.sample_ratio", text=text, header="tracing", field_name="sample_ratio")
+    _check(tracing.endpoint.startswith(("http://", "https://")), "expected an http(s) URL", file=file,
+           key="tracing.endpoint", text=text, header="tracing", field_name="endpoint")
     _check_admin(sections["admin"], server, file=file, text=text)
     metrics: MetricsConfig = sections["metrics"]
     _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
@@ -623,7 +641,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
                   routing=sections["routing"], runtimes=sections["runtimes"], limits=limits,
-                  batches=sections["batches"],
+                  batches=sections["batches"], tracing=tracing,
                   backends=tuple(backends), models=models, source=file)
 
 

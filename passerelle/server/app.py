@@ -28,6 +28,7 @@ from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
 from passerelle.observe.runtime_metrics import RuntimeMetrics
+from passerelle.observe.tracing import start_tracer
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
@@ -111,6 +112,8 @@ class App:
         self.key_manager = KeyManager(self.keystore, [c.name for c in cfg.classes])
         keyring = KeyRing(self.keystore)
         self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler, keyring)
+        if cfg.tracing.enabled:  # (off: OpenTelemetry is never imported)
+            self.gateway.tracer = start_tracer(cfg.tracing, cfg.source)
         # A tenant label is a key's tenant or "other": a client's `user` never makes a series.
         self.metrics.is_known_tenant = keyring.has_tenant
         self.gateway.on_demand = self.swapper.poke
@@ -552,4 +555,6 @@ class App:
         if self.supervisor is not None:
             await self.supervisor.stop_all()
         self.access_log.flush()  # (requests cut short after this are flushed at exit)
+        if self.gateway.tracer is not None:
+            await asyncio.to_thread(self.gateway.tracer.shutdown)  # the spans still buffered, sent
 
