@@ -206,6 +206,16 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """A store shared by several gateways: PostgreSQL (psycopg 3), for keys and the audit log
+    (tenants/pgstore.py); usage rows stay in each instance's SQLite file ([auth] db)."""
+
+    url: str = ""  # postgresql://user:password@host/db; empty: keys in the instance's SQLite file
+    poll_s: float = 1.0  # how often each gateway looks for changed keys (and retries a lost database)
+    timeout_s: float = 5.0  # connecting, and each statement
+
+
+@dataclass(frozen=True)
 class TracingConfig:
     """OpenTelemetry traces of requests (GenAI conventions), sent over OTLP/HTTP; needs the
     ``otel`` extra (``pip install passerelle[otel]``). Off: nothing of OpenTelemetry is loaded."""
@@ -349,6 +359,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     batches: BatchesConfig = field(default_factory=BatchesConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()
@@ -392,7 +403,8 @@ _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
                               "scheduler": SchedulerConfig, "routing": RoutingConfig,
                               "runtimes": RuntimesConfig, "limits": LimitsConfig,
-                              "batches": BatchesConfig, "tracing": TracingConfig}
+                              "batches": BatchesConfig, "tracing": TracingConfig,
+                              "store": StoreConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -550,6 +562,12 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                key=f"limits.{name}", text=text, header="limits", field_name=name)
 
     _check_batches(sections["batches"], file=file, text=text)
+    store: StoreConfig = sections["store"]
+    _check(not store.url or store.url.startswith(("postgresql://", "postgres://")),
+           "expected a postgresql:// URL", file=file, key="store.url", text=text, header="store", field_name="url")
+    for name in ("poll_s", "timeout_s"):
+        _check(getattr(store, name) > 0, "expected a positive number of seconds", file=file, key=f"store.{name}",
+               text=text, header="store", field_name=name)
     tracing: TracingConfig = sections["tracing"]
     _check(0.0 <= tracing.sample_ratio <= 1.0, "expected a share between 0 and 1", file=file,
            key="tracing.sample_ratio", text=text, header="tracing", field_name="sample_ratio")
@@ -641,7 +659,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
                   routing=sections["routing"], runtimes=sections["runtimes"], limits=limits,
-                  batches=sections["batches"], tracing=tracing,
+                  batches=sections["batches"], tracing=tracing, store=store,
                   backends=tuple(backends), models=models, source=file)
 
 

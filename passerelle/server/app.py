@@ -50,8 +50,9 @@ from passerelle.server.routes import Access, NotFound, Route, extra_route, find,
 from passerelle.server.sdnotify import Notifier
 from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_requests
 from passerelle.tenants.db import connect
-from passerelle.tenants.keys import KeyRing, KeyStore
+from passerelle.tenants.keys import KeyRing
 from passerelle.tenants.manage import KeyManager
+from passerelle.tenants.store import open_key_store
 from passerelle.tenants.usage import UsageReader, UsageRecorder
 
 log = logging.getLogger("passerelle.server.app")
@@ -108,7 +109,7 @@ class App:
         self.scheduler.on_need = self.supervisor.on_change = self.swapper.poke
         # Keys, usage and the audit log: one SQLite file per instance (Config.db_path), a
         # connection each for the keys, the usage writer and the reports (tenants/db.py).
-        self.keystore = KeyStore(cfg.db_path())
+        self.keystore = open_key_store(cfg)  # or PostgreSQL, shared ([store] url, tenants/pgstore.py)
         self.key_manager = KeyManager(self.keystore, [c.name for c in cfg.classes])
         keyring = KeyRing(self.keystore)
         self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler, keyring)
@@ -118,10 +119,10 @@ class App:
         self.metrics.is_known_tenant = keyring.has_tenant
         self.gateway.on_demand = self.swapper.poke
         self.gateway.catalogue = self._catalogue(cfg)
-        self.usage = UsageRecorder(connect(self.keystore.path),
+        self.usage = UsageRecorder(connect(cfg.db_path()),
                                    refused_retention_s=cfg.auth.usage_refused_retention_days * 86400.0,
                                    max_rows=cfg.auth.usage_max_rows)
-        self.usage_reader = UsageReader(self.keystore.path)
+        self.usage_reader = UsageReader(cfg.db_path())
         self.gateway.keys.quotas.load = self._usage_since
         self.gateway.listeners.append(self.usage.record)
         self.gateway.listeners.append(self.gateway.keys.activity.observe)
@@ -557,4 +558,6 @@ class App:
         self.access_log.flush()  # (requests cut short after this are flushed at exit)
         if self.gateway.tracer is not None:
             await asyncio.to_thread(self.gateway.tracer.shutdown)  # the spans still buffered, sent
+        if self.cfg.store.url:
+            await asyncio.to_thread(self.keystore.close)  # (its polling thread)
 

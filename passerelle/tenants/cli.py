@@ -31,12 +31,16 @@ def _actor() -> str:
         return f"cli:uid {os.getuid()}"
 
 
-def _open(args: argparse.Namespace):  # -> (Config, KeyStore)
+def _open(args: argparse.Namespace, *, usage: bool = False):  # -> (Config, KeyStore)
+    """The instance's key store (``[store] url`` or its SQLite file); ``usage``: its SQLite file,
+    where usage rows are, whatever holds the keys."""
     from passerelle.config import load_config
     from passerelle.tenants.keys import KeyStore
+    from passerelle.tenants.store import open_key_store
 
     cfg = load_config(getattr(args, "config", None))
-    return cfg, KeyStore(getattr(args, "db", None) or cfg.db_path())
+    db = getattr(args, "db", None)
+    return cfg, (KeyStore(db or cfg.db_path()) if usage else open_key_store(cfg, db))
 
 
 def _when(ts: float | None, never: str = "never") -> str:
@@ -104,6 +108,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
     except InvalidRequest as exc:
         print(f"passerelle: {exc.message}", file=sys.stderr)
         return 1 if exc.status == 404 else 2
+    finally:
+        store.close()
     return 0
 
 
@@ -172,7 +178,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
             return 2
         return export_trace(lines, args.export_trace, f"the access log {args.access_log}")
     try:
-        _, store = _open(args)
+        _, store = _open(args, usage=True)
     except ConfigError as exc:
         print(f"passerelle: configuration error: {exc}", file=sys.stderr)
         return 2
