@@ -64,7 +64,7 @@ def build_app(cfg: Config, loader: Callable[[], Config] | None = None) -> App:
 
     configured = not cfg.uses_embedded
     cfg = expand(cfg)
-    built = [build_runtime(bc, cfg.timeouts) for bc in cfg.backends]
+    built = [build_runtime(bc, cfg.timeouts, cfg.state_path()) for bc in cfg.backends]
     return App(cfg, [b for b, _ in built], [p for _, p in built if p is not None], loader=loader,
                backends_configured=configured)
 
@@ -72,9 +72,12 @@ def build_app(cfg: Config, loader: Callable[[], Config] | None = None) -> App:
 def cmd_serve(args: argparse.Namespace) -> int:
     from passerelle.config import load_config, with_server
     from passerelle.errors import ConfigError
+    from passerelle.server.sdnotify import Notifier
     from passerelle.server.serving import gateway_server
 
     _setup_logging()
+    # systemd's notify socket, taken out of the environment before a runtime is launched
+    notifier = Notifier.from_env()
     try:
         upstreams = tuple(_parse_upstream(u, i) for i, u in enumerate(args.upstream or [], 1))
         def loader() -> Config:
@@ -94,6 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"passerelle: cannot listen on {cfg.server.host}:{cfg.server.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
+    app.notifier = notifier  # READY, watchdog, RELOADING, STOPPING (server/sdnotify.py)
     server = gateway_server(app, app.cfg)  # client limits, descriptor budget, clean shutdown: server/serving.py
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, through the handlers that were
     # in place before it started; no-op handlers make a graceful stop exit with status 0.
@@ -125,14 +129,32 @@ def cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
+def admin_address(cfg: Config) -> str:
+    """Where a gateway run with ``cfg`` answers its admin routes: the admin port when it has one,
+    else the main one (an address listening everywhere is reached on loopback)."""
+    host, port = (cfg.admin.host, cfg.admin.port) if cfg.admin.port else (cfg.server.host, cfg.server.port)
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def _admin_call(args: argparse.Namespace, method: str, path: str) -> tuple[int, bytes]:
     import os
     import urllib.error
     import urllib.request
 
-    url = (args.url or os.environ.get("PASSERELLE_URL") or "http://127.0.0.1:8080").rstrip("/") + path
+    base, key = args.url, args.admin_key
+    if getattr(args, "config", None) is not None:  # port and admin key from the gateway's own file
+        from passerelle.config import load_config
+        from passerelle.errors import ConfigError
+
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as exc:
+            return 0, f"configuration error: {exc}".encode()
+        base, key = base or admin_address(cfg), key or cfg.admin.key or None
+    url = (base or os.environ.get("PASSERELLE_URL") or "http://127.0.0.1:8080").rstrip("/") + path
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    key = args.admin_key or os.environ.get("PASSERELLE_ADMIN_KEY")
+    key = key or os.environ.get("PASSERELLE_ADMIN_KEY")
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
@@ -179,9 +201,37 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return _admin_result(status, body)
 
 
+def cmd_service(args: argparse.Namespace) -> int:
+    import shlex
+
+    from passerelle.server.unit import UnitOptions, render
+
+    config = str(Path(args.config).resolve()) if args.config else UnitOptions.config
+    program = f"{shlex.quote(sys.executable)} -m passerelle"  # this installation, virtualenv or not
+    text = render(UnitOptions(exec_start=program, config=config, user=args.user or ""))
+    if args.output == "-":
+        print(text, end="")
+        return 0
+    out = Path(args.output)
+    try:
+        out.write_text(text)
+        out.chmod(0o644)
+    except OSError as exc:
+        print(f"passerelle: cannot write {out}: {exc.strerror or exc} (run it as root, or --output - to print it)",
+              file=sys.stderr)
+        return 1
+    if not Path(config).exists():
+        print(f"note: {config} does not exist yet (copy passerelle.example.toml there)", file=sys.stderr)
+    print(f"wrote {out}\nnext: systemctl daemon-reload && systemctl enable --now {out.stem}")
+    return 0
+
+
 def _add_admin_client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="the gateway (or its admin port); default $PASSERELLE_URL or http://127.0.0.1:8080")
-    p.add_argument("--admin-key", help="[admin] key, when set (default $PASSERELLE_ADMIN_KEY)")
+    p.add_argument("--config", type=Path, help="the gateway's configuration file: its port (or admin port) and "
+                                               "[admin] key")
+    p.add_argument("--url", help="the gateway (or its admin port); default: from --config, $PASSERELLE_URL or "
+                                 "http://127.0.0.1:8080")
+    p.add_argument("--admin-key", help="[admin] key, when set (default: from --config, $PASSERELLE_ADMIN_KEY)")
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait (a start may take long)")
 
 
@@ -222,6 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
                               "(refused otherwise: it would drain them all for the embedded default)")
     _add_admin_client_flags(reload_)
     reload_.set_defaults(func=cmd_reload)
+
+    from passerelle.server.unit import DEFAULT_CONFIG, DEFAULT_PATH
+
+    service = sub.add_parser("service", help="install the systemd unit that runs this gateway as a service")
+    service.add_argument("action", choices=("install",))
+    service.add_argument("--config", help=f"the configuration file the service serves (default {DEFAULT_CONFIG})")
+    service.add_argument("--user", help="run as this user (default: a dynamic user systemd allocates)")
+    service.add_argument("--output", default=DEFAULT_PATH, help=f"where to write the unit (default {DEFAULT_PATH}; "
+                                                               "- prints it)")
+    service.set_defaults(func=cmd_service)
 
     setup = sub.add_parser("setup", help="build llama-server and assemble the default model (idempotent)")
     setup.set_defaults(func=cmd_setup)

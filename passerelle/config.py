@@ -61,6 +61,9 @@ def is_management_route(path: str) -> bool:
     return any(w in p for w in MANAGEMENT_WORDS)
 
 
+# In a backend's ``launch``, the llama-server passerelle built and cached (``passerelle setup``).
+CACHED_LLAMA_SERVER = "{llama-server}"
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -209,6 +212,28 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """A store shared by several gateways: PostgreSQL (psycopg 3), for keys and the audit log
+    (tenants/pgstore.py); usage rows stay in each instance's SQLite file ([auth] db)."""
+
+    url: str = ""  # postgresql://user:password@host/db; empty: keys in the instance's SQLite file
+    poll_s: float = 1.0  # how often each gateway looks for changed keys (and retries a lost database)
+    timeout_s: float = 5.0  # connecting, and each statement
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry traces of requests (GenAI conventions), sent over OTLP/HTTP; needs the
+    ``otel`` extra (``pip install passerelle[otel]``). Off: nothing of OpenTelemetry is loaded."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"  # an OTLP/HTTP collector's traces URL
+    sample_ratio: float = 1.0  # share of traces kept (a client's traceparent decides for its own)
+    record_prompts: bool = False  # the request body (cut to 4 KiB) as a span event; never by default
+    service_name: str = "passerelle"
+
+
+@dataclass(frozen=True)
 class BatchesConfig:
     """The Batch API (``/v1/files``, ``/v1/batches``): what it may keep on disk, and how hard its
     lines may push (passerelle/batches/). Every limit's error is in docs/limits.md."""
@@ -339,6 +364,8 @@ class Config:
     runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     batches: BatchesConfig = field(default_factory=BatchesConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()
@@ -382,7 +409,8 @@ _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
                               "scheduler": SchedulerConfig, "routing": RoutingConfig,
                               "runtimes": RuntimesConfig, "limits": LimitsConfig,
-                              "batches": BatchesConfig}
+                              "batches": BatchesConfig, "tracing": TracingConfig,
+                              "store": StoreConfig}
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -543,6 +571,17 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            field_name="max_answer_bytes_total")
 
     _check_batches(sections["batches"], file=file, text=text)
+    store: StoreConfig = sections["store"]
+    _check(not store.url or store.url.startswith(("postgresql://", "postgres://")),
+           "expected a postgresql:// URL", file=file, key="store.url", text=text, header="store", field_name="url")
+    for name in ("poll_s", "timeout_s"):
+        _check(getattr(store, name) > 0, "expected a positive number of seconds", file=file, key=f"store.{name}",
+               text=text, header="store", field_name=name)
+    tracing: TracingConfig = sections["tracing"]
+    _check(0.0 <= tracing.sample_ratio <= 1.0, "expected a share between 0 and 1", file=file,
+           key="tracing.sample_ratio", text=text, header="tracing", field_name="sample_ratio")
+    _check(tracing.endpoint.startswith(("http://", "https://")), "expected an http(s) URL", file=file,
+           key="tracing.endpoint", text=text, header="tracing", field_name="endpoint")
     _check_admin(sections["admin"], server, file=file, text=text)
     metrics: MetricsConfig = sections["metrics"]
     _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
@@ -593,8 +632,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                "the launch command must contain {port} so passerelle can choose the port",
                key=f"{key}.launch", field_name="launch", **ck)
         program = b.launch[0] if b.launch else ""
-        _check(not program or shutil.which(program) is not None,
-               f"the program {program!r} is not an executable file or a command on PATH",
+        _check(not program or program == CACHED_LLAMA_SERVER or shutil.which(program) is not None,
+               f"the program {program!r} is not an executable file or a command on PATH (or "
+               f"{CACHED_LLAMA_SERVER!r}, the llama-server `passerelle setup` built)",
                key=f"{key}.launch", field_name="launch", **ck)
         _check(bool(b.models), "list at least one model id this backend serves", key=f"{key}.models",
                field_name="models" if "models" in table else "name", **ck)
@@ -628,7 +668,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
                   routing=sections["routing"], runtimes=sections["runtimes"], limits=limits,
-                  batches=sections["batches"],
+                  batches=sections["batches"], tracing=tracing, store=store,
                   backends=tuple(backends), models=models, source=file)
 
 

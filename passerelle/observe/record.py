@@ -16,6 +16,7 @@ import os
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 from passerelle.errors import Cause
 
@@ -88,6 +89,7 @@ class RequestRecord:
     suspensions: int = 0  # times its stream was cut for a better class and resumed
     suspended_s: float = 0.0  # time spent suspended, waiting to resume
     resume_prompt_tokens: int = 0  # prompt tokens the runtime processed again to resume (not cached)
+    trace: Any = None  # its spans (observe/tracing.py RequestTrace) when [tracing] is on, else None
 
     def to(self, state: State) -> None:
         if state not in _ALLOWED[self.state]:

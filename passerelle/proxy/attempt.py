@@ -119,7 +119,8 @@ async def fetch(ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: by
     finishing = False  # the answer is whole; only what follows [DONE] is being read
     try:
         async with asyncio.timeout_at(head_at) as budget:
-            resp = await backend.post(api.upstream, body, request_id=rec.id, content_type=ctype)
+            resp = await backend.post(api.upstream, body, request_id=rec.id, content_type=ctype,
+                                      traceparent=rec.trace.traceparent if rec.trace is not None else b"")
             check_head(resp, backend, streamed=streamed, json=not api.form)
             if resp.status != 200:
                 raw = await read_error(resp, rec, limit=limits.max_error_bytes)

@@ -50,6 +50,7 @@ from passerelle.errors import (
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
 from passerelle.observe.record import RequestRecord, State
+from passerelle.observe.tracing import RequestTracer
 from passerelle.proxy.answer import AnswerBudget, size_of
 from passerelle.proxy.attempt import fetch, outcome_of
 from passerelle.proxy.capabilities import check_media
@@ -121,6 +122,7 @@ class Gateway:
         # Requests in progress: the watchdog cuts clients that stopped reading, the shutdown ends those
         # still running past its grace (server/shutdown.py).
         self.open: set[Exchange] = set()
+        self.tracer: RequestTracer | None = None  # [tracing] on (observe/tracing.py); None: no cost
 
     # -- who is asking, and how urgent ---------------------------------------------------------
     def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:
@@ -146,6 +148,8 @@ class Gateway:
         ex = Exchange(scope, receive, send, endpoint)
         ex.errors, ex.grammar = api.errors, api.grammar
         rec = ex.rec
+        if self.tracer is not None:
+            rec.trace = self.tracer.begin(scope, rec)
         job: Job | None = None
         grant: Ticket | None = None
         failure: GatewayError | None = None
@@ -158,6 +162,8 @@ class Gateway:
                 limit = self.cfg.server.max_upload_bytes if api.form else self.cfg.server.max_body_bytes
                 body = await read_request_body(scope, receive, limit)
                 ex.watch()
+                if rec.trace is not None:
+                    rec.trace.prompt(body)
                 req = self._read(api, body, scope)
                 rec.model = model = req.model or ""
                 rec.stream = req.stream
@@ -289,6 +295,7 @@ class Gateway:
         self.retry_budget.deposit()
         deadline = Deadline(self.cfg.timeouts, rec.t_arrival)
         suspended_at = 0.0
+        trace = rec.trace
         while True:
             job.max_wait_s = deadline.left_s  # the queue wait is within the total time too
             if job.max_wait_s <= 0:  # never send a request with no time left (nor blame its replica)
@@ -296,7 +303,12 @@ class Gateway:
                                    retry_after=1.0)
             backend = None if api.scheduled else self._direct(job)
             if backend is None:
+                if trace is not None:  # (no replica up: the wait includes a start or a swap)
+                    trace.queue_started(swap=not any(b.stats.up for b in job.pool))
                 backend = await self.scheduler.acquire(job)
+            if trace is not None:
+                trace.queue_ended(backend.name)
+                trace.attempt_started(backend.name, rec.model)
             rec.backend, rec.slot = backend.name, job.slot
             if suspended_at:  # resumed
                 rec.suspended_s += time.perf_counter() - suspended_at
@@ -331,6 +343,8 @@ class Gateway:
                 raise
             finally:
                 running.dec()
+                if trace is not None:
+                    trace.attempt_ended(error, suspended=splice is not None and splice.suspended)
                 backend.breaker.record(outcome_of(error), probe=job.probe, now=self.scheduler.clock())
                 job.probe = False
                 error = None  # (no reference cycle through the exception's traceback: see handle)
@@ -344,6 +358,8 @@ class Gateway:
             suspended_at = time.perf_counter()
             ex.finishing = False  # (the cut attempt may have seen its end, the client did not)
             rec.to(State.SUSPENDED)
+            if trace is not None:
+                trace.suspended()
             self.preemption_stats["suspensions"] += 1
         if splice is not None:
             rec.prompt_tokens, rec.completion_tokens = splice.totals(rec.prompt_tokens, rec.completion_tokens)
@@ -405,6 +421,9 @@ class Gateway:
         await ex.send_whole(raw)
 
     def account(self, rec: RequestRecord) -> None:
+        if rec.trace is not None:
+            rec.trace.end(rec)
+            rec.trace = None
         m = self.metrics
         model = rec.model if self.catalogue.serves(rec.model) else "unknown"
         m.count_request(model, rec.priority, rec.cause.value, rec.tenant)  # type: ignore[union-attr]

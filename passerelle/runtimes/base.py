@@ -159,16 +159,20 @@ class Backend:
         ``id_slot``); default: untouched."""
         return body
 
-    async def post(self, path: str, body: bytes, *, request_id: str = "", content_type: bytes = _JSON) -> Response:
+    async def post(self, path: str, body: bytes, *, request_id: str = "", content_type: bytes = _JSON,
+                   traceparent: bytes = b"") -> Response:
         """Send ``body`` (``content_type``: a multipart upload keeps its boundary); return once the
         response headers arrived. Raises UpstreamError.
 
-        ``request_id`` goes along as ``X-Request-Id`` (vLLM adopts it), so logs can be matched.
+        ``request_id`` goes along as ``X-Request-Id`` (vLLM adopts it), so logs can be matched;
+        ``traceparent`` (a W3C trace context, observe/tracing.py) too, so a runtime joins the trace.
         A pooled connection that the runtime had closed is replaced by a fresh one (see
         upstream.py), so that race never becomes a client error."""
         headers = b"Content-Type: " + content_type + b"\r\n"
         if request_id:
             headers += b"X-Request-Id: " + request_id.encode() + b"\r\n"
+        if traceparent:
+            headers += b"traceparent: " + traceparent + b"\r\n"
         try:
             return await self.client.request(b"POST", path, body, headers=headers)
         except ConnectFailed as exc:

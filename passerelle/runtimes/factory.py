@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from passerelle.config import BackendConfig, Config, ModelConfig, TimeoutConfig
+from passerelle.config import CACHED_LLAMA_SERVER, BackendConfig, Config, ModelConfig, TimeoutConfig
 from passerelle.errors import ConfigError
 from passerelle.runtimes import embedded, tiny_reranker
 from passerelle.runtimes.kinds import Backend, make_backend
@@ -70,6 +70,8 @@ def expand(cfg: Config) -> Config:
     ``[server] extra_routes`` adds given to every backend."""
     if cfg.uses_embedded:
         cfg = dataclasses.replace(cfg, backends=embedded_backends(cfg), models=(*cfg.models, *embedded_models(cfg)))
+    if any(b.launch[:1] == (CACHED_LLAMA_SERVER,) for b in cfg.backends):
+        cfg = dataclasses.replace(cfg, backends=tuple(_with_cached_binary(b, cfg.source) for b in cfg.backends))
     extra = cfg.server.extra_routes
     if extra:
         cfg = dataclasses.replace(cfg, backends=tuple(
@@ -78,9 +80,24 @@ def expand(cfg: Config) -> Config:
     return cfg
 
 
-def build_runtime(bc: BackendConfig, timeouts: TimeoutConfig) -> tuple[Backend, RuntimeProcess | None]:
+def _with_cached_binary(bc: BackendConfig, source: str) -> BackendConfig:
+    """``launch = ["{llama-server}", …]`` → the cached build's path (never a build here: minutes)."""
+    if bc.launch[:1] != (CACHED_LLAMA_SERVER,):
+        return bc
+    binary = embedded.cached_binary()
+    if not binary.is_file():
+        raise ConfigError(f"backend {bc.name!r} launches {CACHED_LLAMA_SERVER}, the cached llama-server build, "
+                          f"and there is none at {binary}: run `passerelle setup` first", file=source,
+                          key="backends.launch")
+    return dataclasses.replace(bc, launch=(str(binary), *bc.launch[1:]))
+
+
+def build_runtime(bc: BackendConfig, timeouts: TimeoutConfig,
+                  state: Path | None = None) -> tuple[Backend, RuntimeProcess | None]:
+    """The backend for ``bc``, and its process if passerelle launches it; its output goes to
+    ``log_file``, else to ``logs/NAME.log`` in the instance's state directory ``state``."""
     backend = make_backend(bc, timeouts)
     if not bc.launch:
         return backend, None
-    return backend, RuntimeProcess(backend, bc.launch, ready_timeout_s=bc.ready_timeout_s,
-                                   log_path=Path(bc.log_file) if bc.log_file else None)
+    log_path = Path(bc.log_file) if bc.log_file else state / "logs" / f"{bc.name}.log" if state else None
+    return backend, RuntimeProcess(backend, bc.launch, ready_timeout_s=bc.ready_timeout_s, log_path=log_path)

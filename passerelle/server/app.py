@@ -28,7 +28,7 @@ from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
 from passerelle.observe.runtime_metrics import RuntimeMetrics
-from passerelle.paths import state_dir
+from passerelle.observe.tracing import start_tracer
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
@@ -48,10 +48,12 @@ from passerelle.server.keys_api import KeysApi
 from passerelle.server.login import AdminLogin
 from passerelle.server.responses import error_response, json_response, raw_response
 from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
+from passerelle.server.sdnotify import Notifier
 from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_requests
 from passerelle.tenants.db import connect
-from passerelle.tenants.keys import KeyRing, KeyStore
+from passerelle.tenants.keys import KeyRing
 from passerelle.tenants.manage import KeyManager
+from passerelle.tenants.store import open_key_store
 from passerelle.tenants.usage import UsageReader, UsageRecorder
 
 log = logging.getLogger("passerelle.server.app")
@@ -83,6 +85,7 @@ class App:
         # The configuration lists backends (not the embedded default): a reload to none is refused.
         self.backends_configured = bool(cfg.backends) if backends_configured is None else backends_configured
         self._ending: asyncio.Task[None] | None = None
+        self.notifier: Notifier | None = None  # systemd's notify socket (server/sdnotify.py), when set
         self.body_budget = BodyBudget(cfg.server.max_body_bytes_total)
         self.forwarded = ForwardedTrust(cfg.server.trusted_proxies)  # who the client is behind a proxy
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -98,7 +101,7 @@ class App:
                                    if sc.preemption else None)
         self.supervisor = Supervisor(processes or [], max_loaded_gib=budget_gib(cfg.runtimes),
                                      memory_kind=cfg.runtimes.memory,
-                                     book=MemoryBook(state_dir() / "runtime-memory.json"),
+                                     book=MemoryBook(cfg.state_path() / "runtime-memory.json"),
                                      on_ready=self.scheduler.dispatch)
         for proc in self.supervisor.processes.values():
             proc.on_ready = self.scheduler.dispatch
@@ -108,18 +111,20 @@ class App:
         self.scheduler.on_need = self.supervisor.on_change = self.swapper.poke
         # Keys, usage and the audit log: one SQLite file per instance (Config.db_path), a
         # connection each for the keys, the usage writer and the reports (tenants/db.py).
-        self.keystore = KeyStore(cfg.db_path())
+        self.keystore = open_key_store(cfg)  # or PostgreSQL, shared ([store] url, tenants/pgstore.py)
         self.key_manager = KeyManager(self.keystore, [c.name for c in cfg.classes])
         keyring = KeyRing(self.keystore)
         self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler, keyring)
+        if cfg.tracing.enabled:  # (off: OpenTelemetry is never imported)
+            self.gateway.tracer = start_tracer(cfg.tracing, cfg.source)
         # A tenant label is a key's tenant or "other": a client's `user` never makes a series.
         self.metrics.is_known_tenant = keyring.has_tenant
         self.gateway.on_demand = self.swapper.poke
         self.gateway.catalogue = self._catalogue(cfg)
-        self.usage = UsageRecorder(connect(self.keystore.path),
+        self.usage = UsageRecorder(connect(cfg.db_path()),
                                    refused_retention_s=cfg.auth.usage_refused_retention_days * 86400.0,
                                    max_rows=cfg.auth.usage_max_rows)
-        self.usage_reader = UsageReader(self.keystore.path)
+        self.usage_reader = UsageReader(cfg.db_path())
         self.gateway.keys.quotas.load = self._usage_since
         self.gateway.listeners.append(self.usage.record)
         self.gateway.listeners.append(self.gateway.keys.activity.observe)
@@ -237,10 +242,26 @@ class App:
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         await json_response(send, 200, {"status": "ok"})
 
-    async def ready(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def readiness(self) -> tuple[list[str], list[str]]:
+        """The backends up, and the on-demand ones that start when asked: ready if either."""
         up = [b.name for b in self.registry.backends if b.stats.up]
-        # an on-demand runtime can serve too: it starts when asked
         on_demand = [b.name for b in self.registry.backends if b.cfg.on_demand and not b.stats.up and not b.draining]
+        return up, on_demand
+
+    def is_ready(self) -> bool:
+        return any(self.readiness())
+
+    def service_status(self) -> str:
+        """One line for systemd's STATUS= (``systemctl status``)."""
+        up, on_demand = self.readiness()
+        if not up and not on_demand:
+            return "waiting for a backend to come up"
+        s = self.cfg.server
+        more = f", {len(on_demand)} on demand" if on_demand else ""
+        return f"serving on {s.host}:{s.port}: {len(up)} backend(s) up{more}, {len(self.gateway.open)} request(s) open"
+
+    async def ready(self, scope: Scope, receive: Receive, send: Send) -> None:
+        up, on_demand = self.readiness()
         status = 200 if up or on_demand else 503
         await json_response(send, status, {"status": "ready" if status == 200 else "unavailable", "backends_up": up,
                                         "on_demand": on_demand})
@@ -431,6 +452,17 @@ class App:
         self._spawn(run(), "reload")
 
     async def reload(self, *, force: bool = False) -> dict[str, list[str]]:
+        """:meth:`_reload`, told to systemd (RELOADING=1, then READY=1) when it runs the gateway."""
+        notifier = self.notifier
+        if notifier is None:
+            return await self._reload(force=force)
+        notifier.reloading()
+        try:
+            return await self._reload(force=force)
+        finally:
+            notifier.reloaded(self.service_status())
+
+    async def _reload(self, *, force: bool = False) -> dict[str, list[str]]:
         """Re-read the configuration: added backends start, removed ones drain (finish their
         requests, then stop), unchanged ones are not touched and keep their streams.
 
@@ -465,7 +497,7 @@ class App:
         backends = [current[n] for n in kept]
         fresh: list[Backend] = []
         for name in added:
-            backend, proc = build_runtime(wanted[name], self.cfg.timeouts)
+            backend, proc = build_runtime(wanted[name], self.cfg.timeouts, self.cfg.state_path())
             await backend.start()
             backends.append(backend)
             if proc is None:
@@ -527,4 +559,8 @@ class App:
         if self.supervisor is not None:
             await self.supervisor.stop_all()
         self.access_log.flush()  # (requests cut short after this are flushed at exit)
+        if self.gateway.tracer is not None:
+            await asyncio.to_thread(self.gateway.tracer.shutdown)  # the spans still buffered, sent
+        if self.cfg.store.url:
+            await asyncio.to_thread(self.keystore.close)  # (its polling thread)
 

@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import math
@@ -20,6 +21,7 @@ import uvicorn
 from passerelle.config import Config
 from passerelle.runtimes.limiter import DEFAULT_INITIAL
 from passerelle.server.connections import ConnectionLimits, guarded_protocol
+from passerelle.server.sdnotify import Notifier
 
 log = logging.getLogger("passerelle.server.serving")
 
@@ -29,7 +31,13 @@ RESERVED_FDS = 64
 
 
 class _Stoppable(Protocol):
+    notifier: Notifier | None
+
     def begin_shutdown(self) -> None: ...
+
+    def is_ready(self) -> bool: ...
+
+    def service_status(self) -> str: ...
 
 
 def fd_budget(max_connections: int, upstream_slots: int) -> int:
@@ -77,10 +85,28 @@ class GatewayServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: _Stoppable) -> None:
         super().__init__(config)
         self.passerelle_app = app
+        self._ready: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        notifier = self.passerelle_app.notifier
+        if notifier is not None and self.started:
+            # the listener is open: READY=1 once a backend can serve (sdnotify.py)
+            notifier.start_watchdog()
+            self._ready = asyncio.get_running_loop().create_task(
+                notifier.wait_ready(self.passerelle_app.is_ready, self.passerelle_app.service_status),
+                name="passerelle-sd-ready")
 
     async def shutdown(self, sockets: Any = None) -> None:
+        notifier = self.passerelle_app.notifier
+        if notifier is not None:
+            if self._ready is not None:
+                self._ready.cancel()
+            notifier.stopping()
         self.passerelle_app.begin_shutdown()
         await super().shutdown(sockets=sockets)
+        if notifier is not None:
+            notifier.close()
 
 
 def gateway_server(app: Any, cfg: Config) -> GatewayServer:

@@ -35,12 +35,16 @@ def _actor() -> str:
         return f"cli:uid {os.getuid()}"
 
 
-def _open(args: argparse.Namespace) -> tuple[Config, KeyStore]:
+def _open(args: argparse.Namespace, *, usage: bool = False) -> tuple[Config, KeyStore]:
+    """The instance's key store (``[store] url`` or its SQLite file); ``usage``: its SQLite file,
+    where usage rows are, whatever holds the keys."""
     from passerelle.config import load_config
     from passerelle.tenants.keys import KeyStore
+    from passerelle.tenants.store import open_key_store
 
     cfg = load_config(getattr(args, "config", None))
-    return cfg, KeyStore(getattr(args, "db", None) or cfg.db_path())
+    db = getattr(args, "db", None)
+    return cfg, (KeyStore(db or cfg.db_path()) if usage else open_key_store(cfg, db))
 
 
 def _when(ts: float | None, never: str = "never") -> str:
@@ -75,10 +79,14 @@ def cmd_keys(args: argparse.Namespace) -> int:
     action = args.keys_command
     try:
         if action == "create":
+            first = not store.list(include_revoked=True)
             key, secret = manager.create(_spec(args), actor=_actor())
             print(secret)
             print(f"key {key.id} for tenant '{key.tenant}' created; the key above is shown only once "
                   f"(store: {store.path})", file=sys.stderr)
+            if first and not cfg.auth.required:
+                print("note: this is the store's first key, so anonymous access is now off: a gateway using "
+                      "this store refuses requests without a key from now on", file=sys.stderr)
         elif action == "update":
             key = manager.update(args.id, _spec(args), actor=_actor())
             print(f"key {key.id} updated: {_summary(key)}")
@@ -99,10 +107,13 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 print(f"{printable(row['ts'])}  {printable(row['actor']):28}  {printable(row['action']):7} "
                       f"{printable(row['key_id'])}  {detail}")
         else:
+            print(f"store: {store.path}", file=sys.stderr)  # (stderr: the table stays a table)
             _list(store, show_all=args.all)
     except InvalidRequest as exc:
         print(f"passerelle: {exc.message}", file=sys.stderr)
         return 1 if exc.status == 404 else 2
+    finally:
+        store.close()
     return 0
 
 
@@ -171,7 +182,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
             return 2
         return export_trace(lines, args.export_trace, f"the access log {args.access_log}")
     try:
-        _, store = _open(args)
+        _, store = _open(args, usage=True)
     except ConfigError as exc:
         print(f"passerelle: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -181,6 +192,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
         return export_trace(usage_rows(store.conn, since), args.export_trace,
                             f"the usage store {store.path} (arrivals approximate: it keeps when requests ended)")
     rows = report(store.conn, since=since, until=until, by=by)
+    print(f"store: {store.path}", file=sys.stderr)  # (stderr: --csv output stays CSV)
     keys = {k.id: k for k in store.list()} if "key" in by else {}
     figures = ["requests", "prompt_tokens", "completion_tokens", "total_tokens", "not_ok", "limited", "last_seen"]
     head: list[str] = []

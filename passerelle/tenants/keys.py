@@ -125,7 +125,10 @@ def _from_row(r: tuple[Any, ...]) -> ApiKey:
 
 
 class KeyStore:
-    """The keys in one SQLite file. Every change writes an audit row in the same transaction."""
+    """The keys in one SQLite file. Every change writes an audit row in the same transaction.
+    (tenants/pgstore.py keeps them in PostgreSQL, shared by several gateways.)"""
+
+    _audit_order = "ts DESC, rowid DESC"
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path) if path else default_db_path()
@@ -216,9 +219,13 @@ class KeyStore:
         where = "WHERE key_id = ?" if key_id else ""
         with self._lock:
             rows = self.conn.execute(f"SELECT ts, actor, action, key_id, detail FROM audit {where} "
-                                     "ORDER BY ts DESC, rowid DESC LIMIT ?", args).fetchall()
+                                     f"ORDER BY {self._audit_order} LIMIT ?", args).fetchall()
         return [{"ts": iso_time(ts), "actor": actor, "action": action, "key_id": kid, "detail": orjson.loads(detail)}
                 for ts, actor, action, kid, detail in rows]
+
+    def cached_keys(self) -> builtins.list[ApiKey]:
+        """Every key, as the key ring reads them on the request path (here: from the file)."""
+        return self.list()
 
     def version(self) -> int:
         """Changes whenever anyone (this process or ``passerelle keys``) changes a key."""
@@ -257,7 +264,7 @@ class KeyRing:
         version = self.store.version()
         if force or version != self._version:
             self._version = version
-            every = self.store.list()
+            every = self.store.cached_keys()
             self._keys = {k.id: k for k in every if not k.revoked}
             self._tenants = frozenset(k.tenant for k in every)
             self._ever = bool(every)

@@ -310,6 +310,8 @@ class Connection(asyncio.Protocol):
         # curl asks before sending a large body; without an answer it waits a second
         if name.lower() == b"expect" and value.lower() == b"100-continue" and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        elif name.lower() == b"traceparent":
+            self.backend.traceparents.append(value.decode("latin-1"))
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -411,6 +413,7 @@ class FakeBackend:
         self.slots = Slots(self.config.slots)
         self.rng = random.Random(self.config.seed)
         self.prompts_seen: set[int] = set()  # hashes, for tests: does a client ever repeat a prompt?
+        self.traceparents: deque[str] = deque(maxlen=256)  # W3C trace contexts received, for tracing tests
         self.cache = PromptCache(self.config.prefix_cache) if self.config.prefix_cache else None
         self.events = Events(VOCAB, bare=self.config.bare_events)
         self.routes = {
@@ -463,7 +466,8 @@ class FakeBackend:
                                   "model_path": self.config.model, "total_slots": self.config.slots}), keep_alive)
 
     async def stats(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
-        conn.respond(200, _dumps({**vars(self.counters), "distinct_prompts": len(self.prompts_seen)}), keep_alive)
+        conn.respond(200, _dumps({**vars(self.counters), "distinct_prompts": len(self.prompts_seen),
+                                  "traceparents": list(self.traceparents)}), keep_alive)
 
     async def metrics(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
         c = self.counters

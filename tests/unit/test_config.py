@@ -93,7 +93,8 @@ def test_a_launch_program_that_does_not_exist_is_named_with_file_key_and_line(tm
     with pytest.raises(ConfigError) as err:
         load_config(path, env={})
     assert str(err.value) == (f"{path}:5: key 'backends[0].launch': the program '/nowhere/llama-server' "
-                              "is not an executable file or a command on PATH")
+                              "is not an executable file or a command on PATH (or '{llama-server}', the "
+                              "llama-server `passerelle setup` built)")
 
 
 def test_limits_on_what_a_runtime_sends_are_validated_and_overridable(tmp_path):

@@ -1,0 +1,184 @@
+"""OpenTelemetry traces (observe/tracing.py) from a real gateway process to a real OTLP/HTTP
+receiver, decoded with opentelemetry-proto: one trace per request with its queue and attempt
+spans, a client's traceparent honoured, and the traceparent the runtime got belongs to the trace."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from tests.conftest import upstream_config, wait_until
+
+MODEL = "fake-model"
+
+
+class Receiver:
+    """An OTLP/HTTP traces endpoint: every span it is sent, decoded, with its resource."""
+
+    def __init__(self) -> None:
+        spans = self.spans = []  # type: list[dict]
+        lock = self.lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                req = ExportTraceServiceRequest.FromString(body)
+                with lock:
+                    for rs in req.resource_spans:
+                        res = {a.key: _value(a.value) for a in rs.resource.attributes}
+                        for ss in rs.scope_spans:
+                            for s in ss.spans:
+                                spans.append({"name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
+                                              "parent": s.parent_span_id.hex(), "kind": s.kind, "resource": res,
+                                              "start": s.start_time_unix_nano, "end": s.end_time_unix_nano,
+                                              "status": s.status.code,
+                                              "attrs": {a.key: _value(a.value) for a in s.attributes},
+                                              "events": [e.name for e in s.events]})
+                out = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def trace(self, trace_id: str) -> list[dict]:
+        with self.lock:
+            return [s for s in self.spans if s["trace_id"] == trace_id]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _value(v):
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def traced(backend_url: str, receiver_url: str, extra: str = "") -> str:
+    return upstream_config(backend_url, model=MODEL, kind="openai") + f"""
+    [tracing]
+    enabled = true
+    endpoint = "{receiver_url}"
+    {extra}
+    """
+
+
+ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # export every 0.1 s rather than every 5 s
+
+
+def chat(gw, headers: dict[str, str] | None = None, stream: bool = False) -> httpx.Response:
+    r = httpx.post(gw.url + "/v1/chat/completions", headers=headers or {}, timeout=30, json={
+        "model": MODEL, "max_tokens": 4, "stream": stream, "messages": [{"role": "user", "content": "secret prompt"}]})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_one_trace_with_queue_and_attempt_spans_joined_by_the_runtime(gateway, fake_backend, receiver):
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    gw = gateway(traced(fake.url, receiver.url), env=ENV)
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    r = chat(gw, {"traceparent": f"00-{client_trace}-{client_span}-01"}, stream=True)
+    rid = r.headers["x-request-id"]
+
+    def complete() -> list[dict] | None:
+        spans = receiver.trace(client_trace)
+        return spans if any(s["attrs"].get("passerelle.request_id") == rid for s in spans) else None
+
+    spans = wait_until(complete, 30, what="the request's trace at the receiver")
+    root = next(s for s in spans if s["attrs"].get("passerelle.request_id") == rid)
+    assert root["parent"] == client_span and root["name"] == f"chat {MODEL}"
+    assert root["kind"] == 2  # SERVER
+    a = root["attrs"]
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == MODEL
+    assert a["gen_ai.usage.input_tokens"] > 0 and a["gen_ai.usage.output_tokens"] == 4
+    assert a["gen_ai.response.finish_reasons"] == ["length"] and a["passerelle.cause"] == "ok"
+    assert root["resource"]["service.name"] == "passerelle"
+    assert not root["events"]  # prompts are not recorded unless asked
+    children = {s["name"]: s for s in spans if s["parent"] == root["span_id"]}
+    assert set(children) == {"queue", f"chat {MODEL}"}, children.keys()
+    attempt = children[f"chat {MODEL}"]
+    assert attempt["kind"] == 3 and attempt["attrs"]["passerelle.backend"] == "b1"  # CLIENT
+    assert children["queue"]["end"] <= attempt["start"] <= attempt["end"] <= root["end"]
+    # the runtime was sent the attempt's span as its parent, in the client's trace
+    got = httpx.get(fake.url + "/fake/stats", timeout=5).json()["traceparents"]
+    assert f"00-{client_trace}-{attempt['span_id']}-01" in got
+
+
+def test_a_request_without_traceparent_starts_a_trace_and_prompts_may_be_recorded(gateway, fake_backend, receiver):
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    gw = gateway(traced(fake.url, receiver.url, "record_prompts = true"), env=ENV)
+    rid = chat(gw).headers["x-request-id"]
+
+    def root() -> dict | None:
+        with receiver.lock:
+            return next((s for s in receiver.spans if s["attrs"].get("passerelle.request_id") == rid), None)
+
+    span = wait_until(root, 30, what="the request's span")
+    assert span["parent"] == "" and span["events"] == ["gen_ai.content.prompt"]
+    sent = httpx.get(fake.url + "/fake/stats", timeout=5).json()["traceparents"]
+    assert len(sent) == 1 and sent[0].split("-")[1] == span["trace_id"]
+
+
+def test_a_sampled_out_client_trace_is_not_exported_but_still_propagated(gateway, fake_backend, receiver):
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    gw = gateway(traced(fake.url, receiver.url), env=ENV)
+    tid = "0af7651916cd43dd8448eb211c80319c"
+    chat(gw, {"traceparent": f"00-{tid}-b7ad6b7169203331-00"})
+    sampled = chat(gw, {"traceparent": f"00-{'1' * 32}-b7ad6b7169203331-01"}).headers["x-request-id"]
+    wait_until(lambda: any(s["attrs"].get("passerelle.request_id") == sampled for s in receiver.trace("1" * 32)),
+               30, what="the sampled request's span")
+    assert receiver.trace(tid) == []  # the client said "not sampled": followed
+    sent = httpx.get(fake.url + "/fake/stats", timeout=5).json()["traceparents"]
+    assert any(t.startswith(f"00-{tid}-") and t.endswith("-00") for t in sent)
+
+
+def test_opentelemetry_is_not_imported_when_tracing_is_off(tmp_path):
+    import subprocess
+    import sys
+
+    script = """
+import asyncio, sys
+from tests.inprocess import fake_runtime, gateway
+async def main():
+    async with fake_runtime(ttft_ms=1, itl_ms=1) as fake, gateway(fake.backend_config()) as gw:
+        r = await gw.post("/v1/chat/completions", {"model": "fake-model", "max_tokens": 2,
+                          "messages": [{"role": "user", "content": "x"}]})
+        assert r.status == 200, r.status
+        assert gw.app.gateway.tracer is None and gw.records[0].trace is None
+asyncio.run(main())
+loaded = sorted(m for m in sys.modules if m.startswith("opentelemetry"))
+assert not loaded, loaded
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PASSERELLE_STATE": str(tmp_path)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
