@@ -43,11 +43,13 @@ def _merge_tool_calls(into: list[dict[str, Any]], deltas: list[dict[str, Any]]) 
             call["id"] = d["id"]
         if d.get("type"):
             call["type"] = d["type"]
-        fn = d.get("function") or {}
-        if fn.get("name"):
-            call["function"]["name"].append(fn["name"])
-        if fn.get("arguments"):
-            call["function"]["arguments"].append(fn["arguments"])
+        fn = d.get("function")
+        if not isinstance(fn, dict):
+            continue
+        if name := _text(fn.get("name")):
+            call["function"]["name"].append(name)
+        if arguments := _text(fn.get("arguments")):
+            call["function"]["arguments"].append(arguments)
 
 
 def _finish_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -105,7 +107,8 @@ def assemble(sse: bytes, endpoint: str) -> bytes:
         for k in ("usage", "timings"):
             if obj.get(k):
                 extra[k] = obj[k]
-        for ch in obj.get("choices") or []:
+        choices_in = obj.get("choices")
+        for ch in choices_in if isinstance(choices_in, list) else ():
             if not isinstance(ch, dict):
                 continue
             idx = ch.get("index", 0)
@@ -116,7 +119,9 @@ def assemble(sse: bytes, endpoint: str) -> bytes:
                 c = choices[idx] = {"index": idx, "text": [], "reasoning": [], "reasoning_field": [], "tools": [],
                                     "role": "assistant", "finish_reason": None, "logprobs": None}
             if chat:
-                delta = ch.get("delta") or {}
+                delta = ch.get("delta")
+                if not isinstance(delta, dict):
+                    delta = {}
                 c["role"] = delta.get("role") or c["role"]
                 if text := _text(delta.get("content")):
                     c["text"].append(text)
@@ -124,11 +129,11 @@ def assemble(sse: bytes, endpoint: str) -> bytes:
                     c["reasoning"].append(reasoning)
                 if reasoning := _text(delta.get("reasoning")):  # vLLM >= 0.16's name
                     c["reasoning_field"].append(reasoning)
-                if delta.get("tool_calls"):
+                if isinstance(delta.get("tool_calls"), list):
                     _merge_tool_calls(c["tools"], delta["tool_calls"])
             elif text := _text(ch.get("text")):
                 c["text"].append(text)
-            if ch.get("logprobs"):
+            if ch.get("logprobs") and isinstance(ch["logprobs"], dict):
                 c["logprobs"] = _merge_logprobs(c["logprobs"], ch["logprobs"])
             if ch.get("finish_reason"):
                 c["finish_reason"] = ch["finish_reason"]
@@ -151,4 +156,13 @@ def assemble(sse: bytes, endpoint: str) -> bytes:
             out_choices.append({"index": idx, "text": text, "finish_reason": c["finish_reason"],
                                 "logprobs": c["logprobs"]})
     body = {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out_choices, **extra}
-    return orjson.dumps(body)
+    return dumps_answer(body)
+
+
+def dumps_answer(body: dict[str, Any]) -> bytes:
+    """An assembled answer as JSON; the runtime's JSON nested past what orjson writes (254 levels)
+    is the runtime's fault."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        raise UpstreamError("The model runtime's answer is nested too deeply to be assembled.") from None

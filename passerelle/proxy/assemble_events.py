@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from passerelle.errors import UpstreamError
+from passerelle.proxy.assemble import dumps_answer
 from passerelle.proxy.grammars import data_json
 from passerelle.proxy.relay import SSEScanner
 
@@ -46,6 +47,12 @@ def _responses(events: list[Any]) -> dict[str, Any]:
     raise UpstreamError("The model runtime's Responses stream ended without its final response.")
 
 
+def _append(block: dict[str, Any], field: str, piece: Any) -> None:
+    """``piece`` added to the block's text field (a value that is no text counts as none)."""
+    old = block.get(field)
+    block[field] = (old if isinstance(old, str) else "") + (piece if isinstance(piece, str) else "")
+
+
 def _messages(events: list[Any]) -> dict[str, Any]:
     message: dict[str, Any] | None = None
     blocks: dict[int, dict[str, Any]] = {}
@@ -55,23 +62,29 @@ def _messages(events: list[Any]) -> dict[str, Any]:
         if kind == "message_start" and isinstance(obj.get("message"), dict):
             message = dict(obj["message"])
         elif kind == "content_block_start" and isinstance(obj.get("content_block"), dict):
-            blocks[obj.get("index", len(blocks))] = dict(obj["content_block"])
+            idx = obj.get("index", len(blocks))
+            if isinstance(idx, int):  # (a block's place: anything else cannot be ordered)
+                blocks[idx] = dict(obj["content_block"])
         elif kind == "content_block_delta":
-            idx, delta = obj.get("index", 0), obj.get("delta") or {}
+            idx, delta = obj.get("index", 0), obj.get("delta")
+            if not isinstance(idx, int) or not isinstance(delta, dict):
+                continue
             block = blocks.setdefault(idx, {"type": "text", "text": ""})
             dtype = delta.get("type")
             if dtype == "text_delta":
-                block["text"] = block.get("text", "") + (delta.get("text") or "")
+                _append(block, "text", delta.get("text"))
             elif dtype == "thinking_delta":
-                block["thinking"] = block.get("thinking", "") + (delta.get("thinking") or "")
+                _append(block, "thinking", delta.get("thinking"))
             elif dtype == "signature_delta":
-                block["signature"] = block.get("signature", "") + (delta.get("signature") or "")
-            elif dtype == "input_json_delta":
-                partial_json[idx] = partial_json.get(idx, "") + (delta.get("partial_json") or "")
+                _append(block, "signature", delta.get("signature"))
+            elif dtype == "input_json_delta" and isinstance(piece := delta.get("partial_json"), str):
+                partial_json[idx] = partial_json.get(idx, "") + piece
         elif kind == "message_delta" and message is not None:
-            message.update({k: v for k, v in (obj.get("delta") or {}).items()})
+            if isinstance(obj.get("delta"), dict):
+                message.update(obj["delta"])
             if isinstance(obj.get("usage"), dict):
-                message["usage"] = {**(message.get("usage") or {}), **obj["usage"]}
+                usage = message.get("usage")
+                message["usage"] = {**(usage if isinstance(usage, dict) else {}), **obj["usage"]}
     if message is None:
         raise UpstreamError("The model runtime's Messages stream ended without message_start.")
     for idx, text in partial_json.items():
@@ -96,4 +109,4 @@ _BUILDERS = {"responses": _responses, "messages": _messages, "llama": _llama}
 
 def assemble_events(sse: bytes, grammar: str) -> bytes:
     """The JSON body a non-streaming request would have received, from a complete stream."""
-    return orjson.dumps(_BUILDERS[grammar](_events(sse)))
+    return dumps_answer(_BUILDERS[grammar](_events(sse)))
