@@ -8,7 +8,7 @@ grammars and the assembly of non-streamed answers. Each gives an answer of the r
 client error (a ``GatewayError`` with a 4xx status) for the client's JSON, or an ``UpstreamError``
 for the runtime's; never another exception (which the gateway turns into ``internal_error``).
 
-The run is bounded and reproducible (derandomized); ``FUZZ_EXAMPLES=2000`` explores further.
+The run is bounded and reproducible (derandomized); ``FUZZ_EXAMPLES=2000 FUZZ_RANDOM=1`` explores further.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from passerelle.runtimes.registry import Registry
 from passerelle.tenants.estimate import estimate_prompt_tokens
 from tests.jsonvalues import REQUESTS, STREAMS, STREAMS_OUT, decoded, encode, json_values, mutated, sse
 
-FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None, derandomize=True,
+FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None,
+                derandomize=not os.environ.get("FUZZ_RANDOM"),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 MAX_COUNT = 2**53  # what a token count may be: an exact float, and a SQLite integer
 
