@@ -34,7 +34,7 @@ from passerelle.tenants.quota import Quota
 from tests.inprocess import InProcessGateway, Response, fake_runtime, gateway
 from tests.jsonvalues import REQUESTS, STREAMS, encode, json_values, mutated
 
-FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "25")), deadline=None,
+FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "30")), deadline=None,
                 derandomize=not os.environ.get("FUZZ_RANDOM"),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from passerelle.config import AuthConfig, RoutingConfig, load_config
@@ -38,7 +38,7 @@ from passerelle.runtimes.registry import Registry
 from passerelle.tenants.estimate import estimate_prompt_tokens
 from tests.jsonvalues import REQUESTS, STREAMS, STREAMS_OUT, decoded, encode, json_values, mutated, sse
 
-FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None,
+FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "100")), deadline=None,
                 derandomize=not os.environ.get("FUZZ_RANDOM"),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 MAX_COUNT = 2**53  # what a token count may be: an exact float, and a SQLite integer
@@ -116,6 +116,28 @@ def test_intake_reads_any_request(endpoint, data):
             assert orjson.loads(out)["stream_options"]["include_usage"] is True
 
 
+DEEP = b'{"content":' * 300 + b'"x"' + b"}" * 300  # past orjson's 254 written levels, within its 1,024 read
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "messages", "responses"])
+def test_a_request_too_deep_to_rewrite_is_the_clients_error(catalogue, endpoint):
+    """Found by Hypothesis: orjson reads 1,024 levels and writes 254, so every rewrite of a deep
+    request (the usage option, a catalogue rule, the affinity key) raised TypeError: a 500."""
+    from passerelle.errors import InvalidRequest
+
+    body = encode({**REQUESTS[endpoint], "model": "m", "stream": True, "stream_options": {}})
+    raw = body[:-1] + b',"extra":' + DEEP + b"}"
+    req = API[endpoint].parse(raw, "application/json")
+    assert req.data is not None and estimate_prompt_tokens(req.data) > 0
+    with pytest.raises(InvalidRequest, match="nested too deeply"):
+        with_usage_requested(raw, req.data)
+    with pytest.raises(InvalidRequest, match="nested too deeply"):
+        catalogue.resolve("m", endpoint, req.data, raw)
+    req.data["messages" if endpoint != "responses" else "input"] = [{"role": "user", "content": req.data["extra"]}]
+    with pytest.raises(InvalidRequest, match="nested too deeply"):
+        affinity_key(RoutingConfig(prefix_affinity=True), {"headers": []}, req.data, endpoint)
+
+
 def test_priority_class_reads_only_its_header():
     from passerelle.config import ClassConfig
 
@@ -179,9 +201,9 @@ def test_catalogue_rewrites_any_request(catalogue, endpoint, data):
         return
     assert route.data is not None and orjson.loads(route.body) == route.data
     assert route.data["model"] == "m-served" and "logit_bias" not in route.data
-    if endpoint != "embeddings":
-        limit = route.data.get("max_tokens")
-        assert limit is not None and (not isinstance(limit, int | float) or isinstance(limit, bool) or limit <= 512)
+    if endpoint != "embeddings":  # the cap bounds whichever output limit the client used, else sets max_tokens
+        limits = [route.data[k] for k in ("max_tokens", "max_completion_tokens") if route.data.get(k) is not None]
+        assert limits and all(isinstance(v, int | float) and v <= 512 for v in limits), limits
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
@@ -204,6 +226,9 @@ def test_a_suspended_stream_continues_any_request(endpoint, data):
 
 
 # -- runtime answers -------------------------------------------------------------------------------
+@example(obj={"usage": {"prompt_tokens": -3, "completion_tokens": 2**64 - 1}})  # a negative counter is a ValueError
+@example(obj={"usage": {"input_tokens": 2**53, "cache_read_input_tokens": 2**53, "output_tokens": True}})
+@example(obj={"tokens_evaluated": -1, "tokens_predicted": 18446744073709551615})  # SQLite: OverflowError
 @FUZZ
 @given(obj=mutated({"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "input_tokens": 3,
                               "output_tokens": 2, "cache_read_input_tokens": 1}, "tokens_evaluated": 3,
@@ -241,6 +266,20 @@ def test_grammars_scan_any_stream(sse):
             assert v is None or (isinstance(v, int) and 0 <= v <= MAX_COUNT)
 
 
+# Found by Hypothesis (each an exception, so a 500 internal_error, before the fix):
+@example(sse=b'data: {"usage":' + DEEP + b"}\n\n")  # the answer nested past what orjson writes
+@example(sse=b'data: {"choices":5}\n\ndata: {"choices":[{"delta":[1]}]}\n\n')  # delta not an object
+@example(sse=b'data: {"choices":[{"delta":{"tool_calls":[{"function":"f"}]}}]}\n\n')  # function a string
+@example(sse=b'data: {"choices":[{"delta":{"tool_calls":[{"function":{"name":{"a":1}}}]}}]}\n\n')
+@example(sse=b'data: {"choices":[{"delta":{"tool_calls":7}}]}\n\ndata: {"choices":[{"text":"a","logprobs":[1]}]}\n\n')
+@example(sse=b'data: {"type":"message_start","message":{"usage":[1]}}\n\n'  # Messages: wrong types everywhere
+         b'data: {"type":"content_block_start","index":[0],"content_block":{"type":"text"}}\n\n'
+         b'data: {"type":"content_block_start","index":"a","content_block":{"type":"text","text":5}}\n\n'
+         b'data: {"type":"content_block_start","index":1,"content_block":{"type":"text","text":5}}\n\n'
+         b'data: {"type":"content_block_delta","index":1,"delta":{"type":"text_delta","text":[]}}\n\n'
+         b'data: {"type":"content_block_delta","index":2,"delta":true}\n\n'
+         b'data: {"type":"content_block_delta","index":3,"delta":{"type":"input_json_delta","partial_json":1}}\n\n'
+         b'data: {"type":"message_delta","delta":[1],"usage":{"output_tokens":1}}\n\n')
 @FUZZ
 @given(sse=streams)
 def test_assembly_of_any_stream_is_an_answer_or_an_upstream_error(sse):
@@ -258,6 +297,7 @@ def test_assembly_of_any_stream_is_an_answer_or_an_upstream_error(sse):
         assert isinstance(orjson.loads(body), dict)
 
 
+@example(sse=b'data: {"id":"a"}\n\ndata: {"id":"b","deep":' + DEEP + b"}\n\n")  # changed, and too deep to write
 @FUZZ
 @given(sse=streams)
 def test_the_splice_passes_any_event(sse):
