@@ -137,6 +137,18 @@ class InvalidRequest(GatewayError):
         self.param = param
 
 
+def encode_request(data: object) -> bytes:
+    """A client's JSON, changed by the gateway (a model alias, parameter rules, the usage option, a
+    stream asked for instead, a continuation), as bytes again. orjson writes 254 levels of nesting
+    and reads 1,024: a request nested deeper than the gateway can write is the client's error (400),
+    never the gateway's (the same request passes untouched where the gateway changes nothing)."""
+    try:
+        return orjson.dumps(data)
+    except TypeError:  # (parsed JSON holds nothing else orjson cannot write)
+        raise InvalidRequest("The request's JSON is nested too deeply for the gateway to rewrite it "
+                             "(at most 254 levels).") from None
+
+
 class UnknownModel(InvalidRequest):
     status, code = 404, "model_not_found"
 

@@ -1,5 +1,7 @@
 """Shared fixtures: a real llama-server (built by ``make setup``), the fake backend, and the
-gateway as a real subprocess on loopback."""
+gateway as a real subprocess on loopback; and, for every test, a watch on the gateways it ran: an
+``internal_error`` (a fault of the gateway itself) fails the test, unless the test is marked
+``@pytest.mark.internal_error_expected`` because it provokes one on purpose."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ import pytest
 from passerelle.runtimes.supervisor import free_port
 
 MODEL_ID = "gemma-3-270m"
-
-
+# Every gateway subprocess a test started (Gateway objects register themselves): the watch below reads
+# what each logged during each test.
+GATEWAYS: list[Gateway] = []
 
 
 def wait_until(cond: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition"):
@@ -68,6 +71,9 @@ class Server:
 
 @dataclass
 class Gateway(Server):
+    def __post_init__(self) -> None:
+        GATEWAYS.append(self)
+
     def openai(self):
         """An OpenAI SDK client for this gateway, closed when the test ends."""
         import openai
@@ -108,6 +114,62 @@ class Gateway(Server):
     def children(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
+
+
+def _log_size(gw: Gateway) -> int:
+    try:
+        return gw.log_path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _internal_errors_logged(gw: Gateway, since: int) -> list[str]:
+    """Access-log lines with cause internal_error that ``gw`` wrote after byte ``since``."""
+    if gw.proc.poll() is None and _log_size(gw) > since:
+        # a request's line is written on the gateway's next pass after its last byte: one more
+        # request orders this read after it (see Gateway.access_log)
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(gw.url + "/health", timeout=5)
+    try:
+        with open(gw.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.startswith("{") and '"cause":"internal_error"' in line]
+
+
+@pytest.fixture(autouse=True)
+def no_internal_error(request, monkeypatch) -> Iterator[None]:
+    """Fail the test when a gateway it ran ended a request with ``internal_error``: the in-process
+    apps' records (every ``Gateway.account``) and the access logs of the gateway subprocesses
+    (those started during the test, and the lines a shared one wrote during it). Not for a test
+    marked ``internal_error_expected`` (it injects one on purpose)."""
+    from passerelle.errors import Cause
+    from passerelle.proxy.gateway import Gateway as InProcess
+
+    if request.node.get_closest_marker("internal_error_expected"):
+        yield
+        return
+    seen: list[str] = []
+    account = InProcess.account
+
+    def watched(self, rec) -> None:
+        if rec.cause is Cause.INTERNAL_ERROR:
+            seen.append(f"{rec.endpoint} {rec.id}: {rec.error}")
+        account(self, rec)
+
+    monkeypatch.setattr(InProcess, "account", watched)
+    offsets = {id(gw): _log_size(gw) for gw in GATEWAYS}
+    yield
+    for gw in list(GATEWAYS):
+        seen += _internal_errors_logged(gw, offsets.get(id(gw), 0))
+        if gw.proc.poll() is not None:
+            GATEWAYS.remove(gw)  # (stopped: nothing more to read)
+    if seen:
+        pytest.fail("a gateway ended requests with internal_error (a fault of the gateway; mark the test "
+                    "internal_error_expected only if it provokes one on purpose):\n" + "\n".join(seen[:10]),
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")

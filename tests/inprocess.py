@@ -119,11 +119,12 @@ class InProcessGateway:
     async def request(self, method: str, path: str, body: bytes = b"", *, headers: dict[str, str] | None = None,
                       client: str = "127.0.0.1", leave_after_chunks: int | None = None,
                       stop_reading_after_chunks: int | None = None, timeout: float = 10.0,
-                      keep_body: bool = True) -> Response:
+                      keep_body: bool = True, disconnect: asyncio.Event | None = None) -> Response:
         """One request through the app. ``leave_after_chunks``: the client hangs up after that many
         body chunks (0: right after the response head). ``stop_reading_after_chunks``: after that
         many, every send blocks as on a full socket, until the gateway aborts the connection
-        (``Response.aborted``). ``keep_body=False``: the body is counted (``Response.size``), not kept."""
+        (``Response.aborted``). ``keep_body=False``: the body is counted (``Response.size``), not kept.
+        ``disconnect``: the client hangs up when the test sets it."""
         hdrs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         if body:
             hdrs.append((b"content-length", str(len(body)).encode()))
@@ -132,7 +133,7 @@ class InProcessGateway:
                  "scheme": "http", "path": path_only, "raw_path": path_only.encode(), "query_string": query.encode(),
                  "headers": hdrs, "client": (client, 50000), "server": ("127.0.0.1", 8080)}
         resp = Response()
-        gone = asyncio.Event()
+        gone = disconnect if disconnect is not None else asyncio.Event()
         sent_body = False
 
         async def receive() -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from passerelle.errors import AnswersBusy
+from passerelle.errors import AnswersBusy, UpstreamError
 
 Piece = bytes | bytearray | memoryview
 # A string longer than this is encoded in slices of it: orjson reserves about 15 bytes per
@@ -135,7 +135,10 @@ def render(value: Any) -> list[Piece]:
             return f"{mark}{len(blobs) - 1}"
         raise TypeError(f"{type(obj).__name__} is not JSON")
 
-    skeleton = orjson.dumps(value, default=default)
+    try:
+        skeleton = orjson.dumps(value, default=default)
+    except TypeError:  # the runtime's JSON nested past what orjson writes (254 levels): its fault
+        raise UpstreamError("The model runtime's answer is nested too deeply to be assembled.") from None
     if not blobs:
         return [skeleton]
     pieces: list[Piece] = []

@@ -93,7 +93,7 @@ class EventsAssembler:
             if block is None:
                 block = self.blocks[idx] = self._block({"type": "text", "text": ""})
             dtype = delta.get("type")
-            if dtype in _DELTAS:
+            if isinstance(dtype, str) and dtype in _DELTAS:
                 field, key = _DELTAS[dtype]
                 part = delta.get(key)
                 if isinstance(part, str) and part:

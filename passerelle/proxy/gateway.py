@@ -34,8 +34,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import orjson
-
 from passerelle.config import ClassConfig, Config
 from passerelle.errors import (
     Cause,
@@ -46,6 +44,7 @@ from passerelle.errors import (
     InvalidRequest,
     QueueTimeout,
     UpstreamError,
+    encode_request,
 )
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
@@ -382,11 +381,11 @@ class Gateway:
         dialect = backend.continuation if splice is not None else ""
         if dialect and splice is not None:
             data = splice.request_data(dialect)
-            body = orjson.dumps(data)
+            body = encode_request(data)
         if collect:
             assert data is not None
             extra = {"stream_options": {"include_usage": True}} if chat_like else {}
-            body = orjson.dumps({**data, "stream": True, **extra})
+            body = encode_request({**data, "stream": True, **extra})
         elif rec.stream and chat_like and data is not None and not (data.get("stream_options") or {}).get(
                 "include_usage"):
             body, strip_usage = with_usage_requested(body, data), True

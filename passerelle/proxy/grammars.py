@@ -82,6 +82,15 @@ def data_json(ev: bytes) -> Any:
         return None
 
 
+MAX_COUNT = 2**53  # a token count the gateway takes from a runtime: exact as a float, and a SQLite integer
+
+
+def token_count(value: Any) -> int | None:
+    """``value`` if it is a token count (an integer from 0 to 2**53), else None: a runtime's
+    negative or huge figure would break a counter, a quota or a usage row."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT else None
+
+
 def usage_of(obj: Any) -> tuple[int | None, int | None]:
     """(prompt, completion) tokens from any of the runtimes' answers: OpenAI's ``usage``
     (``prompt_tokens``/``completion_tokens``), Responses' and Anthropic's (``input_tokens``/
@@ -93,16 +102,16 @@ def usage_of(obj: Any) -> tuple[int | None, int | None]:
         resp = obj.get("response") if isinstance(obj.get("response"), dict) else obj.get("message")
         usage = resp.get("usage") if isinstance(resp, dict) else None
     if isinstance(usage, dict):
-        p = usage.get("prompt_tokens", usage.get("input_tokens"))
-        c = usage.get("completion_tokens", usage.get("output_tokens"))
-        if isinstance(p, int) and "input_tokens" in usage:
-            p += sum(v for k in ("cache_read_input_tokens", "cache_creation_input_tokens")
-                     if isinstance(v := usage.get(k), int))
-        if c is None and isinstance(p, int) and isinstance(usage.get("total_tokens"), int):
-            c = usage["total_tokens"] - p  # rerank and embeddings: input only
-        return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
-    p, c = obj.get("tokens_evaluated"), obj.get("tokens_predicted")
-    return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
+        p = token_count(usage.get("prompt_tokens", usage.get("input_tokens")))
+        c = token_count(usage.get("completion_tokens", usage.get("output_tokens")))
+        if p is not None and "input_tokens" in usage:
+            p = token_count(p + sum(v for k in ("cache_read_input_tokens", "cache_creation_input_tokens")
+                                    if (v := token_count(usage.get(k))) is not None))
+        total = token_count(usage.get("total_tokens"))
+        if c is None and p is not None and total is not None:
+            c = token_count(total - p)  # rerank and embeddings: input only
+        return p, c
+    return token_count(obj.get("tokens_evaluated")), token_count(obj.get("tokens_predicted"))
 
 
 def with_fields(ev: bytes, fields: bytes) -> bytes:

@@ -13,10 +13,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import orjson
-
 from passerelle.config import AuthConfig, ClassConfig, RoutingConfig
-from passerelle.errors import BodyTooLarge, ClientDisconnect, InvalidRequest
+from passerelle.errors import BodyTooLarge, ClientDisconnect, InvalidRequest, encode_request
 from passerelle.proxy.exchange import Receive, Scope, header
 from passerelle.tenants.keys import ApiKey
 
@@ -68,7 +66,7 @@ def with_usage_requested(body: bytes, data: dict[str, Any]) -> bytes:
         i = body.index(b"{")
         return body[: i + 1] + b'"stream_options":{"include_usage":true},' + body[i + 1 :]
     data = dict(data, stream_options={**(data["stream_options"] or {}), "include_usage": True})  # null is valid
-    return orjson.dumps(data)
+    return encode_request(data)
 
 
 def priority_class(classes: dict[str, ClassConfig], auth: AuthConfig, scope: Scope,
@@ -105,7 +103,7 @@ def affinity_key(r: RoutingConfig, scope: Scope, data: dict[str, Any] | None, en
             opening.append(m)
             if not isinstance(m, dict) or m.get("role") == "user":
                 break
-        return "p:" + hashlib.blake2b(orjson.dumps(opening), digest_size=12).hexdigest()
+        return "p:" + hashlib.blake2b(encode_request(opening), digest_size=12).hexdigest()
     user = data.get("user")
     return "u:" + hashlib.blake2b(user.encode(errors="surrogatepass"), digest_size=12).hexdigest() \
         if isinstance(user, str) else ""

@@ -41,7 +41,7 @@ from passerelle.config import TimeoutConfig
 from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, UpstreamTimeout, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
-from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar
+from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar, token_count
 from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -124,8 +124,7 @@ def parse_usage(obj: Any) -> tuple[int | None, int | None]:
     usage = obj.get("usage") if isinstance(obj, dict) else None
     if not isinstance(usage, dict):
         return None, None
-    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
+    return token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
 
 
 class StreamRelay:

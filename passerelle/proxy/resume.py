@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from passerelle.chunks import REASONING_FIELDS
+from passerelle.proxy.grammars import token_count
 from passerelle.upstream.client import Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -251,7 +252,12 @@ class Splice:
         elif isinstance(obj.get("usage"), dict) and self.suspensions:
             self._total_usage(obj["usage"])
             changed = True
-        return b"data: " + orjson.dumps(obj) + b"\n\n" if changed else ev
+        if not changed:
+            return ev
+        try:
+            return b"data: " + orjson.dumps(obj) + b"\n\n"
+        except TypeError:  # (a runtime's event nested deeper than orjson writes: passed on as it came)
+            return ev
 
     def _identity(self, obj: dict[str, Any]) -> bool:
         """The first attempt's id and created on every event."""
@@ -270,9 +276,10 @@ class Splice:
         if not isinstance(t, dict):
             return
         if self._dialect == "llama-server":
-            generated, prompt, cached = t.get("predicted_n"), t.get("prompt_n"), t.get("cache_n")
+            generated, prompt, cached = (token_count(t.get(k)) for k in ("predicted_n", "prompt_n", "cache_n"))
         else:
-            generated, prompt, cached = t.get("completion_tokens"), t.get("prompt_tokens"), None
+            generated, prompt = token_count(t.get("completion_tokens")), token_count(t.get("prompt_tokens"))
+            cached = None
         if isinstance(generated, int) and obj.get("choices"):
             self.attempt_tokens, self._counted = generated, True
         if not isinstance(prompt, int) or self._prompt_seen:

@@ -29,10 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from passerelle.config import ModelConfig
-from passerelle.errors import InvalidRequest, UnknownModel, clip
+from passerelle.errors import InvalidRequest, UnknownModel, clip, encode_request
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import ProcState, Supervisor
@@ -210,7 +208,7 @@ class Catalogue:
         for k in m.strip:
             if out.pop(k, None) is not None:
                 applied.append(f"{k} stripped")
-        return Route(m.name, served, pool, out, orjson.dumps(out), rewritten=True, applied=applied)
+        return Route(m.name, served, pool, out, encode_request(out), rewritten=True, applied=applied)
 
     # -- /v1/models ----------------------------------------------------------------------------
     def _backends(self, m: ModelConfig) -> list[Backend]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import orjson
 
+from passerelle.errors import encode_request
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.prom import parse_samples
 
@@ -32,7 +33,7 @@ class LlamaServerBackend(Backend):
             return b'%s"id_slot":%d,%s' % (body[: i + 1], slot, body[i + 1 :])
         data = orjson.loads(body)
         data["id_slot"] = slot
-        return orjson.dumps(data)
+        return encode_request(data)
 
     async def _report_capacity(self) -> tuple[int | None, str]:
         status, body = await self._get("/props")

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from passerelle.errors import encode_request
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.prom import parse_samples
 
@@ -73,7 +74,7 @@ class VllmBackend(Backend):
         if data.get("priority") == priority_rank:
             return body
         data["priority"] = priority_rank
-        return orjson.dumps(data)
+        return encode_request(data)
 
 
 class SglangBackend(VllmBackend):

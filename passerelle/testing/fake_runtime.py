@@ -212,14 +212,18 @@ class PromptCache:
 
 
 def _count_words(value: Any) -> int:
-    """The fake's "tokenizer": whitespace-separated words of every text part."""
-    if isinstance(value, str):
-        return len(value.split())
-    if isinstance(value, list):
-        return sum(_count_words(v) for v in value)
-    if isinstance(value, dict):
-        return _count_words(value.get("content", "")) + _count_words(value.get("text", ""))
-    return 0
+    """The fake's "tokenizer": whitespace-separated words of every text part (a stack: a prompt
+    may nest as deep as JSON is parsed)."""
+    n, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            n += len(v.split())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack += [v.get("content", ""), v.get("text", "")]
+    return n
 
 
 def tokens_due(now: float, first_at: float, itl: float, sent: int, n_tokens: int) -> int:
@@ -569,7 +573,10 @@ class FakeBackend:
                          keep_alive)
             return
         prompt_tokens = _count_words(prompt)
-        self.prompts_seen.add(hash(_dumps(prompt)))
+        try:
+            self.prompts_seen.add(hash(_dumps(prompt)))
+        except TypeError:  # nested deeper than orjson writes
+            self.prompts_seen.add(hash(raw))
         cached = self.cache.lookup(_words(prompt)) if self.cache is not None else None
         stream = bool(body.get("stream"))
         include_usage = cfg.usage and bool((body.get("stream_options") or {}).get("include_usage"))

@@ -193,6 +193,7 @@ async def test_admission_counts_every_sequence_a_request_generates(tmp_path):
         assert (await gw.post("/v1/chat/completions", {**CHAT, "n": 2}, headers=auth)).status == 200
 
 
+@pytest.mark.internal_error_expected
 async def test_a_fault_of_the_gateway_is_internal_error_not_the_runtimes(monkeypatch):
     async with fake_runtime() as fake, gateway(fake.backend_config()) as gw:
         def broken(*_a, **_k):
@@ -214,6 +215,7 @@ STREAMS = [  # path, body, how the API's error event is read
 ]
 
 
+@pytest.mark.internal_error_expected
 @pytest.mark.parametrize(("path", "body", "code_of"), STREAMS, ids=["chat", "messages"])
 async def test_a_fault_of_the_gateway_mid_stream_ends_it_with_its_apis_error_event(monkeypatch, caplog, path, body,
                                                                                   code_of):

@@ -108,16 +108,19 @@ async def test_preemption_off_leaves_the_batch_stream_alone():
 async def test_a_client_that_leaves_while_suspended_is_let_go():
     async with fake_runtime(itl_ms=10, slots=1) as fake, gateway(one_slot(fake), auth=AUTH) as gw:
         body = {**BATCH, "stream": True}
-        batch = asyncio.create_task(gw.post("/v1/chat/completions", body, headers={"X-Priority": "batch"}))
+        hang_up = asyncio.Event()
+        batch = asyncio.create_task(gw.post("/v1/chat/completions", body, headers={"X-Priority": "batch"},
+                                            disconnect=hang_up))
         await until(lambda: gw.app.scheduler.suspendable)
         chat = asyncio.create_task(gw.post("/v1/chat/completions", {**CHAT, "max_tokens": 30},
                                            headers={"X-Priority": "interactive"}))
         await until(lambda: gw.app.scheduler.preempt_counts["suspended"] == 1)
-        batch.cancel()  # the batch client goes away while its stream waits to resume
-        await asyncio.gather(batch, return_exceptions=True)
+        hang_up.set()  # the batch client goes away while its stream waits to resume
+        await batch
         await chat
         await until(lambda: settled(gw))
         assert gw.app.scheduler.preempt_counts == {"suspended": 1, "resumed": 0}
+        assert {r.priority: r.cause for r in gw.records}["batch"] is Cause.CLIENT_DISCONNECT
 
 
 async def test_a_stream_is_cut_only_once_its_first_token_went_out():
