@@ -61,6 +61,8 @@ class Cause(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"  # a fault of the gateway itself, never blamed on the runtime
     CLIENT_TIMEOUT = "client_timeout"  # the client stopped reading: the gateway cut the connection
     SERVER_BUSY = "server_busy"  # the gateway's own capacity (bodies held at once), not a model's queue
+    TENANT_QUEUE_FULL = "tenant_queue_full"  # the tenant holds its share of a class's queue while others wait
+    SESSION_LIMIT = "session_limit"  # the session already has [routing] max_session_in_flight requests running
 
 
 class PasserelleError(Exception):
@@ -171,6 +173,17 @@ class QuotaExceeded(GatewayError):
 
 class QueueFull(GatewayError):
     status, type, code, cause = 429, "rate_limit_error", "queue_full", Cause.QUEUE_FULL
+
+
+class TenantQueueFull(GatewayError):
+    """The tenant holds its share (``[scheduler] tenant_queue_share``) of a class's queue while other
+    tenants' requests wait, or a newcomer took the place of its newest queued request."""
+
+    status, type, code, cause = 429, "rate_limit_error", "tenant_queue_full", Cause.TENANT_QUEUE_FULL
+
+
+class SessionLimit(GatewayError):
+    status, type, code, cause = 429, "rate_limit_error", "session_limit", Cause.SESSION_LIMIT
 
 
 class QueueTimeout(GatewayError):

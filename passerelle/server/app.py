@@ -89,6 +89,7 @@ class App:
         self.scheduler = Scheduler(cfg.classes, aging_s=sc.aging_s, on_change=self._queue_changed,
                                    policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack,
                                    hold_s=sc.hold_s, max_tenants=sc.max_tenants,
+                                   tenant_queue_share=sc.tenant_queue_share,
                                    affinity_max_entries=cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES,
                                    preemption=PreemptionPolicy(sc.preempt_after_ms / 1000, sc.min_run_s)
                                    if sc.preemption else None)
