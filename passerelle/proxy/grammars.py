@@ -91,6 +91,29 @@ def usage_of(obj: Any) -> tuple[int | None, int | None]:
     return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
 
 
+def cached_of(obj: Any) -> int | None:
+    """Prompt tokens the runtime says it took from its cache, in any API's usage shape: chat's
+    ``prompt_tokens_details.cached_tokens``, Responses' ``input_tokens_details.cached_tokens``,
+    Anthropic's ``cache_read_input_tokens``; else llama-server's ``timings.cache_n``; None when it
+    says nothing."""
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        resp = obj.get("response") if isinstance(obj.get("response"), dict) else obj.get("message")
+        usage = resp.get("usage") if isinstance(resp, dict) else None
+    if isinstance(usage, dict):
+        for details in ("prompt_tokens_details", "input_tokens_details"):
+            d = usage.get(details)
+            if isinstance(d, dict) and isinstance(n := d.get("cached_tokens"), int):
+                return n
+        if isinstance(n := usage.get("cache_read_input_tokens"), int):
+            return n
+    timings = obj.get("timings")
+    n = timings.get("cache_n") if isinstance(timings, dict) else None
+    return n if isinstance(n, int) else None
+
+
 class Grammar:
     """The generic grammar; subclasses know one API. ``scan`` returns CONTENT | END | ERROR flags
     and keeps the usage it read in ``prompt_tokens`` / ``completion_tokens``."""
@@ -100,6 +123,7 @@ class Grammar:
     def __init__(self) -> None:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
+        self.cached_tokens: int | None = None
 
     def scan(self, ev: bytes) -> int:
         if ev.startswith(b":") or b"data:" not in ev:
@@ -116,6 +140,8 @@ class Grammar:
             self.prompt_tokens = p
         if c is not None:
             self.completion_tokens = c
+        if (n := cached_of(obj)) is not None:
+            self.cached_tokens = n
 
     def error_event(self, err: GatewayError) -> bytes:
         """The event that tells this API's client the stream failed."""
