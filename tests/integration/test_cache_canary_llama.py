@@ -58,20 +58,23 @@ def test_no_answer_carries_the_other_tenants_marker(gateway, llama_server, tmp_p
             # cache and restored while the other tenant's sessions run
             await asyncio.gather(*(run_session(client, secrets[t], t, s, 3, answers)
                                    for s in range(3) for t in MARKERS))
+            # then one session alone, two turns: its second turn is served from the cache
+            await run_session(client, secrets["harbour"], "harbour", 9, 2, answers)
 
     asyncio.run(drive())
-    assert len(answers) == 18
+    assert len(answers) == 20
     for tenant, text, _ in answers:
         other = next(m for t, m in MARKERS.items() if t != tenant)
         assert other not in text, f"{tenant}'s answer carries the other tenant's marker: {text!r}"
     # the canary can sing: sessions do repeat their own marker (else the check above proves nothing)
     for tenant, marker in MARKERS.items():
         assert any(marker in text for t, text, _ in answers if t == tenant)
-    # later turns are served from the cache, and passerelle reports it as the runtime does
+    # passerelle reports the runtime's own cache figures (under concurrent load with more sessions
+    # than slots this llama-server reports none reused, direct as through passerelle: bench/sessions.py)
     cached = [u.get("prompt_tokens_details", {}).get("cached_tokens") for _, _, u in answers]
-    assert all(isinstance(n, int) for n in cached) and max(cached) > 0
+    assert all(isinstance(n, int) for n in cached) and cached[-1] > 0
     recs = [r for r in gw.access_log() if r.get("endpoint") == "completions"]
-    assert any((r.get("cached_tokens") or 0) > 0 for r in recs)
+    assert recs[-1]["cached_tokens"] == cached[-1]
 
 
 def test_cached_tokens_in_each_apis_usage_shape(gateway, llama_server):
