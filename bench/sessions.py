@@ -88,7 +88,9 @@ class Session:
 async def run(base: str, way: str, sessions: int, turns: int, tokens: int, tag: str) -> dict:
     out: dict = {"computed": 0, "sent": 0, "later_ttft": []}
     group = [Session(f"{tag}-{s}-{time.time_ns()}", tokens) for s in range(sessions)]
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as http:
+    # llama-server closes its connection after each stream: a new one per request
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as http:
         if way == "in turn":
             for _ in range(turns):
                 for s in group:
