@@ -177,9 +177,10 @@ class KeyLimiter:
                 fut.set_result(None)
 
     def state(self, key_id: str) -> dict[str, int]:
-        """The key's requests holding a slot, and waiting for one."""
-        u = self._usage.get(key_id)
-        return {"running": u.running if u else 0, "queued": len(u.waiters) if u else 0}
+        """The key's requests holding a slot, and waiting for one (its people's too, for a key
+        that trusts a front-end's forwarded user)."""
+        mine = [u for name, u in self._usage.items() if name == key_id or name.startswith(key_id + "/")]
+        return {"running": sum(u.running for u in mine), "queued": sum(len(u.waiters) for u in mine)}
 
 
 def _expire(fut: asyncio.Future[None], err: Exception) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 
+import pytest
+
 from passerelle.cli import main
-from passerelle.config import ClassConfig
-from passerelle.errors import Cause
+from passerelle.config import ClassConfig, load_config
+from passerelle.errors import Cause, ConfigError
 from passerelle.observe.accesslog import record_fields
 from passerelle.tenants.db import SCHEMA_VERSION
 from passerelle.tenants.keys import ApiKey, KeyStore
@@ -107,8 +109,9 @@ async def test_a_million_names_do_not_grow_the_per_person_windows_without_bound(
         await limiter.wait_turn(grant, key, STANDARD)
         limiter.finish(grant, 10)
     assert len(limiter._usage) == 1000 and "k/busy" in limiter._usage
+    assert limiter.state("k") == {"running": 1, "queued": 0}  # the key's people, summed
     limiter.finish(held, 10)
-    assert limiter.state("k/busy") == {"running": 0, "queued": 0}
+    assert limiter.state("k") == {"running": 0, "queued": 0}
 
 
 async def test_the_scheduler_forgets_idle_people_past_max_tenants(tmp_path):
@@ -158,3 +161,19 @@ def test_a_version_2_store_gains_the_mark_and_the_usage_columns(tmp_path):
         assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     finally:
         store.close()
+
+
+def test_the_new_settings_are_read_and_checked_naming_file_key_and_line(tmp_path):
+    good = tmp_path / "g.toml"
+    good.write_text('[auth]\nforwarded_user_header = "x-openwebui-user-email"\n[scheduler]\ntenant_queue_share = 0.25\n'
+                    '[routing]\nsession_headers = ["x-my-session"]\nmax_session_in_flight = 0\n')
+    cfg = load_config(good, env={})
+    assert (cfg.auth.forwarded_user_header, cfg.scheduler.tenant_queue_share) == ("x-openwebui-user-email", 0.25)
+    assert cfg.routing.session_headers == ("x-my-session",) and cfg.routing.max_session_in_flight == 0
+    for text, key, line in (("[scheduler]\ntenant_queue_share = 0\n", "scheduler.tenant_queue_share", 2),
+                            ("[scheduler]\n\ntenant_queue_share = 1.5\n", "scheduler.tenant_queue_share", 3),
+                            ("[routing]\nmax_session_in_flight = -1\n", "routing.max_session_in_flight", 2)):
+        bad = tmp_path / "b.toml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=rf"b\.toml:{line}: key '{key}'"):
+            load_config(bad, env={})
