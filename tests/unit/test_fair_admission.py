@@ -98,3 +98,5 @@ async def test_one_client_with_sixty_streams_on_two_slots_does_not_lock_out_the_
         refused = next(a for a in answers if a.status == 429 and a.json()["error"]["code"] == "tenant_queue_full")
         assert int(refused.headers[b"retry-after"]) >= 1
         assert sum(a.status == 200 for a in answers) >= 40
+        stats = (await gw.get("/admin/stats")).json()["fair_admission"]
+        assert stats["tenant_queue_share"] == 0.5 and stats["refused_total"] >= 1
