@@ -186,6 +186,10 @@ class AuthConfig:
     # refused ones first (0: no cap). Pruned at start and every 10 minutes.
     usage_refused_retention_days: float = 7.0
     usage_max_rows: int = 5_000_000
+    # A key marked --trust-forwarded-user (a front-end such as Open WebUI) names the person behind each
+    # request in this header; the tenant becomes "<key's tenant>/<user>". Other keys' headers are ignored.
+    forwarded_user_header: str = "x-openwebui-user-id"
+    forwarded_chat_header: str = "x-openwebui-chat-id"  # the conversation: a session id (affinity, usage)
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,10 @@ class SchedulerConfig:
     aging_s: float = 30.0  # a waiting request moves up one class per aging_s waited (0: never)
     hold_s: float = 0.05  # a freed slot waits this long for the next request of an under-served tenant (0: off)
     max_tenants: int = 10000  # tenants remembered for fair share; the least recently seen idle one goes first
+    # A tenant may hold at most this share of a class's queue (per model) while other tenants' requests
+    # wait; alone it may fill the queue, and a newcomer then takes the place of its newest queued request.
+    # 1.0: off.
+    tenant_queue_share: float = 0.5
     # Preemption (scheduling/preemption.py): a request of a better class that waited preempt_after_ms
     # while every slot it may use is busy suspends a stream of a preemptible class, which resumes
     # later as a continuation, the client seeing one unbroken stream.
@@ -326,6 +334,11 @@ class RoutingConfig:
     prefix_affinity: bool = True  # a chat stays on the replica that served its opening (prompt cache)
     affinity_slack: float = 1.0  # ...while that replica is at most this much busier (fraction of slots)
     session_header: str = "x-session-id"  # requests with the same value (or the same `user`) stick together
+    # Where coding agents and front-ends name their session (first found wins): headers, then body
+    # fields (dotted paths). The session keeps a conversation on one replica, and is logged hashed.
+    session_headers: tuple[str, ...] = ("x-claude-code-session-id", "session-id", "session_id")
+    session_fields: tuple[str, ...] = ("prompt_cache_key", "session_id", "metadata.user_id", "user")
+    max_session_in_flight: int = 16  # requests of one session at once; past it: 429 session_limit (0: no cap)
     affinity_max_bytes: int = 8 * 1024 * 1024  # memory of which replica served a conversation; oldest forgotten
 
 
@@ -603,6 +616,12 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            key="scheduler.max_tenants", text=text, header="scheduler", field_name="max_tenants")
     _check(sections["routing"].affinity_max_bytes >= 65536, "expected at least 65536 bytes", file=file,
            key="routing.affinity_max_bytes", text=text, header="routing", field_name="affinity_max_bytes")
+    _check(0.0 < sections["scheduler"].tenant_queue_share <= 1.0, "expected a share above 0 and at most 1",
+           file=file, key="scheduler.tenant_queue_share", text=text, header="scheduler",
+           field_name="tenant_queue_share")
+    _check(sections["routing"].max_session_in_flight >= 0, "expected zero (no cap) or a positive integer",
+           file=file, key="routing.max_session_in_flight", text=text, header="routing",
+           field_name="max_session_in_flight")
     _check(16 <= sections["auth"].max_user_chars <= 4096, "expected between 16 and 4096 characters", file=file,
            key="auth.max_user_chars", text=text, header="auth", field_name="max_user_chars")
     for name in ("image_tokens", "audio_tokens"):

@@ -63,6 +63,9 @@ class Cause(enum.StrEnum):
     CLIENT_TIMEOUT = "client_timeout"  # the client stopped reading: the gateway cut the connection
     SERVER_BUSY = "server_busy"  # the gateway's own capacity (bodies held at once), not a model's queue
     ANSWERS_BUSY = "answers_busy"  # answers being assembled at once hold [limits] max_answer_bytes_total
+    TENANT_QUEUE_FULL = "tenant_queue_full"  # the tenant holds its share of a class's queue while others wait
+    SESSION_LIMIT = "session_limit"  # the session already has [routing] max_session_in_flight requests running
+
 
 
 # The most characters of a client's own string (a model name, a path, a header's value) that an
@@ -206,6 +209,17 @@ class QuotaExceeded(GatewayError):
 
 class QueueFull(GatewayError):
     status, type, code, cause = 429, "rate_limit_error", "queue_full", Cause.QUEUE_FULL
+
+
+class TenantQueueFull(GatewayError):
+    """The tenant holds its share (``[scheduler] tenant_queue_share``) of a class's queue while other
+    tenants' requests wait, or a newcomer took the place of its newest queued request."""
+
+    status, type, code, cause = 429, "rate_limit_error", "tenant_queue_full", Cause.TENANT_QUEUE_FULL
+
+
+class SessionLimit(GatewayError):
+    status, type, code, cause = 429, "rate_limit_error", "session_limit", Cause.SESSION_LIMIT
 
 
 class QueueTimeout(GatewayError):

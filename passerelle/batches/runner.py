@@ -42,7 +42,7 @@ from passerelle.proxy.resume import suspendable
 
 log = logging.getLogger("passerelle.batches")
 
-PASSING = {"rate_limit_exceeded", "queue_full", "queue_timeout", "no_backend", "upstream_error",
+PASSING = {"rate_limit_exceeded", "queue_full", "tenant_queue_full", "queue_timeout", "no_backend", "upstream_error",
            "upstream_timeout", "server_busy", "shutdown"}
 MAX_PAUSE_S = 60.0  # a paused batch looks again at least this often
 

@@ -67,6 +67,8 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         **({"slot": rec.slot} if rec.slot is not None else {}),
         "tenant": rec.tenant,
         **({"key_id": rec.key_id} if rec.key_id else {}),
+        **({"user": rec.user} if rec.user else {}),
+        **({"session": rec.session} if rec.session else {}),  # hashed: never the client's id itself
         "priority": rec.priority,
         "stream": rec.stream,
         "status": rec.status,
@@ -75,6 +77,7 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "ttft_ms": _ms(ttft),
         "duration_ms": _ms(rec.duration),
         "prompt_tokens": rec.prompt_tokens,
+        **({"cached_tokens": rec.cached_tokens} if rec.cached_tokens is not None else {}),
         "completion_tokens": rec.completion_tokens if rec.completion_tokens is not None else rec.content_chunks,
         "tokens_per_s": round((tokens - 1) / gen_time, 2) if gen_time > 0 and tokens > 1 else None,
         "client": rec.client,
@@ -105,6 +108,7 @@ class AccessLog:
                     f"{fields['cause']} ttft={fields['ttft_ms']}ms dur={fields['duration_ms']}ms "
                     f"tokens={fields['prompt_tokens']}/{fields['completion_tokens']} backend={rec.backend or '-'} "
                     f"tenant={printable(rec.tenant)} class={rec.priority}"
+                    f"{f' session={rec.session}' if rec.session else ''}"
                     f"{f' suspended={rec.suspensions}x' if rec.suspensions else ''}\n").encode()
         self._buf.append(line)
         if self._flush_at is None or self._flush_loop is None or self._flush_loop.is_closed():

@@ -67,6 +67,8 @@ class RequestRecord:
     priority: str = "standard"
     tenant: str = "anonymous"
     key_id: str = ""  # the API key's id (never its secret); "" without a key
+    user: str = ""  # the person a trusted front-end forwarded (bounded); "" for none
+    session: str = ""  # the session the client named, hashed (proxy/intake.py session_of); "" for none
     backend: str = ""
     slot: int | None = None  # the runtime's slot it ran in, where passerelle names it (llama-server)
     max_tokens: int | None = None
@@ -85,6 +87,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     usage_from_server: bool = False
+    cached_tokens: int | None = None  # prompt tokens the runtime took from its cache, as it reported them
     retries: int = 0
     suspensions: int = 0  # times its stream was cut for a better class and resumed
     suspended_s: float = 0.0  # time spent suspended, waiting to resume

@@ -132,9 +132,11 @@ async def fetch(ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: by
                                         "JSON.")
                 if not rec.usage_from_server and b"_tokens" in raw:  # Responses', Anthropic's, llama-server's
                     with contextlib.suppress(orjson.JSONDecodeError):
-                        p, c = grammars.usage_of(orjson.loads(raw))
+                        obj = orjson.loads(raw)
+                        p, c = grammars.usage_of(obj)
                         if p is not None or c is not None:
                             rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
+                            rec.cached_tokens = grammars.cached_of(obj)
                 return raw, resp.header(b"content-type") or b"application/json"
             send: Send = sink if sink is not None else ex.send
             if splice is not None:

@@ -60,6 +60,8 @@ from passerelle.proxy.intake import (
     output_estimate,
     priority_class,
     read_request_body,
+    session_hash,
+    session_of,
     with_usage_requested,
 )
 from passerelle.proxy.protocols import Api, Parsed, api_for, replace_form_field
@@ -70,8 +72,9 @@ from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey, KeyRing
-from passerelle.tenants.names import user_tenant
+from passerelle.tenants.names import forwarded_user, user_tenant
 from passerelle.tenants.policy import KeyPolicy, Ticket
+from passerelle.tenants.sessions import SessionGate
 
 log = logging.getLogger("passerelle.proxy.gateway")
 
@@ -108,6 +111,7 @@ class Gateway:
         self.keyring = keyring
         self.keys = KeyPolicy(cfg, keyring)  # keys: who, which models, quotas, limits (tenants/policy.py)
         self.classes = {c.name: c for c in cfg.classes}
+        self.sessions = SessionGate(cfg.routing.max_session_in_flight)
         self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
         self.answers = AnswerBudget(cfg.limits.max_answer_bytes_total)  # answers assembled at once
         self._watchdog: asyncio.TimerHandle | None = None
@@ -151,6 +155,7 @@ class Gateway:
             rec.trace = self.tracer.begin(scope, rec)
         job: Job | None = None
         grant: Ticket | None = None
+        in_session: tuple[str, str] | None = None
         failure: GatewayError | None = None
         self.open.add(ex)
         if self._watchdog is None:
@@ -169,10 +174,18 @@ class Gateway:
                 rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
                 cls = priority_class(self.classes, self.cfg.auth, scope, key)
                 rec.priority = cls.name
+                trusted = key is not None and key.trust_forwarded_user
                 if key is not None:
                     rec.tenant = key.tenant
+                    if trusted and (user := header(scope, self.cfg.auth.forwarded_user_header.lower().encode())):
+                        # a trusted front-end names the person: their own tenant within the key's
+                        rec.user = forwarded_user(user, self.cfg.auth.max_user_chars)
+                        rec.tenant = f"{key.tenant}/{rec.user}" if rec.user else key.tenant
                 elif req.user:
                     rec.tenant = user_tenant(req.user, self.cfg.auth.max_user_chars)
+                session = session_of(self.cfg.routing, scope, req.data,
+                                     self.cfg.auth.forwarded_chat_header if trusted else "")
+                rec.session = session_hash(session[1])
                 # Model catalogue (runtimes/catalogue.py): name or alias -> public name, pool, served name;
                 # parameter defaults/overrides applied; a fallback model when the pool cannot serve in time.
                 route = self.catalogue.resolve(model, endpoint, req.data, body, wait_s=cls.max_queue_wait_s,
@@ -196,10 +209,11 @@ class Gateway:
                 est_output = output_estimate(req.data, rec.max_tokens) if api.generates else 0
                 if key is not None:  # allow-list, quota, rpm/tpm, then a turn among the key's concurrent slots
                     grant = await self.keys.admit(key, rec, cls, est_prompt + est_output)
+                in_session = self.sessions.enter(rec.tenant, rec.session)  # 429 session_limit
                 job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
                           est_prompt_tokens=est_prompt, est_output_tokens=est_output,
                           can_wait_for_start=any(b.supervised for b in pool), slotted=api.scheduled and not api.form,
-                          affinity=affinity_key(self.cfg.routing, scope, req.data, endpoint)
+                          affinity=affinity_key(self.cfg.routing, scope, req.data, endpoint, session)
                           if len(pool) > 1 or any(b.slot_ids for b in pool) else "")
                 if self.on_demand is not None and not any(b.stats.up for b in pool):
                     self.on_demand(pool)
@@ -233,6 +247,7 @@ class Gateway:
                 self._release(rec, job, grant)
                 if ex.held is not None:
                     ex.held.release()
+                self.sessions.leave(in_session)
             if failure is not None and not isinstance(failure, ClientDisconnect | ClientTimeout):
                 await ex.report(failure)  # watched: a client that takes nothing is cut (watchdog)
         except asyncio.CancelledError:

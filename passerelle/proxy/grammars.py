@@ -147,6 +147,28 @@ def _string_at(ev: bytes, key: bytes) -> bytes | None:
     return m.group(1) if m is not None else None
 
 
+def cached_of(obj: Any) -> int | None:
+    """Prompt tokens the runtime says it took from its cache, in any API's usage shape: chat's
+    ``prompt_tokens_details.cached_tokens``, Responses' ``input_tokens_details.cached_tokens``,
+    Anthropic's ``cache_read_input_tokens``; else llama-server's ``timings.cache_n``; None when it
+    says nothing."""
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        resp = obj.get("response") if isinstance(obj.get("response"), dict) else obj.get("message")
+        usage = resp.get("usage") if isinstance(resp, dict) else None
+    if isinstance(usage, dict):
+        for details in ("prompt_tokens_details", "input_tokens_details"):
+            d = usage.get(details)
+            if isinstance(d, dict) and (n := token_count(d.get("cached_tokens"))) is not None:
+                return n
+        if (n := token_count(usage.get("cache_read_input_tokens"))) is not None:
+            return n
+    timings = obj.get("timings")
+    return token_count(timings.get("cache_n")) if isinstance(timings, dict) else None
+
+
 class Grammar:
     """The generic grammar; subclasses know one API. ``scan`` returns CONTENT | END | ERROR flags
     and keeps the usage it read in ``prompt_tokens`` / ``completion_tokens``. A grammar may also
@@ -159,6 +181,7 @@ class Grammar:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.amended = b""
+        self.cached_tokens: int | None = None
 
     def scan(self, ev: bytes) -> int:
         if ev.startswith(b":") or b"data:" not in ev:
@@ -175,6 +198,8 @@ class Grammar:
             self.prompt_tokens = p
         if c is not None:
             self.completion_tokens = c
+        if (n := cached_of(obj)) is not None:
+            self.cached_tokens = n
 
     def error_event(self, err: GatewayError) -> bytes:
         """The event that tells this API's client the stream failed."""

@@ -5,7 +5,8 @@ Example::
 
     body = await read_request_body(scope, receive, limit=cfg.server.max_body_bytes)
     cls = priority_class(classes, cfg.auth, scope, key)          # X-Priority within the key's ceiling
-    affinity = affinity_key(cfg.routing, scope, data, "chat")    # "p:…": the conversation's opening
+    session = session_of(cfg.routing, scope, data, chat_header)   # ("prompt_cache_key", "…") or ("", "")
+    affinity = affinity_key(cfg.routing, scope, data, "chat", session)  # "s:…", or "p:…": the opening
 """
 
 from __future__ import annotations
@@ -87,13 +88,45 @@ def priority_class(classes: dict[str, ClassConfig], auth: AuthConfig, scope: Sco
         return ceiling if ceiling.rank < base.rank else base
     return wanted
 
-def affinity_key(r: RoutingConfig, scope: Scope, data: dict[str, Any] | None, endpoint: str) -> str:
-    """What keeps related requests on one replica: a session header, else the conversation's
-    opening (system prompt and first user message, shared by every turn, so llama-server's
-    prompt cache is reused: chat, Anthropic messages, Responses input), else the ``user``."""
-    session = header(scope, r.session_header.lower().encode()) if r.session_header else None
-    if session:  # hashed, like the others: a client's string never sets an entry's size
-        return "s:" + hashlib.blake2b(session.encode("latin-1"), digest_size=12).hexdigest()
+MAX_SESSION_CHARS = 512  # a longer session id is hashed whole all the same; nothing keeps it
+
+
+def session_of(r: RoutingConfig, scope: Scope, data: dict[str, Any] | None,
+               chat_header: str = "") -> tuple[str, str]:
+    """``(where, id)``: the session a request names, first found among the [routing] session header,
+    ``session_headers`` (Claude Code's ``X-Claude-Code-Session-Id``, Codex's ``session-id``), a
+    trusted front-end's chat header (``chat_header``: Open WebUI's ``X-OpenWebUI-Chat-Id``, given only
+    for a key that trusts it), then the body's ``session_fields`` (``prompt_cache_key``, Anthropic's
+    ``metadata.user_id``, OpenAI's ``user``); ``("", "")`` for none."""
+    for name in (r.session_header, *r.session_headers, chat_header):
+        if name and (value := header(scope, name.lower().encode())):
+            return name.lower(), value.strip()
+    if not isinstance(data, dict):
+        return "", ""
+    for path in r.session_fields:
+        node: Any = data
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, str) and node.strip():
+            return path, node.strip()
+    return "", ""
+
+
+def session_hash(session: str) -> str:
+    """How a session id is kept and shown (access log, usage, affinity): 24 hex digits of its hash,
+    so a client's string never sets an entry's size and a log never shows the id itself."""
+    return hashlib.blake2b(session.encode(errors="surrogatepass"), digest_size=12).hexdigest() if session else ""
+
+
+def affinity_key(r: RoutingConfig, scope: Scope, data: dict[str, Any] | None, endpoint: str,
+                 session: tuple[str, str] = ("", "")) -> str:
+    """What keeps related requests on one replica: a session (:func:`session_of`, but for the
+    ``user`` field), else the conversation's opening (system prompt and first user message, shared
+    by every turn, so llama-server's prompt cache is reused: chat, Anthropic messages, Responses
+    input), else the ``user``."""
+    where, sid = session
+    if sid and where != "user":  # (a user has many conversations: their openings tell them apart)
+        return "s:" + session_hash(sid)
     if data is None:
         return ""
     if r.prefix_affinity and endpoint in ("chat", "messages", "responses"):

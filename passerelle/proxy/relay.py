@@ -41,7 +41,7 @@ from passerelle.config import TimeoutConfig
 from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, UpstreamTimeout, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
-from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar, token_count
+from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar, cached_of, token_count
 from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -173,6 +173,7 @@ class StreamRelay:
                 p, c = parse_usage(obj)
                 if c is not None:
                     rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
+                    rec.cached_tokens = cached_of(obj)
                 if self.strip_usage and _EMPTY_CHOICES.search(ev):
                     keep = False
             elif _DONE.match(ev):  # (anchored: fails within a few bytes on a content event)
@@ -218,6 +219,7 @@ class StreamRelay:
         if g.completion_tokens is not None:
             rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = \
                 g.prompt_tokens, g.completion_tokens, True
+            rec.cached_tokens = g.cached_tokens
         elif g.prompt_tokens is not None:  # (Messages: the prompt's count comes first, in message_start)
             rec.prompt_tokens = g.prompt_tokens
         return b"".join(events) if len(events) > 1 else events[0]
@@ -344,11 +346,13 @@ async def read_body(resp: Response, rec: RequestRecord, *, limit: int) -> bytes:
     rec.t_first = rec.t_last = time.perf_counter()
     if b'"usage"' in body:
         try:
-            p, c = parse_usage(orjson.loads(body))
+            obj = orjson.loads(body)
         except orjson.JSONDecodeError:
-            p = c = None
+            obj = None
+        p, c = parse_usage(obj)
         if c is not None or p is not None:
             rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
+            rec.cached_tokens = cached_of(obj)
     return body
 
 

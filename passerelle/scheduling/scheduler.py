@@ -20,6 +20,12 @@ a better request that waited ``preempt_after_ms`` suspends one batch stream, who
 and the suspended stream queues again and resumes later as a continuation. Service is charged at
 dispatch from an estimate (prompt tokens + max_tokens) and corrected with the real usage at the end.
 
+Admission is fair too: a tenant may hold at most ``tenant_queue_share`` of a class's queue (per
+model) while other tenants' requests wait there (429 ``tenant_queue_full`` past it). Alone, a tenant
+may fill the whole queue; a request of another tenant that then finds it full takes the place of
+the newest queued request of the tenant holding most above its share (which gets the 429), so one
+client opening hundreds of streams cannot lock the next person out.
+
 A slot freed by an under-served tenant with nothing queued is held for it for ``hold_s`` (50 ms):
 a client that keeps N streams sends its next request a few milliseconds after each answer, and
 without the hold that slot would already be gone to a busier tenant's queued request, so a tenant
@@ -46,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from passerelle.config import DEFAULT_CLASSES, ClassConfig
-from passerelle.errors import NoBackend, QueueFull, QueueTimeout
+from passerelle.errors import NoBackend, QueueFull, QueueTimeout, TenantQueueFull
 from passerelle.runtimes.kinds import Backend
 from passerelle.scheduling.job import OUTPUT_WEIGHT, PROMPT_WEIGHT, Job
 from passerelle.scheduling.preemption import Preempting, PreemptionPolicy
@@ -108,7 +114,8 @@ class Scheduler(Preempting):
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
                  affinity_slack: float = 1.0, hold_s: float = 0.05, max_tenants: int = 10_000,
-                 affinity_max_entries: int = 100_000, preemption: PreemptionPolicy | None = None) -> None:
+                 affinity_max_entries: int = 100_000, preemption: PreemptionPolicy | None = None,
+                 tenant_queue_share: float = 1.0) -> None:
         self.classes = {c.name: c for c in classes}
         self.aging_s = aging_s
         self.clock = clock
@@ -116,6 +123,8 @@ class Scheduler(Preempting):
         self.waiting: list[Job] = []
         self.tenants: OrderedDict[str, _Tenant] = OrderedDict()  # least recently submitting first
         self.max_tenants = max_tenants  # past it, the least recently seen idle tenants are forgotten
+        self.tenant_queue_share = tenant_queue_share  # of a class's queue, per tenant, while others wait
+        self.share_refusals = 0  # requests refused or displaced for holding a tenant's share (/admin/stats)
         self.running: dict[tuple[str, str], int] = {}  # (backend, class) -> requests
         self.served_tokens: dict[str, float] = {}  # tenant -> weighted tokens, for reports
         self._seq = itertools.count()
@@ -161,11 +170,7 @@ class Scheduler(Preempting):
         """Admit ``job`` (raise QueueFull/NoBackend) and dispatch what can go now."""
         if not any(b.stats.up and not b.draining for b in job.pool) and not job.can_wait_for_start:
             raise NoBackend("No backend serving this model is up right now.", retry_after=self.retry_after())
-        # The limit is per model and class: one model's full queue must not refuse another's requests.
-        queued = sum(1 for j in self.waiting if j.cls is job.cls and j.model == job.model)
-        if queued >= job.cls.max_queue:
-            raise QueueFull(f"The '{job.cls.name}' queue for model '{job.model}' is full ({job.cls.max_queue} "
-                            "waiting); retry later.", retry_after=self.retry_after(queued))
+        self._admit(job)
         now = self.clock()
         job.seq, job.enqueued_at, job.queued_at = next(self._seq), now, now
         t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
@@ -191,6 +196,43 @@ class Scheduler(Preempting):
                 self.on_change()
             if self.on_need:
                 self.on_need()
+
+    def _admit(self, job: Job) -> None:
+        """Raise QueueFull or TenantQueueFull unless ``job`` may queue (the module docstring's fair
+        admission); may displace another tenant's newest queued request to make room."""
+        # The limit is per model and class: one model's full queue must not refuse another's requests.
+        same = [j for j in self.waiting if j.cls is job.cls and j.model == job.model]
+        queued, bound = len(same), job.cls.max_queue
+        share = max(1, math.floor(self.tenant_queue_share * bound + 1e-9))
+        if share < bound:
+            mine = sum(1 for j in same if j.tenant == job.tenant)
+            if mine >= share and mine < queued:
+                self.share_refusals += 1
+                raise TenantQueueFull(
+                    f"This client already has {mine} requests waiting in the '{job.cls.name}' queue for model "
+                    f"'{job.model}', its share while others wait ({share} of {bound}); retry later.",
+                    retry_after=self.retry_after(mine))
+            if queued >= bound and mine < share:
+                counts: dict[str, int] = {}
+                for j in same:
+                    counts[j.tenant] = counts.get(j.tenant, 0) + 1
+                hog = max(counts, key=counts.__getitem__)
+                victims = [j for j in same if j.tenant == hog and not j.resuming and j.starts == 0
+                           and j.future is not None and not j.future.done()]
+                if counts[hog] > share and victims:
+                    victim = max(victims, key=lambda j: j.seq)
+                    self._remove(victim)
+                    self.share_refusals += 1
+                    assert victim.future is not None
+                    victim.future.set_exception(TenantQueueFull(
+                        f"The '{job.cls.name}' queue for model '{job.model}' is full and this client holds "
+                        f"{counts[hog]} of its {bound} places, more than its share ({share}) while others "
+                        "wait; its newest request gave its place up. Retry later.",
+                        retry_after=self.retry_after(counts[hog] - 1)))
+                    return
+        if queued >= bound:
+            raise QueueFull(f"The '{job.cls.name}' queue for model '{job.model}' is full ({bound} "
+                            "waiting); retry later.", retry_after=self.retry_after(queued))
 
     async def acquire(self, job: Job) -> Backend:
         """Wait for a slot; the backend it is on. Cancelling the caller removes the job at once.

@@ -96,6 +96,7 @@ class App:
         self.scheduler = Scheduler(cfg.classes, aging_s=sc.aging_s, on_change=self._queue_changed,
                                    policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack,
                                    hold_s=sc.hold_s, max_tenants=sc.max_tenants,
+                                   tenant_queue_share=sc.tenant_queue_share,
                                    affinity_max_entries=cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES,
                                    preemption=PreemptionPolicy(sc.preempt_after_ms / 1000, sc.min_run_s)
                                    if sc.preemption else None)
@@ -220,6 +221,11 @@ class App:
                                   waiting=self.waiting_by_class())
         snap["metrics_enabled"] = self.cfg.metrics.enabled
         snap["slot_holds"] = dict(self.scheduler.hold_counts)  # freed slots kept for a returning tenant
+        # fair admission (a tenant's share of a class's queue) and the per-session cap
+        snap["fair_admission"] = {"tenant_queue_share": self.scheduler.tenant_queue_share,
+                                  "refused_total": self.scheduler.share_refusals,
+                                  "sessions_in_flight": len(self.gateway.sessions),
+                                  "session_refused_total": self.gateway.sessions.refused}
         snap["runtimes"] = self.supervisor.describe()  # loaded or not, memory estimated and measured
         snap["swaps"] = self.swapper.describe()  # budget, swaps and their cost, what waits for a load
         snap["batches"] = self.batches.snapshot()  # progress of the batches in progress

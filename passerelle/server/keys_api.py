@@ -9,7 +9,8 @@
     GET    /admin/audit?key=ID      who changed what, when (newest first)
 
     GET    /v1/me                   the calling key: its limits, quotas and what is left of them
-    GET    /v1/me/usage?since=7d    its requests and tokens by model (since: 90m, 24h, 7d, a date)
+    GET    /v1/me/usage?since=7d    its requests and tokens by model (since: 90m, 24h, 7d, a date), and
+                                    for a front-end's key (trust_forwarded_user) by person: "users"
 
 The admin routes sit behind the admin guard (loopback by default) and, since they hand out
 keys, also need ``[admin] key`` to be set: without it they answer 403 and say so (``passerelle
@@ -164,7 +165,10 @@ class KeysApi:
         rows = await self.reader.report(since=since, by=("model",), key_id=key.id)
         total = {n: sum(r[n] for r in rows) for n in ("requests", "prompt_tokens", "completion_tokens",
                                                        "total_tokens", "not_ok", "limited")}
+        users = [r for r in await self.reader.report(since=since, by=("user",), key_id=key.id) if r["user"]]
         await json_response(send, 200, {
             "object": "usage", "key": key.id, "tenant": key.tenant, "since": iso_time(since),
             "until": iso_time(time.time()), "total": total,
-            "data": [{**r, "last_seen": iso_time(r["last_seen"])} for r in rows]})
+            "data": [{**r, "last_seen": iso_time(r["last_seen"])} for r in rows],
+            **({"users": [{**r, "tenant": f"{key.tenant}/{r['user']}", "last_seen": iso_time(r["last_seen"])}
+                          for r in users]} if users or key.trust_forwarded_user else {})})

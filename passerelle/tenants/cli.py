@@ -56,7 +56,8 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     for flag, name in (("tenant", "tenant"), ("label", "label"), ("owner", "owner"), ("priority", "priority"),
                        ("max_priority", "max_priority"), ("rpm", "rpm"), ("tpm", "tpm"),
-                       ("max_concurrency", "max_concurrency"), ("weight", "weight"), ("expires", "expires_at")):
+                       ("max_concurrency", "max_concurrency"), ("weight", "weight"), ("expires", "expires_at"),
+                       ("trust_forwarded_user", "trust_forwarded_user")):
         value = getattr(args, flag, None)
         if value is not None:
             spec[name] = value
@@ -132,6 +133,8 @@ def _summary(key: Any) -> str:
         parts.append("models " + ",".join(key.models))
     limits = [f"{n} {getattr(key, n)}" for n in ("rpm", "tpm", "max_concurrency") if getattr(key, n)]
     parts += limits + [f"quota {q}" for q in key.quotas]
+    if key.trust_forwarded_user:
+        parts.append("trusts forwarded users")
     if key.expires_at:
         parts.append(f"expires {_when(key.expires_at)}")
     return ", ".join(parts)
@@ -261,6 +264,9 @@ def _key_fields(p: argparse.ArgumentParser, *, creating: bool) -> None:
     p.add_argument("--quota", action="append", metavar="TOKENS/PERIOD",
                    help="tokens per day, week or month: 2M/day, 500k/week, 30M/month (repeat for several; "
                         "'none' removes them)")
+    p.add_argument("--trust-forwarded-user", action=argparse.BooleanOptionalAction, default=None,
+                   help="a trusted front-end's key (Open WebUI): the user it names in [auth] forwarded_user_header "
+                        "becomes the tenant '<tenant>/<user>' for fair share, limits and usage")
     p.add_argument("--expires", metavar="WHEN",
                    help="2026-07-01 (local midnight), 2026-07-01T18:00, or from now: 90d, 12h"
                         + ("" if creating else "; 'never' removes the expiry"))

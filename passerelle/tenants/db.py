@@ -2,8 +2,10 @@
 
 One file per gateway instance (``Config.db_path``). Tables:
 
-    api_keys  one row per key: its hash, tenant, limits, allow-list, quotas, expiry, label, owner
+    api_keys  one row per key: its hash, tenant, limits, allow-list, quotas, expiry, label, owner,
+              whether it may name the person behind a request (``trust_forwarded_user``, version 3)
     usage     one row per finished request: time, tenant, key id, class, model, cause, tokens
+              (version 3: the person a trusted front-end forwarded, ``user``, and the session, hashed)
     audit     one row per change to a key: when, who, what (never a secret)
     meta      keys_version, bumped by triggers on every change to api_keys, so every process
               that has the file open (the gateway, ``passerelle keys``) sees a change within a second
@@ -25,7 +27,7 @@ import os
 import sqlite3
 from pathlib import Path
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Version 1: what passerelle 0.1 created.
 _V1 = (
@@ -60,6 +62,14 @@ _V2 = (
                                                                                               "DELETE")),
 )
 
+# Version 3: people and sessions behind one key (a front-end that forwards who is asking).
+_V3_COLUMNS = {
+    "api_keys": (("trust_forwarded_user", "INTEGER NOT NULL DEFAULT 0"),),
+    "usage": (("user", "TEXT NOT NULL DEFAULT ''"),  # the forwarded user; '' for none
+              ("session", "TEXT NOT NULL DEFAULT ''")),  # the session id, hashed; '' for none
+}
+_V3 = ("CREATE INDEX IF NOT EXISTS usage_key_user ON usage (key_id, user)",)
+
 
 def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
     return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
@@ -74,13 +84,14 @@ def migrate(conn: sqlite3.Connection) -> None:
         if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
             for stmt in _V1:
                 conn.execute(stmt)
-            for table, cols in _V2_COLUMNS.items():
-                have = _columns(conn, table)
-                for name, decl in cols:
-                    if name not in have:
-                        conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
-            for stmt in _V2:
-                conn.execute(stmt)
+            for columns, stmts in ((_V2_COLUMNS, _V2), (_V3_COLUMNS, _V3)):
+                for table, cols in columns.items():
+                    have = _columns(conn, table)
+                    for name, decl in cols:
+                        if name not in have:
+                            conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+                for stmt in stmts:
+                    conn.execute(stmt)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
     except BaseException:

@@ -5,7 +5,8 @@ compared with :func:`hmac.compare_digest`, so a lookup takes the same time whate
 The key itself is printed once, at creation, and never stored.
 
 A key carries who it is for (tenant, label, owner), what it may use (``models``: globs, empty for
-all), for how long (``expires_at``), and its limits (per minute: ``rpm``, ``tpm``; at once:
+all), for how long (``expires_at``), whether it is a trusted front-end's (``trust_forwarded_user``:
+the person it names in a header becomes the tenant), and its limits (per minute: ``rpm``, ``tpm``; at once:
 ``max_concurrency``; over a day / week / month: ``quotas``).
 
 Example::
@@ -82,6 +83,9 @@ class ApiKey:
     expires_at: float | None = None  # Unix time; None: never
     updated: float = 0.0
     revoked_at: float | None = None
+    # A front-end's key (Open WebUI): the user it forwards in [auth] forwarded_user_header becomes the
+    # request's tenant, "<tenant>/<user>". A key without the mark never has its tenant set by a header.
+    trust_forwarded_user: bool = False
 
     def allows(self, model: str) -> bool:
         return not self.models or any(fnmatchcase(model, glob) for glob in self.models)
@@ -98,14 +102,15 @@ class ApiKey:
             "quotas": [str(q) for q in self.quotas], "expires_at": iso_time(self.expires_at),
             "expired": self.expired(), "created": iso_time(self.created), "updated": iso_time(self.updated or None),
             "revoked": self.revoked, "revoked_at": iso_time(self.revoked_at),
+            "trust_forwarded_user": self.trust_forwarded_user,
         }
 
 
 # The columns a caller may set, and how each is written to and read from its column.
 EDITABLE = ("tenant", "label", "owner", "priority", "max_priority", "rpm", "tpm", "max_concurrency", "weight",
-            "models", "quotas", "expires_at")
+            "models", "quotas", "expires_at", "trust_forwarded_user")
 _COLUMNS = ("id, tenant, priority, max_priority, rpm, tpm, max_concurrency, weight, created, revoked, digest, "
-            "label, owner, models, quotas, expires_at, updated, revoked_at")
+            "label, owner, models, quotas, expires_at, updated, revoked_at, trust_forwarded_user")
 
 
 def _to_column(name: str, value: Any) -> Any:
@@ -113,15 +118,17 @@ def _to_column(name: str, value: Any) -> Any:
         return orjson.dumps(list(value)).decode() if value else ""
     if name == "quotas":
         return format_quotas(tuple(value))
+    if name == "trust_forwarded_user":
+        return int(bool(value))
     return value
 
 
 def _from_row(r: tuple[Any, ...]) -> ApiKey:
     (key_id, tenant, priority, max_priority, rpm, tpm, conc, weight, created, revoked, digest, label, owner,
-     models, quotas, expires_at, updated, revoked_at) = r
+     models, quotas, expires_at, updated, revoked_at, trust) = r
     return ApiKey(key_id, tenant, priority, max_priority, rpm, tpm, conc, weight, created, bool(revoked),
                   bytes(digest), label or "", owner or "", tuple(orjson.loads(models)) if models else (),
-                  read_quotas(quotas or ""), expires_at, updated or 0.0, revoked_at)
+                  read_quotas(quotas or ""), expires_at, updated or 0.0, revoked_at, bool(trust))
 
 
 class KeyStore:

@@ -10,6 +10,12 @@ class first, then arrival) until one of the key's requests ends, for at most its
 request out of time is never sent) and behind at most ``max_queue`` others (429
 ``queue_full``). Twenty streams on a key allowed four at once all complete, four at a time.
 
+A key that trusts a front-end's forwarded user (``trust_forwarded_user``) has these three limits
+per person: each user it names gets the key's rpm, tpm and max_concurrency, in windows and a queue
+of their own (``who``), so one person of thirty cannot spend the front-end's minute or its slots;
+the key's quotas stay the key's. User entries are bounded: past :data:`MAX_ENTRIES` the least
+recently admitted idle one is forgotten (its window starts afresh if that person comes back).
+
 Example::
 
     limiter = KeyLimiter(clock=time.monotonic)
@@ -35,6 +41,7 @@ from passerelle.errors import QueueFull, QueueTimeout, RateLimited
 from passerelle.tenants.keys import ApiKey
 
 WINDOW_S = 60.0
+MAX_ENTRIES = 10_000  # windows and queues kept (keys, and the users of trusting keys)
 
 
 @dataclass
@@ -66,13 +73,22 @@ class Grant:
 class KeyLimiter:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._usage: dict[str, _Usage] = {}
+        self._usage: OrderedDict[str, _Usage] = OrderedDict()  # least recently admitted first
         self._seq = itertools.count()
+        self.max_entries = MAX_ENTRIES
 
-    def admit(self, key: ApiKey, tokens: float) -> Grant:
-        """Count the request against the key's per-minute limits, or raise RateLimited."""
+    def admit(self, key: ApiKey, tokens: float, who: str = "") -> Grant:
+        """Count the request against the key's per-minute limits (``who``'s own, for a person
+        behind a trusting key), or raise RateLimited."""
         now = self.clock()
-        u = self._usage.setdefault(key.id, _Usage())
+        entry_id = f"{key.id}/{who}" if who else key.id
+        u = self._usage.get(entry_id)
+        if u is None:
+            u = self._usage[entry_id] = _Usage()
+            if len(self._usage) > self.max_entries:
+                self._forget_idle()
+        else:
+            self._usage.move_to_end(entry_id)
         u.trim(now)
         if key.rpm and len(u.requests) >= key.rpm:
             raise RateLimited(f"This key may send {key.rpm} requests per minute.",
@@ -94,7 +110,18 @@ class KeyLimiter:
         entry = [now, float(tokens)]
         u.tokens.append(entry)
         u.token_sum += tokens
-        return Grant(key.id, entry)
+        return Grant(entry_id, entry)
+
+    def _forget_idle(self) -> None:
+        """Drop the least recently admitted entries that hold and await nothing, down to the bound."""
+        excess, idle = len(self._usage) - self.max_entries, list[str]()
+        for name, u in self._usage.items():  # oldest first: usually the first one will do
+            if len(idle) >= excess:
+                break
+            if not u.running and not u.waiters:
+                idle.append(name)
+        for name in idle:
+            del self._usage[name]
 
     async def wait_turn(self, grant: Grant, key: ApiKey, cls: ClassConfig, max_wait_s: float | None = None) -> None:
         """Take one of the key's ``max_concurrency`` slots, waiting in the key's queue for it at most
@@ -136,7 +163,9 @@ class KeyLimiter:
 
     def finish(self, grant: Grant, tokens: float | None) -> None:
         """The request ended: free its concurrency slot, replace the reservation by the real count."""
-        u = self._usage[grant.key_id]
+        u = self._usage.get(grant.key_id)
+        if u is None:  # (forgotten: it held nothing)
+            return
         if grant.holding:
             grant.holding = False
             u.running -= 1
@@ -155,9 +184,10 @@ class KeyLimiter:
                 fut.set_result(None)
 
     def state(self, key_id: str) -> dict[str, int]:
-        """The key's requests holding a slot, and waiting for one."""
-        u = self._usage.get(key_id)
-        return {"running": u.running if u else 0, "queued": len(u.waiters) if u else 0}
+        """The key's requests holding a slot, and waiting for one (its people's too, for a key
+        that trusts a front-end's forwarded user)."""
+        mine = [u for name, u in self._usage.items() if name == key_id or name.startswith(key_id + "/")]
+        return {"running": sum(u.running for u in mine), "queued": sum(len(u.waiters) for u in mine)}
 
 
 def _expire(fut: asyncio.Future[None], err: Exception) -> None:

@@ -9,6 +9,7 @@ the field. Accepted forms:
     priority, max_priority      a class name ("" or null: the default)
     rpm, tpm, max_concurrency   a non-negative integer (0: unlimited)
     weight                      a positive number
+    trust_forwarded_user        true or false: the user a front-end forwards becomes the tenant
     models                      a list of globs, or one comma-separated string ("" or []: all models)
     quotas                      a list of "2M/day", "500k/week", "30000000/month" (one per period)
     expires_at                  an ISO date or time in the gateway's time zone ("2026-07-01",
@@ -108,6 +109,10 @@ class KeyManager:
                 if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                     raise InvalidRequest("'weight' must be a positive number.", param=name)
                 out[name] = float(value)
+            elif name == "trust_forwarded_user":
+                if not isinstance(value, bool):
+                    raise InvalidRequest("'trust_forwarded_user' must be true or false.", param=name)
+                out[name] = value
             elif name == "models":
                 out[name] = self._models(value)
             elif name == "quotas":

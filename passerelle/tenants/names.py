@@ -18,8 +18,12 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import re
 
 _HASH_CHARS = 12  # 48 bits of blake2b over the whole value
+# Controls, DEL, the separators and bidi overrides: a header's value must not forge a log line or a
+# report's row; "/" too, which separates a key's tenant from its user.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069/]")
 
 
 def user_tenant(user: str, max_chars: int = 64) -> str:
@@ -27,3 +31,13 @@ def user_tenant(user: str, max_chars: int = 64) -> str:
         return user
     digest = hashlib.blake2b(user.encode(errors="surrogatepass"), digest_size=_HASH_CHARS // 2).hexdigest()
     return user[: max_chars - _HASH_CHARS - 1] + "~" + digest
+
+
+def forwarded_user(value: str, max_chars: int = 64) -> str:
+    """The user a trusted front-end forwarded, as the last part of a tenant ``"<key's tenant>/<user>"``:
+    trimmed, its unsafe characters replaced by ``_``, bounded like :func:`user_tenant` ("" stays "").
+
+    >>> forwarded_user("  8f1c2a/../admin ")
+    '8f1c2a_.._admin'
+    """
+    return user_tenant(_UNSAFE.sub("_", value.strip()), max_chars)

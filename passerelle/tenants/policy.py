@@ -149,7 +149,7 @@ class KeyPolicy:
             await self.quotas.ensure(key.id, key.quotas)
             charge = self.quotas.reserve(key.id, key.quotas, tokens)
         try:
-            grant = self.limiter.admit(key, tokens)
+            grant = self.limiter.admit(key, tokens, rec.user if key.trust_forwarded_user else "")
         except BaseException:
             self.quotas.settle(charge, 0)
             raise
@@ -182,7 +182,9 @@ class KeyPolicy:
             "priority": key.priority or self.cfg.auth.anonymous_priority,
             "max_priority": key.max_priority or key.priority or self.cfg.auth.anonymous_priority,
             "models": list(key.models) or ["*"],
-            "limits": {"rpm": key.rpm, "tpm": key.tpm, "max_concurrency": key.max_concurrency},
+            "limits": {"rpm": key.rpm, "tpm": key.tpm, "max_concurrency": key.max_concurrency,
+                       **({"per": "user"} if key.trust_forwarded_user else {})},
+            "trust_forwarded_user": key.trust_forwarded_user,
             "quotas": self.quotas.usage(key.id, key.quotas),
             "expires_at": d["expires_at"], "created": d["created"],
             **self.limiter.state(key.id),

@@ -1,4 +1,4 @@
-"""Usage per request (time, tenant, key, class, model, cause, tokens) in SQLite, and reports on it.
+"""Usage per request (time, tenant, key, user, session, class, model, cause, tokens) in SQLite, and reports on it.
 
 Rows are buffered and written by a background task every half second in one transaction, so the
 event loop never waits on the disk and a ``kill -9`` loses at most the last half second. The same
@@ -39,10 +39,11 @@ from passerelle.tenants.db import connect
 log = logging.getLogger("passerelle.tenants.usage")
 
 # --by dimensions and the columns they group on
-DIMENSIONS = {"key": "key_id", "tenant": "tenant", "model": "model", "class": "class"}
+DIMENSIONS = {"key": "key_id", "tenant": "tenant", "model": "model", "class": "class", "user": "user",
+              "session": "session"}
 
-# A buffered row: (ts, tenant, key_id, class, model, cause, prompt_tokens, completion_tokens)
-_Row = tuple[float, str, str, str, str, str, int, int]
+# A buffered row: (ts, tenant, key_id, class, model, cause, prompt_tokens, completion_tokens, user, session)
+_Row = tuple[float, str, str, str, str, str, int, int, str, str]
 
 
 def billed_tokens(rec: RequestRecord) -> tuple[int, int]:
@@ -74,14 +75,14 @@ class UsageRecorder:
             return
         prompt, completion = billed_tokens(rec)
         self._rows.append((self.clock(), rec.tenant, rec.key_id, rec.priority, clip(rec.model), rec.cause.value,
-                           prompt, completion))
+                           prompt, completion, rec.user, rec.session))
 
     def _write(self, rows: list[_Row]) -> None:
         with self._write_lock:
             self.conn.execute("BEGIN")
             try:
                 self.conn.executemany("INSERT INTO usage (ts, tenant, key_id, class, model, cause, prompt_tokens, "
-                                      "completion_tokens) VALUES (?,?,?,?,?,?,?,?)", rows)
+                                      "completion_tokens, user, session) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
                 self.conn.execute("COMMIT")
             except BaseException:
                 self.conn.execute("ROLLBACK")
@@ -145,7 +146,7 @@ class UsageRecorder:
 
 def report(conn: sqlite3.Connection, *, since: float = 0.0, until: float | None = None,
            by: Sequence[str] = ("tenant", "class"), key_id: str | None = None) -> list[dict[str, Any]]:
-    """Requests and tokens grouped ``by`` any of key, tenant, model, class, largest first.
+    """Requests and tokens grouped ``by`` any of key, tenant, model, class, user, session, largest first.
 
     Each row: the dimensions, ``requests``, ``prompt_tokens``, ``completion_tokens``,
     ``total_tokens``, ``not_ok`` (requests that ended with another cause than ``ok``),

@@ -22,7 +22,7 @@ def rows(conn) -> list[tuple]:
 
 
 def fill(recorder: UsageRecorder, spec: list[tuple[float, str, int, int]]) -> None:
-    recorder._write([(ts, "team", "k1", "standard", "m", cause, p, c) for ts, cause, p, c in spec])
+    recorder._write([(ts, "team", "k1", "standard", "m", cause, p, c, "", "") for ts, cause, p, c in spec])
 
 
 async def test_rows_of_refused_requests_are_deleted_after_their_retention(tmp_path):
