@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from passerelle.config import BackendConfig, Config, TimeoutConfig
+from passerelle.config import BackendConfig, Config, ModelConfig, TimeoutConfig
 from passerelle.errors import ConfigError
 from passerelle.runtimes import embedded, tiny_reranker
 from passerelle.runtimes.kinds import Backend, make_backend
@@ -50,11 +50,21 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     return tuple(out)
 
 
+def embedded_models(cfg: Config) -> tuple[ModelConfig, ...]:
+    """The catalogue of the embedded default: the embedded model with its client aliases
+    (``[embedded] aliases``, the ``claude-*`` and ``gpt-*`` names coding agents ask for), unless
+    the file has ``[[models]]`` (which can only be entries for that model: they replace it)."""
+    e = cfg.embedded
+    if not e.aliases or cfg.models:
+        return cfg.models
+    return (ModelConfig(name=e.model_id, aliases=e.aliases),)
+
+
 def expand(cfg: Config) -> Config:
     """``cfg`` with the embedded runtime spelled out when it lists no backend, and the routes
     ``[server] extra_routes`` adds given to every backend."""
     if cfg.uses_embedded:
-        cfg = dataclasses.replace(cfg, backends=embedded_backends(cfg))
+        cfg = dataclasses.replace(cfg, backends=embedded_backends(cfg), models=embedded_models(cfg))
     extra = cfg.server.extra_routes
     if extra:
         cfg = dataclasses.replace(cfg, backends=tuple(

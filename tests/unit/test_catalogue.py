@@ -251,3 +251,52 @@ def test_a_form_is_routed_by_the_catalogue_and_left_for_the_gateway_to_rewrite(c
     assert (route.name, route.served, [b.name for b in route.pool]) == ("chat", "qwen-14b", ["big"])
     with pytest.raises(InvalidRequest, match="not served on /v1/audio/transcriptions"):
         c.resolve("text-embedding-3-small", "transcriptions", None, body)
+
+
+def _embedded_catalogue(cfg) -> Catalogue:
+    """The catalogue the embedded default gets (runtimes/factory.expand), without building anything."""
+    import dataclasses
+
+    from passerelle.config import BackendConfig
+    from passerelle.runtimes.factory import CHAT_ENDPOINTS, embedded_models
+
+    chat_backend = BackendConfig(name="local", kind="llama-server", url="http://127.0.0.1:9",
+                                 models=(cfg.embedded.model_id,), endpoints=CHAT_ENDPOINTS)
+    cfg = dataclasses.replace(cfg, backends=(chat_backend,), models=embedded_models(cfg))
+    return Catalogue(cfg.models, Registry([make_backend(b, cfg.timeouts) for b in cfg.backends], Metrics()))
+
+
+def test_the_embedded_default_serves_the_names_coding_agents_ask_for(tmp_path):
+    """Claude Code asks for its claude-* models (a haiku one for background work), Codex for gpt-*:
+    with no configuration both reach the embedded model, rewritten to its id."""
+    cfg = load_config(None, env={})
+    c = _embedded_catalogue(cfg)
+    served = cfg.embedded.model_id
+    for asked, api in (("claude-sonnet-4-5-20250929", "messages"), ("claude-haiku-4-5", "messages"),
+                       ("claude-opus-5-5", "count_tokens"), ("gpt-5.5", "responses"), ("gpt-4o-mini", "chat"),
+                       (served, "chat")):
+        data, body = chat(asked)
+        route = c.resolve(asked, api, data, body)
+        assert (route.name, route.served, route.requested) == (served, served, asked)
+        assert orjson.loads(route.body)["model"] == served
+    assert c.describe(served)["aliases"] == ["claude-*", "gpt-*"]
+    with pytest.raises(UnknownModel):
+        c.resolve("llama-9000", "chat", *chat("llama-9000"))
+
+
+def test_embedded_aliases_can_be_changed_or_turned_off(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[embedded]\naliases = []\n')
+    c = _embedded_catalogue(load_config(path, env={}))
+    with pytest.raises(UnknownModel):
+        c.resolve("gpt-5.5", "chat", *chat("gpt-5.5"))
+    # a [[models]] entry for the embedded model replaces the default aliases
+    path.write_text('[[models]]\nname = "local"\nserved_name = "gemma-3-270m"\naliases = ["gpt-4o"]\n')
+    c = _embedded_catalogue(load_config(path, env={"PASSERELLE_EMBEDDED_MODEL_ID": "gemma-3-270m"}))
+    assert c.resolve("gpt-4o", "chat", *chat("gpt-4o")).name == "local"
+    with pytest.raises(UnknownModel):
+        c.resolve("claude-haiku-4-5", "messages", *chat("claude-haiku-4-5"))
+    path.write_text('[embedded]\naliases = ["gpt-*", " "]\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert err.value.key == "embedded.aliases" and err.value.line == 2
