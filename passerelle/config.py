@@ -235,8 +235,10 @@ class ModelConfig:
 
     ``served_name`` is the model id a backend lists in ``models`` (default: ``name``); the request's
     ``model`` is rewritten to it. ``defaults`` are set when the client sent no value, ``set`` always,
-    ``cap`` bounds numbers (``max_tokens``) and ``strip`` removes keys. ``fallbacks`` are other
-    models tried in order when this one cannot serve before the request's queue wait runs out.
+    ``cap`` bounds numbers (``max_tokens`` bounds the output limit under each API's name for it:
+    ``max_completion_tokens``, Responses' ``max_output_tokens``) and ``strip`` removes keys.
+    ``fallbacks`` are other models tried in order when this one cannot serve before the request's
+    queue wait runs out.
 
     Example (TOML)::
 

@@ -52,7 +52,8 @@ ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "emb
 _CLASSIC = ("chat", "completions", "embeddings")
 _CAPABILITY = {"chat": "chat", "completions": "completions", "embeddings": "embeddings", "rerank": "rerank",
                "transcriptions": "audio"}
-_TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
+# The output limit, by its name in each API (Responses calls it max_output_tokens): a cap on one bounds all.
+_TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 @dataclass
@@ -189,8 +190,8 @@ class Catalogue:
         for k, limit in m.cap:
             if k in _TOKEN_LIMITS:  # a cap on either names the output limit, whichever the client used
                 keys = [t for t in _TOKEN_LIMITS if out.get(t) is not None]
-                if not keys and endpoint != "embeddings":
-                    keys = [k]  # no limit asked for: the cap becomes the limit
+                if not keys and endpoint != "embeddings":  # no limit asked for: the cap becomes the limit
+                    keys = ["max_output_tokens" if endpoint == "responses" else k]
                 limit = int(limit)
             else:
                 keys = [k] if out.get(k) is not None else []  # other keys: bounded when sent

@@ -300,3 +300,26 @@ def test_embedded_aliases_can_be_changed_or_turned_off(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path, env={})
     assert err.value.key == "embedded.aliases" and err.value.line == 2
+
+
+def test_a_token_cap_bounds_a_responses_request_by_its_own_field(cat):
+    """Responses names its output limit max_output_tokens: a cap on max_tokens bounds it, and sets
+    it (not a chat field) when the client asked for no limit, as Codex does."""
+    c = cat(always, text="""
+    [[backends]]
+    name = "rt"
+    url = "http://127.0.0.1:9"
+    models = ["m"]
+    endpoints = ["chat", "responses", "messages"]
+
+    [[models]]
+    name = "m"
+    aliases = ["gpt-*"]
+    cap = { max_tokens = 48 }
+    """)
+    for sent, expect in (({"max_output_tokens": 100000}, 48), ({"max_output_tokens": 20}, 20), ({}, 48)):
+        data = {"model": "gpt-5.5", "input": "hi", **sent}
+        out = orjson.loads(c.resolve("gpt-5.5", "responses", data, orjson.dumps(data)).body)
+        assert out["max_output_tokens"] == expect and "max_tokens" not in out
+    data = {"model": "gpt-5.5", "max_tokens": 32000, "messages": [{"role": "user", "content": "hi"}]}
+    assert orjson.loads(c.resolve("gpt-5.5", "messages", data, orjson.dumps(data)).body)["max_tokens"] == 48
