@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from passerelle.config import EmbeddedConfig
 from passerelle.runtimes.supervisor import free_port
 from passerelle.testing import tool_runtime
 from passerelle.testing.clients import CLIENTS, ClientsUnavailable, ensure_clients
@@ -52,7 +53,8 @@ def claude_env(url: str, key: str) -> dict[str, str]:
 def codex_config(url: str) -> str:
     """Codex CLI's ``$CODEX_HOME/config.toml``: a provider of its own, so nothing falls back to
     the public API; one of Codex's own model names (it chooses its tools and prompts by the name;
-    the gateway serves it by a ``gpt-*`` alias); no update check, plugin sync or analytics."""
+    the gateway serves it by a ``gpt-*`` alias); time for a CPU runtime to read an agent's first
+    prompt (minutes before the first token); no update check, plugin sync or analytics."""
     return f"""\
 model = "gpt-5.5"
 model_provider = "passerelle"
@@ -63,6 +65,7 @@ name = "passerelle"
 base_url = "{url}/v1"
 wire_api = "responses"
 env_key = "{KEY_ENV}"
+stream_idle_timeout_ms = 900000
 
 [features]
 plugins = false
@@ -231,14 +234,24 @@ def check_traffic(gw: Gateway, box: Box, endpoint: str) -> list[dict]:
 
 
 # -- a turn in front of the embedded llama-server ----------------------------------------------
-EMBEDDED_FOR_AGENTS = """
+EMBEDDED_MODEL = EmbeddedConfig().model_id
+STOPS = [".", "!", "?"]
+EMBEDDED_FOR_AGENTS = f"""
 [embedded]
 slots = 1
-ctx_per_slot = 16384   # an agent's first prompt, with its tools, is 4,000 to 10,000 tokens
+ctx_per_slot = 16384   # an agent's first prompt, with its tools, is 4,000 to 7,000 tokens
 threads = 1            # one core for the runtime, the other for the gateway, the client and the test
 embeddings = false
 rerank = false
-extra_args = ["-n", "48"]   # the answer's length, whatever the client asks (Claude Code: 32,000)
+
+# The embedded default's names for the agents ([embedded] aliases), and an answer that ends at its
+# first sentence: the agents ask for up to 32,000 tokens, which a small model on one core writes
+# for an hour, and take an answer cut by a token limit for an error (Claude Code exits 1 on
+# stop_reason max_tokens), so the limit is a stop sequence (Messages names it stop_sequences).
+[[models]]
+name = "{EMBEDDED_MODEL}"
+aliases = {json.dumps(list(EmbeddedConfig().aliases))}
+set = {{ stop = {json.dumps(STOPS)}, stop_sequences = {json.dumps(STOPS)} }}
 """
 
 
@@ -247,33 +260,32 @@ def embedded(gateway, key) -> Gateway:
     return gateway(EMBEDDED_FOR_AGENTS, timeout=600)
 
 
+def check_turn(gw: Gateway, box: Box, endpoint: str, out: str) -> None:
+    assert out.strip(), "the client printed no answer"
+    lines = check_traffic(gw, box, endpoint)
+    assert {r["model"] for r in lines} == {EMBEDDED_MODEL}
+    assert all(r["completion_tokens"] >= 1 for r in lines if r["endpoint"] == endpoint)
+
+
 @pytest.mark.llama
 @pytest.mark.timeout(CLIENT_TIMEOUT_S + 300)
 def test_claude_code_completes_a_turn_in_front_of_the_embedded_runtime(embedded, box, bins, key):
     out = run_claude(box, bins, embedded, key, "Say hello in one short sentence.")
-    assert out.strip()
-    lines = check_traffic(embedded, box, "messages")
-    assert all(r["model"].startswith("claude-") for r in lines if r["endpoint"] == "messages")
+    check_turn(embedded, box, "messages", out)
 
 
 @pytest.mark.llama
 @pytest.mark.timeout(CLIENT_TIMEOUT_S + 300)
 def test_codex_completes_a_turn_in_front_of_the_embedded_runtime(embedded, box, bins, key):
     out = run_codex(box, bins, embedded, key, "Say hello in one short sentence.")
-    assert out.strip()
-    lines = check_traffic(embedded, box, "responses")
-    assert all(r["model"].startswith("gpt-") for r in lines if r["endpoint"] == "responses")
+    check_turn(embedded, box, "responses", out)
 
 
 @pytest.mark.llama
 @pytest.mark.timeout(CLIENT_TIMEOUT_S + 300)
 def test_opencode_completes_a_turn_in_front_of_the_embedded_runtime(embedded, box, bins, key):
-    from passerelle.config import EmbeddedConfig
-
-    model = EmbeddedConfig().model_id
-    out = run_opencode(box, bins, embedded, key, model, "Say hello in one short sentence.")
-    assert out.strip()
-    check_traffic(embedded, box, "chat")
+    out = run_opencode(box, bins, embedded, key, EMBEDDED_MODEL, "Say hello in one short sentence.")
+    check_turn(embedded, box, "chat", out)
 
 
 # -- a tool round trip in front of a scripted runtime ------------------------------------------
