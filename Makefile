@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup setup-vllm run test test-quick lint bench-ttft clean
+.PHONY: setup setup-vllm clients run test test-quick lint bench-ttft clean
 
 setup: $(STAMP)
 	@$(BIN)/passerelle setup
@@ -21,14 +21,20 @@ $(STAMP): pyproject.toml
 setup-vllm: $(STAMP)
 	@$(BIN)/python -m passerelle.testing.vllm_setup
 
+# The real agent clients the tests run through the gateway (Claude Code, Codex CLI, opencode: npm
+# packages pinned in passerelle/testing/clients.py) under ~/.cache/passerelle/clients; once, then
+# instant. Needs Node.js and npm. The gateway itself never needs them: `make run` does not install them.
+clients: $(STAMP)
+	@$(BIN)/python -m passerelle.testing.clients
+
 run: setup
 	$(BIN)/passerelle serve $(ARGS)
 
 # pytest exits 5 when it collected nothing: that is a failure here, never a pass.
-test: setup
+test: setup clients
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-test-quick: $(STAMP)
+test-quick: $(STAMP) clients
 	$(BIN)/pytest -q -m "not llama and not vllm" $(PYTEST_ARGS)
 
 # ruff, and mypy over the package (configured in pyproject.toml: strict on all of it)

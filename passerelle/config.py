@@ -139,6 +139,10 @@ class EmbeddedConfig:
     llama_server: str = ""  # a binary to use instead of PATH / the cached build
     model_path: str = ""  # a GGUF to serve instead of Gemma 3 270M
     model_id: str = "gemma-3-270m"
+    # Other names clients ask for, served by the embedded model (globs): Claude Code asks for its
+    # claude-* models, Codex and the OpenAI SDKs' examples for gpt-*. [] turns them off; a
+    # [[models]] entry for the embedded model replaces them.
+    aliases: tuple[str, ...] = ("claude-*", "gpt-*")
     slots: int = 4
     ctx_per_slot: int = 4096
     threads: int = 0  # 0: llama-server's default
@@ -294,8 +298,10 @@ class ModelConfig:
 
     ``served_name`` is the model id a backend lists in ``models`` (default: ``name``); the request's
     ``model`` is rewritten to it. ``defaults`` are set when the client sent no value, ``set`` always,
-    ``cap`` bounds numbers (``max_tokens``) and ``strip`` removes keys. ``fallbacks`` are other
-    models tried in order when this one cannot serve before the request's queue wait runs out.
+    ``cap`` bounds numbers (``max_tokens`` bounds the output limit under each API's name for it:
+    ``max_completion_tokens``, Responses' ``max_output_tokens``) and ``strip`` removes keys.
+    ``fallbacks`` are other models tried in order when this one cannot serve before the request's
+    queue wait runs out.
 
     Example (TOML)::
 
@@ -672,6 +678,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     backends.extend(upstreams)
     _check_runtimes(sections["runtimes"], file=file, text=text)
     models = _load_models(data.get("models", []), file=file, text=text)
+    _check(all(a.strip() for a in sections["embedded"].aliases), "expected model names or globs, none empty",
+           file=file, key="embedded.aliases", text=text, header="embedded", field_name="aliases")
     served = {m for b in backends for m in b.models} or {sections["embedded"].model_id}
     names = {m.name for m in models} | served
     for i, m in enumerate(models):

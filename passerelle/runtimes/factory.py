@@ -56,13 +56,17 @@ EMBEDDED_CAPABILITIES = ("chat", "completions", "embeddings")
 
 
 def embedded_models(cfg: Config) -> tuple[ModelConfig, ...]:
-    """The catalogue entry that declares the embedded default model's capabilities; none for a
-    model of the operator's own (``embedded.model_path``: it may see or hear) or one a
-    ``[[models]]`` entry already describes."""
+    """The catalogue entry of the embedded default model: its capabilities, and its client aliases
+    (``[embedded] aliases``, the ``claude-*`` and ``gpt-*`` names coding agents ask for); none when a
+    ``[[models]]`` entry already describes that model (the file's entries replace it). A model of
+    the operator's own (``embedded.model_path``) may see or hear: its capabilities are not declared."""
     e = cfg.embedded
-    if e.model_path or any(m.target == e.model_id or m.name == e.model_id for m in cfg.models):
+    if any(m.target == e.model_id or m.name == e.model_id for m in cfg.models):
         return ()
-    return (ModelConfig(name=e.model_id, capabilities=EMBEDDED_CAPABILITIES),)
+    capabilities = () if e.model_path else EMBEDDED_CAPABILITIES
+    if not capabilities and not e.aliases:
+        return ()
+    return (ModelConfig(name=e.model_id, aliases=e.aliases, capabilities=capabilities),)
 
 
 def expand(cfg: Config) -> Config:

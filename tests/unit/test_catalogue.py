@@ -270,3 +270,75 @@ def test_a_form_is_routed_by_the_catalogue_and_left_for_the_gateway_to_rewrite(c
     assert (route.name, route.served, [b.name for b in route.pool]) == ("chat", "qwen-14b", ["big"])
     with pytest.raises(InvalidRequest, match="not served on /v1/audio/transcriptions"):
         c.resolve("text-embedding-3-small", "transcriptions", None, body)
+
+
+def _embedded_catalogue(cfg) -> Catalogue:
+    """The catalogue the embedded default gets (runtimes/factory.expand), without building anything."""
+    import dataclasses
+
+    from passerelle.config import BackendConfig
+    from passerelle.runtimes.factory import CHAT_ENDPOINTS, embedded_models
+
+    chat_backend = BackendConfig(name="local", kind="llama-server", url="http://127.0.0.1:9",
+                                 models=(cfg.embedded.model_id,), endpoints=CHAT_ENDPOINTS)
+    cfg = dataclasses.replace(cfg, backends=(chat_backend,), models=(*cfg.models, *embedded_models(cfg)))
+    return Catalogue(cfg.models, Registry([make_backend(b, cfg.timeouts) for b in cfg.backends], Metrics()))
+
+
+def test_the_embedded_default_serves_the_names_coding_agents_ask_for(tmp_path):
+    """Claude Code asks for its claude-* models (a haiku one for background work), Codex for gpt-*:
+    with no configuration both reach the embedded model, rewritten to its id."""
+    cfg = load_config(None, env={})
+    c = _embedded_catalogue(cfg)
+    served = cfg.embedded.model_id
+    for asked, api in (("claude-sonnet-4-5-20250929", "messages"), ("claude-haiku-4-5", "messages"),
+                       ("claude-opus-5-5", "count_tokens"), ("gpt-5.5", "responses"), ("gpt-4o-mini", "chat"),
+                       (served, "chat")):
+        data, body = chat(asked)
+        route = c.resolve(asked, api, data, body)
+        assert (route.name, route.served, route.requested) == (served, served, asked)
+        assert orjson.loads(route.body)["model"] == served
+    assert c.describe(served)["aliases"] == ["claude-*", "gpt-*"]
+    with pytest.raises(UnknownModel):
+        c.resolve("llama-9000", "chat", *chat("llama-9000"))
+
+
+def test_embedded_aliases_can_be_changed_or_turned_off(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[embedded]\naliases = []\n')
+    c = _embedded_catalogue(load_config(path, env={}))
+    with pytest.raises(UnknownModel):
+        c.resolve("gpt-5.5", "chat", *chat("gpt-5.5"))
+    # a [[models]] entry for the embedded model replaces the default aliases
+    path.write_text('[[models]]\nname = "local"\nserved_name = "gemma-3-270m"\naliases = ["gpt-4o"]\n')
+    c = _embedded_catalogue(load_config(path, env={"PASSERELLE_EMBEDDED_MODEL_ID": "gemma-3-270m"}))
+    assert c.resolve("gpt-4o", "chat", *chat("gpt-4o")).name == "local"
+    with pytest.raises(UnknownModel):
+        c.resolve("claude-haiku-4-5", "messages", *chat("claude-haiku-4-5"))
+    path.write_text('[embedded]\naliases = ["gpt-*", " "]\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert err.value.key == "embedded.aliases" and err.value.line == 2
+
+
+def test_a_token_cap_bounds_a_responses_request_by_its_own_field(cat):
+    """Responses names its output limit max_output_tokens: a cap on max_tokens bounds it, and sets
+    it (not a chat field) when the client asked for no limit, as Codex does."""
+    c = cat(always, text="""
+    [[backends]]
+    name = "rt"
+    url = "http://127.0.0.1:9"
+    models = ["m"]
+    endpoints = ["chat", "responses", "messages"]
+
+    [[models]]
+    name = "m"
+    aliases = ["gpt-*"]
+    cap = { max_tokens = 48 }
+    """)
+    for sent, expect in (({"max_output_tokens": 100000}, 48), ({"max_output_tokens": 20}, 20), ({}, 48)):
+        data = {"model": "gpt-5.5", "input": "hi", **sent}
+        out = orjson.loads(c.resolve("gpt-5.5", "responses", data, orjson.dumps(data)).body)
+        assert out["max_output_tokens"] == expect and "max_tokens" not in out
+    data = {"model": "gpt-5.5", "max_tokens": 32000, "messages": [{"role": "user", "content": "hi"}]}
+    assert orjson.loads(c.resolve("gpt-5.5", "messages", data, orjson.dumps(data)).body)["max_tokens"] == 48
