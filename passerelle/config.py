@@ -270,7 +270,7 @@ class RuntimesConfig:
     max_loaded: str = ""  # the budget as a share of the machine's memory, e.g. "90%" (instead of max_loaded_gib)
     memory: str = "total"  # what counts against the budget: "total" (RAM + GPU), "ram" or "gpu"
     min_resident_s: float = 30.0  # a loaded model with queued work is not swapped out before this
-    drain_timeout_s: float = 120.0  # a model swapped out (or a backend a reload removes) finishes its requests within this
+    drain_timeout_s: float = 120.0  # a model swapped out, or a backend a reload removed, finishes within this
     swap_policy: str = "fair"  # "fair": swap by priority and fair share; "naive": evict on every miss
 
 
