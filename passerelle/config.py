@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from passerelle import endpoints
 from passerelle.errors import ConfigError
 
 BACKEND_KINDS = ("llama-server", "vllm", "ollama", "sglang", "openai")
-# The inference APIs the gateway forwards, by name (proxy/protocols.py says how each is read; the
-# route table server/routes.py maps paths to them). A backend serves its kind's defaults
-# (runtimes/*.py `serves`) unless its `endpoints` lists others.
-ENDPOINT_KINDS = ("chat", "completions", "embeddings", "responses", "responses_input_tokens", "messages",
-                  "count_tokens", "rerank", "tokenize", "detokenize", "apply_template", "infill", "transcriptions")
+# The inference APIs the gateway forwards, by name (endpoints.py, the one list). A backend serves
+# its kind's defaults (runtimes/*.py `serves`) unless its `endpoints` lists others.
+ENDPOINT_KINDS = endpoints.NAMES
 
 # Runtimes' management routes (llama-server, vLLM, SGLang, Ollama): never forwarded, not even when
 # an operator lists them in `extra_routes`. A path equal to one, or under one, or naming one of
@@ -282,7 +281,7 @@ class RuntimesConfig:
     max_loaded: str = ""  # the budget as a share of the machine's memory, e.g. "90%" (instead of max_loaded_gib)
     memory: str = "total"  # what counts against the budget: "total" (RAM + GPU), "ram" or "gpu"
     min_resident_s: float = 30.0  # a loaded model with queued work is not swapped out before this
-    drain_timeout_s: float = 120.0  # a model swapped out finishes its running requests for at most this
+    drain_timeout_s: float = 120.0  # a model swapped out, or a backend a reload removed, finishes within this
     swap_policy: str = "fair"  # "fair": swap by priority and fair share; "naive": evict on every miss
 
 

@@ -2,7 +2,8 @@
 
 The body goes to the runtime untouched; the gateway reads only the few fields it acts on (the
 model it routes by, whether the answer streams, the token budget it charges limits and fair share
-with) and checks only what it relies on. Each API also says:
+with) and checks only what it relies on. Each API also says (these first five from
+``passerelle/endpoints.py``, the one list of endpoints, with their public paths):
 
 * ``upstream``: the runtime's path (aliases such as ``/rerank`` all go to ``/v1/rerank``);
 * ``grammar``: how its stream speaks (grammars.py): OpenAI chunks, Responses events, Anthropic
@@ -33,9 +34,11 @@ from typing import Any, NamedTuple
 
 import orjson
 
+# (the error shapes re-exported: the gateway's modules name them from here)
+from passerelle.endpoints import ANTHROPIC as ANTHROPIC
+from passerelle.endpoints import ENDPOINTS, Endpoint
+from passerelle.endpoints import OPENAI as OPENAI
 from passerelle.errors import GatewayError, InvalidRequest, UpstreamStatus
-
-OPENAI, ANTHROPIC = "openai", "anthropic"
 
 
 @dataclass(slots=True)
@@ -224,27 +227,32 @@ def _parse_form(body: bytes, content_type: str | None) -> Parsed:
 
 
 # -- the APIs ----------------------------------------------------------------------------------
-API: dict[str, Api] = {a.name: a for a in (
-    Api("chat", "/v1/chat/completions", "chat", required=("messages",), collect=True),
-    Api("completions", "/v1/completions", "chat", required=("prompt",), collect=True),
-    Api("embeddings", "/v1/embeddings", required=("input",), can_stream=False, generates=False),
+# How each endpoint's body is read; its paths, grammar, error shape and scheduling are endpoints.py's.
+_PARSING: dict[str, dict[str, Any]] = {
+    "chat": dict(required=("messages",), collect=True),
+    "completions": dict(required=("prompt",), collect=True),
+    "embeddings": dict(required=("input",), can_stream=False),
     # (Responses' `input` may be left out, e.g. with a stored prompt: the runtime decides)
-    Api("responses", "/v1/responses", "responses", collect=True, budget=("max_output_tokens",)),
-    Api("responses_input_tokens", "/v1/responses/input_tokens", scheduled=False, can_stream=False,
-        generates=False),
-    Api("messages", "/v1/messages", "messages", required=("messages",), errors=ANTHROPIC, collect=True),
-    Api("count_tokens", "/v1/messages/count_tokens", required=("messages",), scheduled=False, can_stream=False,
-        errors=ANTHROPIC, generates=False),
-    Api("rerank", "/v1/rerank", required=("query",), can_stream=False, generates=False),
-    Api("tokenize", "/tokenize", scheduled=False, can_stream=False, model_optional=True, generates=False),
-    Api("detokenize", "/detokenize", required=("tokens",), scheduled=False, can_stream=False, model_optional=True,
-        generates=False),
-    Api("apply_template", "/apply-template", required=("messages",), scheduled=False, can_stream=False,
-        model_optional=True, generates=False),
-    Api("infill", "/infill", "llama", required=("input_prefix", "input_suffix"), model_optional=True, collect=True,
-        budget=("n_predict", "max_tokens")),
-    Api("transcriptions", "/v1/audio/transcriptions", "transcription", form=True),
-)}
+    "responses": dict(collect=True, budget=("max_output_tokens",)),
+    "responses_input_tokens": dict(can_stream=False),
+    "messages": dict(required=("messages",), collect=True),
+    "count_tokens": dict(required=("messages",), can_stream=False),
+    "rerank": dict(required=("query",), can_stream=False),
+    "tokenize": dict(can_stream=False, model_optional=True),
+    "detokenize": dict(required=("tokens",), can_stream=False, model_optional=True),
+    "apply_template": dict(required=("messages",), can_stream=False, model_optional=True),
+    "infill": dict(required=("input_prefix", "input_suffix"), model_optional=True, collect=True,
+                   budget=("n_predict", "max_tokens")),
+    "transcriptions": dict(form=True),
+}
+
+
+def _api(e: Endpoint) -> Api:
+    return Api(e.name, e.upstream, e.grammar, scheduled=e.scheduled, errors=e.errors, generates=e.generates,
+               **_PARSING.get(e.name, {}))
+
+
+API: dict[str, Api] = {e.name: _api(e) for e in ENDPOINTS}
 
 
 def passthrough(path: str) -> Api:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from passerelle.config import ModelConfig
+from passerelle.endpoints import ENDPOINTS
 from passerelle.errors import InvalidRequest, UnknownModel, clip, encode_request
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
@@ -37,25 +38,19 @@ from passerelle.runtimes.supervisor import ProcState, Supervisor
 
 log = logging.getLogger("passerelle.runtimes.catalogue")
 
-# The public path of each inference API (config.ENDPOINT_KINDS), as the route table serves it
-# (server/routes.py; the same as the runtime's, proxy/protocols.py): what /v1/models lists.
-ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
-          "responses": "/v1/responses", "responses_input_tokens": "/v1/responses/input_tokens",
-          "messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens", "rerank": "/v1/rerank",
-          "tokenize": "/tokenize", "detokenize": "/detokenize", "apply_template": "/apply-template",
-          "infill": "/infill", "transcriptions": "/v1/audio/transcriptions"}
+# The public path of each inference API, as the route table serves it (the runtime's too): what
+# /v1/models lists (endpoints.py).
+ROUTES = {e.name: e.upstream for e in ENDPOINTS}
 # What a model can do, by default, from its backends' endpoints: the classic three from any, the
 # others only from an `endpoints` list the operator wrote (a llama-server answers /v1/rerank and
 # /v1/audio/transcriptions whatever its model, with a 501 when the model cannot).
 _CLASSIC = ("chat", "completions", "embeddings")
-_CAPABILITY = {"chat": "chat", "completions": "completions", "embeddings": "embeddings", "rerank": "rerank",
-               "transcriptions": "audio"}
+_CAPABILITY = {e.name: e.capability for e in ENDPOINTS if e.capability}
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 # A cap on the output limit bounds each API's own field (set there when the client sent none):
 # Responses names it max_output_tokens; routes that generate nothing get none.
 _OUTPUT_LIMITS = {"responses": ("max_output_tokens",)}
-_GENERATE_NOTHING = frozenset({"embeddings", "count_tokens", "responses_input_tokens", "tokenize", "detokenize",
-                               "apply_template", "rerank"})
+_GENERATE_NOTHING = frozenset(e.name for e in ENDPOINTS if not e.generates)
 
 
 @dataclass

@@ -7,15 +7,15 @@ import dataclasses
 from pathlib import Path
 
 from passerelle.config import CACHED_LLAMA_SERVER, BackendConfig, Config, ModelConfig, TimeoutConfig
+from passerelle.endpoints import ENDPOINTS
 from passerelle.errors import ConfigError
 from passerelle.runtimes import embedded, tiny_reranker
 from passerelle.runtimes.kinds import Backend, make_backend
 from passerelle.runtimes.supervisor import RuntimeProcess
 
-# What the embedded chat instance serves: everything but embeddings and rerank, which need
-# llama-server started in another mode (--embeddings, --reranking), each a process of its own.
-CHAT_ENDPOINTS = ("chat", "completions", "responses", "responses_input_tokens", "messages", "count_tokens",
-                  "tokenize", "detokenize", "apply_template", "infill", "transcriptions")
+# What the embedded chat instance serves: every endpoint but those that need llama-server started
+# in another mode (--embeddings, --reranking), each a process of its own.
+CHAT_ENDPOINTS = tuple(e.name for e in ENDPOINTS if not e.mode)
 
 
 def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:

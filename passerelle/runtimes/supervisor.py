@@ -465,6 +465,15 @@ class Supervisor:
             self.on_ready()
         self._changed()
 
+    async def launch(self, proc: RuntimeProcess) -> None:
+        """Start ``proc``, not under supervision yet (a reload's new runtime, beside the one it may
+        replace under the same name), and wait until it is ready; :meth:`adopt` it then. Outside the
+        budget, as at start-up: the operator asked for it. Raises RuntimeFailed, leaving no process."""
+        async with self._lock:
+            proc.device_before = await asyncio.to_thread(device_used)
+            await proc.start()
+            await self.measure(proc)
+
     def _idle_lru(self, *, besides: RuntimeProcess) -> RuntimeProcess | None:
         idle = [p for p in self.processes.values()
                 if p is not besides and p.state is ProcState.READY and p.backend.in_flight == 0

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from passerelle.config import RuntimesConfig
 from passerelle.errors import NoBackend
 from passerelle.observe.runtime_metrics import RuntimeMetrics
+from passerelle.runtimes.fleet import drain
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.memory import GIB
 from passerelle.runtimes.supervisor import NoRoom, ProcState, RuntimeFailed, RuntimeProcess, Supervisor
@@ -260,24 +261,15 @@ class Swapper:
         """Fence ``victims`` and wait for their running requests; (seconds waited, requests cut)."""
         for v in victims:
             v.backend.fenced = True
-        t0 = time.monotonic()
-        deadline = t0 + self.cfg.drain_timeout_s
-        self._changed = asyncio.Event()
+        self._changed = asyncio.Event()  # set by every poke: a release ends the wait early
         try:
-            while any(v.backend.in_flight for v in victims):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.clear()
-                with contextlib.suppress(TimeoutError):  # a release sets it; the timeout bounds the wait
-                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+            waited, cut = await drain([v.backend for v in victims], self.cfg.drain_timeout_s, self._changed)
         finally:
             self._changed = None
-        cut = sum(v.backend.in_flight for v in victims)
         if cut:
             log.warning("swap: drain timeout (%g s): stopping %s under %d running request(s)",
                         self.cfg.drain_timeout_s, ", ".join(v.backend.name for v in victims), cut)
-        return time.monotonic() - t0, cut
+        return waited, cut
 
     def _failed(self, proc: RuntimeProcess, exc: RuntimeFailed) -> None:
         name = proc.backend.name

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import signal
@@ -33,11 +34,13 @@ from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
 from passerelle.runtimes.catalogue import Catalogue
-from passerelle.runtimes.factory import build_runtime, expand
+from passerelle.runtimes.factory import expand
+from passerelle.runtimes.fleet import Fleet
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.memory import MemoryBook, machine_gib
 from passerelle.runtimes.registry import Registry
-from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
+from passerelle.runtimes.reload_plan import effective, plan_reload
+from passerelle.runtimes.supervisor import RuntimeFailed, RuntimeProcess, Supervisor
 from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, PreemptionPolicy, Scheduler
 from passerelle.scheduling.swapper import Swapper
 from passerelle.server import control
@@ -62,6 +65,9 @@ _KEYLESS = frozenset({"/admin/login", "/admin/logout"})  # admin routes the admi
 
 class ReloadRefused(InvalidRequest):
     status, code = 409, "reload_refused"
+
+
+_REFUSED = "Reload refused, the running configuration stays"
 
 
 def budget_gib(rt: RuntimesConfig) -> float:
@@ -151,6 +157,10 @@ class App:
         self._ui_page: bytes | None = None
         self.extra_routes: dict[str, Route] = {}
         self._extra_routes_changed()
+        # What a reload changes in the backends (runtimes/fleet.py); one reload at a time.
+        self.fleet = Fleet(self.registry, self.supervisor, on_ready=self.scheduler.dispatch,
+                           on_change=self._extra_routes_changed)
+        self._reload_lock = asyncio.Lock()
 
     def _extra_routes_changed(self) -> None:
         """The operator's added routes (``extra_routes``) of the current backends, by path."""
@@ -454,10 +464,12 @@ class App:
                 await self.reload()
             except InvalidRequest as exc:
                 log.error("%s", exc.message)
+            except Exception:  # (a task's exception nobody retrieves would be logged without context)
+                log.exception("reload failed inside the gateway")
 
         self._spawn(run(), "reload")
 
-    async def reload(self, *, force: bool = False) -> dict[str, list[str]]:
+    async def reload(self, *, force: bool = False) -> dict[str, Any]:
         """:meth:`_reload`, told to systemd (RELOADING=1, then READY=1) when it runs the gateway."""
         notifier = self.notifier
         if notifier is None:
@@ -468,75 +480,85 @@ class App:
         finally:
             notifier.reloaded(self.service_status())
 
-    async def _reload(self, *, force: bool = False) -> dict[str, list[str]]:
-        """Re-read the configuration: added backends start, removed ones drain (finish their
-        requests, then stop), unchanged ones are not touched and keep their streams.
+    async def _reload(self, *, force: bool = False) -> dict[str, Any]:
+        """Re-read the configuration and carry out its plan (runtimes/reload_plan.py): new runtimes
+        start and are ready before those they replace drain (runtimes/fleet.py), unchanged backends
+        are not touched and keep their streams, every setting that can applies at once, and the
+        answer names those that wait for a restart. A configuration that cannot be read or cannot
+        serve (a runtime that fails to start) is refused: the running one stays, whole.
 
         A file that lists no backend means "the embedded default"; while backends are configured,
         that is far more often a file emptied or cut short by an editor or a deploy than a wish to
         drain them all, so it is refused unless ``force`` (``passerelle reload --force``)."""
-        if self.loader is None:
+        loader = self.loader
+        if loader is None:
             raise InvalidRequest("This gateway has no configuration file to reload.")
-        try:
-            raw = await asyncio.to_thread(self.loader)
-        except ConfigError as exc:
-            raise InvalidRequest(f"Reload refused, the running configuration stays: {exc}") from None
-        if raw.uses_embedded and self.backends_configured and not force:
-            names = ", ".join(b.name for b in self.registry.backends)
-            raise ReloadRefused(f"Reload refused, the running configuration stays: {raw.source} lists no "
-                                f"[[backends]], which would drain every configured backend ({names}) and start "
-                                "the embedded default. If that is what you want: passerelle reload --force "
-                                "(POST /admin/reload?force=1).")
-        try:
-            new = expand(raw)
-        except ConfigError as exc:
-            raise InvalidRequest(f"Reload refused, the running configuration stays: {exc}") from None
-        current = {b.name: b for b in self.registry.backends if not b.draining}
-        still_draining = [b for b in self.registry.backends if b.draining]  # from an earlier reload
-        wanted = {bc.name: bc for bc in new.backends}
-        kept = [n for n, b in current.items() if n in wanted and wanted[n] == b.cfg]
-        removed = [n for n in current if n not in kept]
-        added = [n for n in wanted if n not in kept]
-        # The processes are taken first: a backend changed under the same name gets a new one below,
-        # and the old one must still be found and stopped once its requests are done.
-        olds = {n: p for n in removed if (p := self.supervisor.get(n)) is not None and p.backend is current[n]}
-        backends = [current[n] for n in kept]
-        fresh: list[Backend] = []
-        for name in added:
-            backend, proc = build_runtime(wanted[name], self.cfg.timeouts, self.cfg.state_path())
-            await backend.start()
-            backends.append(backend)
-            if proc is None:
-                fresh.append(backend)
-            else:
-                proc.on_ready = self.scheduler.dispatch
-                self.supervisor.adopt(proc)
-                if not backend.cfg.on_demand:
-                    self._spawn(self.supervisor.start(name), f"start-{name}")
-        # Health-check the new runtimes now, not at the poller's next pass, and only then let the old
-        # ones drain: a model whose backend is replaced must never look unserved (503) meanwhile.
-        await asyncio.gather(*(b.scrape() for b in fresh))
-        for name in removed:
-            current[name].draining = True
-            old = olds.get(name)
-            if old is not None:
-                self.supervisor.retiring.add(old)  # stopped at shutdown too, if still draining then
-            self._spawn(self._retire(current[name], old), f"retire-{name}")
-        self.registry.set_backends(backends + [current[n] for n in removed] + still_draining)
-        self.backends_configured = not raw.uses_embedded
-        self.gateway.catalogue = self._catalogue(new)
-        self._extra_routes_changed()
-        log.info("configuration reloaded: added %s, removed %s, unchanged %s", added, removed, kept)
-        return {"added": added, "removed": removed, "unchanged": kept}
+        async with self._reload_lock:
+            try:
+                raw = await asyncio.to_thread(loader)
+            except (ConfigError, OSError) as exc:
+                raise ReloadRefused(f"{_REFUSED}: {exc}") from None
+            if raw.uses_embedded and self.backends_configured and not force:
+                names = ", ".join(b.name for b in self.registry.backends)
+                raise ReloadRefused(f"{_REFUSED}: {raw.source} lists no [[backends]], which would drain every "
+                                    f"configured backend ({names}) and start the embedded default. If that is "
+                                    "what you want: passerelle reload --force (POST /admin/reload?force=1).")
+            try:  # (the embedded default may be built here: minutes, never on the event loop)
+                new = await asyncio.to_thread(expand, raw)
+            except (ConfigError, OSError) as exc:
+                raise ReloadRefused(f"{_REFUSED}: {exc}") from None
+            # (what runs: the backends serving now, whatever the file said when they started)
+            running_now = dataclasses.replace(self.cfg, backends=tuple(b.cfg for b in self.fleet.serving().values()))
+            plan = plan_reload(running_now, new)
+            try:
+                staged = await self.fleet.stage(plan, new)
+            except RuntimeFailed as exc:
+                log.error("configuration not reloaded, a new runtime failed to start: %s", exc)
+                raise ReloadRefused(f"{_REFUSED}: {exc}") from None
+            running = effective(self.cfg, new)
+            self.fleet.commit(staged, drain_timeout_s=running.runtimes.drain_timeout_s)
+            self._apply_settings(running)
+            self.backends_configured = not raw.uses_embedded
+            self.gateway.catalogue = self._catalogue(running)
+            self._extra_routes_changed()
+        log.info("configuration reloaded: %s", plan.summary())
+        if plan.restart:
+            log.warning("reload: %s changed in the configuration and apply only once passerelle restarts",
+                        ", ".join(plan.restart))
+        return plan.as_dict()
 
-    async def _retire(self, backend: Backend, proc: RuntimeProcess | None) -> None:
-        while backend.in_flight:
-            await asyncio.sleep(0.2)
-        if proc is not None:
-            await self.supervisor.retire(proc)
-        self.registry.set_backends([b for b in self.registry.backends if b is not backend])
-        self._extra_routes_changed()
-        await backend.close()
+    def _apply_settings(self, cfg: Config) -> None:
+        """A reload's settings, applied at once (those needing a restart are already kept at their
+        running values in ``cfg``: reload_plan.effective)."""
+        if cfg.runtimes != self.cfg.runtimes:
+            self.supervisor.max_loaded_gib = budget_gib(cfg.runtimes)
+            self.supervisor.memory_kind = cfg.runtimes.memory
+            self.swapper.cfg = cfg.runtimes
+        self.cfg = cfg
+        s, sc = cfg.server, cfg.scheduler
+        self.body_budget.limit = s.max_body_bytes_total
+        self.forwarded = ForwardedTrust(s.trusted_proxies)
+        self._cors = {o.encode() for o in s.cors_origins}
+        # a new admin key: the old one, and the login cookies made from it, stop working at once
+        self.admin_guard = self.admin_login_form.guard = AdminGuard(cfg.admin, own_hosts=(s.host, cfg.admin.host))
+        self.admin_login_form.body_timeout_s = s.body_timeout_s
+        self.keys_api.admin_key = self.batches.admin_key = cfg.admin.key
+        self.key_manager.classes = tuple(c.name for c in cfg.classes)
+        self.usage.refused_retention_s = cfg.auth.usage_refused_retention_days * 86400.0
+        self.usage.max_rows = cfg.auth.usage_max_rows
+        g = self.gateway
+        g.cfg = cfg
+        g.classes = {c.name: c for c in cfg.classes}
+        g.answers.limit = cfg.limits.max_answer_bytes_total
+        g.keys.reconfigure(cfg)
+        q = self.scheduler
+        q.classes = {c.name: c for c in cfg.classes}
+        q.aging_s, q.hold_s, q.max_tenants = sc.aging_s, sc.hold_s, sc.max_tenants
+        q.policy, q.affinity_slack = cfg.routing.policy, cfg.routing.affinity_slack
+        q.affinity_max_entries = cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES
+        q.preemption = PreemptionPolicy(sc.preempt_after_ms / 1000, sc.min_run_s) if sc.preemption else None
+        for b in self.registry.backends:
+            b.set_timeouts(cfg.timeouts)
 
     def begin_shutdown(self) -> None:
         """The server stopped accepting: requests still running after ``shutdown_grace_s`` are

@@ -3,7 +3,7 @@
     GET  /admin/runtimes                       state of every launched runtime
     POST /admin/runtimes/NAME/start|stop|restart
     GET  /admin/runtimes/NAME/logs?lines=N     the tail of its output
-    POST /admin/reload                         re-read the configuration (also on SIGHUP)
+    POST /admin/reload                         re-read the configuration (also on SIGHUP); answers the plan
 
 They are admin routes (routes.py): the same guard as ``/admin/*`` applies (loopback by default).
 The functions here return data or raise a GatewayError; the app writes the response.

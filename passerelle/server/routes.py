@@ -1,11 +1,12 @@
 """The one route table: every path the gateway answers, its methods, who may call it, and what
 handles it.
 
-    INFERENCE  POST, routed by model through the scheduler (proxy/gateway.py); the value is the
-               endpoint name the gateway knows (proxy/protocols.py: its fields, runtime path,
-               stream grammar, error shape). Only these, and the operator's ``extra_routes``,
-               reach a runtime: its management routes (/slots, /props, /models/load, vLLM's
-               /sleep, /reset_prefix_cache...) are not here and never forwarded.
+    INFERENCE  POST, routed by model through the scheduler (proxy/gateway.py): the paths of
+               every endpoint of passerelle/endpoints.py (its runtime path, stream grammar,
+               error shape; proxy/protocols.py reads its fields), its name the route's target.
+               Only these, and the operator's ``extra_routes``, reach a runtime: its management
+               routes (/slots, /props, /models/load, vLLM's /sleep, /reset_prefix_cache...) are
+               not here and never forwarded.
     PUBLIC     small answers of the app itself (health, readiness, the model list)
     ADMIN      /admin/*, /ui, /metrics: the admin guard applies (loopback by default), and with
                ``[admin] port`` they move to the admin listener
@@ -29,6 +30,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from passerelle.endpoints import ENDPOINTS
 from passerelle.errors import InvalidRequest, clip
 
 
@@ -60,22 +62,8 @@ PATCH = ("PATCH",)
 DELETE = ("DELETE",)
 
 ROUTES: tuple[Route, ...] = (
-    Route("/v1/chat/completions", POST, Access.INFERENCE, "chat"),
-    Route("/v1/completions", POST, Access.INFERENCE, "completions"),
-    Route("/v1/embeddings", POST, Access.INFERENCE, "embeddings"),
-    Route("/v1/responses", POST, Access.INFERENCE, "responses"),
-    Route("/v1/responses/input_tokens", POST, Access.INFERENCE, "responses_input_tokens"),
-    Route("/v1/messages", POST, Access.INFERENCE, "messages"),
-    Route("/v1/messages/count_tokens", POST, Access.INFERENCE, "count_tokens"),
-    Route("/v1/rerank", POST, Access.INFERENCE, "rerank"),
-    Route("/rerank", POST, Access.INFERENCE, "rerank"),  # llama-server's and vLLM's other spellings
-    Route("/v1/reranking", POST, Access.INFERENCE, "rerank"),
-    Route("/reranking", POST, Access.INFERENCE, "rerank"),
-    Route("/tokenize", POST, Access.INFERENCE, "tokenize"),
-    Route("/detokenize", POST, Access.INFERENCE, "detokenize"),
-    Route("/apply-template", POST, Access.INFERENCE, "apply_template"),
-    Route("/infill", POST, Access.INFERENCE, "infill"),
-    Route("/v1/audio/transcriptions", POST, Access.INFERENCE, "transcriptions"),
+    # every public path of every inference endpoint (endpoints.py), to its name
+    *(Route(path, POST, Access.INFERENCE, e.name) for e in ENDPOINTS for path in e.paths),
     Route("/health", GET, Access.PUBLIC, "health"),
     Route("/ready", GET, Access.PUBLIC, "ready"),
     Route("/v1/models", GET, Access.PUBLIC, "models"),

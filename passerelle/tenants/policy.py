@@ -82,6 +82,13 @@ class KeyPolicy:
         # The gateway-wide media costs; a model catalogue can answer per model in media_costs().
         self._costs = MediaCosts(cfg.limits.image_tokens, cfg.limits.audio_tokens)
 
+    def reconfigure(self, cfg: Config) -> None:
+        """A reload's ``[auth]`` and ``[limits]``; a changed failed-key rate starts a new count."""
+        if cfg.auth.failed_attempts_per_minute != self.cfg.auth.failed_attempts_per_minute:
+            self.throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
+        self.cfg = cfg
+        self._costs = MediaCosts(cfg.limits.image_tokens, cfg.limits.audio_tokens)
+
     # -- who is asking --------------------------------------------------------------------------
     @property
     def in_use(self) -> bool:

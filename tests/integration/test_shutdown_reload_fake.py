@@ -1,12 +1,14 @@
 """Stopping and reloading a real gateway subprocess without harming its clients: SIGTERM past
 ``shutdown_grace_s`` ends each open request with an error a client can read (never a silent
-truncation), and a reload of an emptied configuration file is refused."""
+truncation); a reload of an emptied file, or to a runtime that cannot start, is refused and the
+running configuration stays; SIGHUP rotates the admin key."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -115,3 +117,47 @@ def test_a_reload_of_an_emptied_file_is_refused_and_nothing_is_drained(gateway, 
         "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 200
     assert [m["id"] for m in httpx.get(gw.url + "/v1/models", timeout=5).json()["data"]] == [MODEL]
+
+
+def test_sighup_rotates_the_admin_key_and_names_what_waits_for_a_restart(gateway, fake_backend):
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    backend = upstream_config(fake.url, model=MODEL, kind="openai")
+    gw = gateway(backend + '[admin]\nkey = "old-admin-key"\n')
+    old, new = ({"authorization": f"Bearer {k}"} for k in ("old-admin-key", "new-admin-key"))
+    assert httpx.get(gw.url + "/admin/stats", headers=old, timeout=5).status_code == 200
+    gw.extra["config"].write_text(textwrap.dedent(backend) + '[admin]\nkey = "new-admin-key"\n'
+                                  "[batches]\nmax_lines = 10\n")
+    gw.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "configuration reloaded" in gw.log_text(), 10, what="the reload in the log")
+    assert httpx.get(gw.url + "/admin/stats", headers=old, timeout=5).status_code == 401
+    assert httpx.get(gw.url + "/admin/stats", headers=new, timeout=5).status_code == 200
+    log = gw.log_text()
+    assert "applied admin.key" in log and "NOT applied until a restart: batches.max_lines" in log
+    assert "new-admin-key" not in log
+
+
+def test_a_reload_to_a_runtime_that_fails_to_start_is_refused_and_the_old_one_serves(gateway, tmp_path):
+    # Tried as a new user would: a misspelt model path in a launch command stopped the working
+    # runtime at once, left a failed one in its place and logged "Task exception was never retrieved".
+    launch = [sys.executable, "-m", "passerelle", "fake-backend", "--port", "{port}", "--ttft-ms", "1"]
+    config = ('[[backends]]\nname = "r"\nkind = "openai"\nmodels = ["fake-model"]\nmax_concurrency = 2\n'
+              f'log_file = "{tmp_path / "r.log"}"\nlaunch = {orjson.dumps(launch).decode()}\n')
+    gw = gateway(config)
+    ask = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(gw.url + "/v1/chat/completions", timeout=10, json=ask).status_code == 200
+    gw.extra["config"].write_text(config.replace('"--ttft-ms"', '"--no-such-flag"'))
+    cli = subprocess.run([sys.executable, "-m", "passerelle", "reload", "--url", gw.url, "--timeout", "60"],
+                         capture_output=True, text=True, timeout=90)
+    assert cli.returncode == 1 and "Reload refused, the running configuration stays" in cli.stderr
+    assert "runtime r did not start" in cli.stderr
+    assert httpx.post(gw.url + "/v1/chat/completions", timeout=10, json=ask).status_code == 200
+    runtimes = httpx.get(gw.url + "/admin/runtimes", timeout=5).json()["runtimes"]
+    assert [(r["name"], r["state"]) for r in runtimes] == [("r", "ready")]
+    # a good change afterwards goes through, and its answer is the plan
+    gw.extra["config"].write_text(config.replace("max_concurrency = 2", "max_concurrency = 3"))
+    cli = subprocess.run([sys.executable, "-m", "passerelle", "reload", "--url", gw.url, "--timeout", "60"],
+                         capture_output=True, text=True, timeout=90)
+    assert cli.returncode == 0, cli.stderr
+    assert orjson.loads(cli.stdout)["backends"] == {"added": [], "removed": [], "replaced": ["r"], "kept": []}
+    assert httpx.post(gw.url + "/v1/chat/completions", timeout=10, json=ask).status_code == 200
+    assert "Task exception was never retrieved" not in gw.log_text()

@@ -202,17 +202,6 @@ def test_catalogue_errors_name_the_key_and_line(tmp_path, extra, key, expect):
     assert err.value.line is not None and err.value.line > textwrap.dedent(CONFIG).count("\n")
 
 
-def test_every_inference_api_has_its_public_path_for_v1_models():
-    from passerelle.config import ENDPOINT_KINDS
-    from passerelle.proxy.protocols import API
-    from passerelle.runtimes.catalogue import ROUTES
-    from passerelle.server.routes import match
-
-    assert set(ROUTES) == set(ENDPOINT_KINDS)
-    for endpoint, path in ROUTES.items():
-        assert API[endpoint].upstream == path and match("POST", path).target == endpoint
-
-
 LLAMA = """
 [[backends]]
 name = "gemma"

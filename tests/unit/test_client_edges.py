@@ -261,7 +261,10 @@ async def test_a_forced_reload_of_a_file_without_backends_goes_ahead(monkeypatch
         monkeypatch.setattr("passerelle.server.app.expand",
                             lambda cfg: dataclasses.replace(cfg, backends=(other.backend_config("local"),)))
         resp = await gw.request("POST", "/admin/reload?force=1")
-        assert resp.status == 200 and resp.json() == {"added": ["local"], "removed": ["fake"], "unchanged": []}
+        assert resp.status == 200
+        assert {k: resp.json()[k] for k in ("added", "removed", "unchanged")} == {
+            "added": ["local"], "removed": ["fake"], "unchanged": []}
+        assert resp.json()["backends"] == {"added": ["local"], "removed": ["fake"], "replaced": [], "kept": []}
         assert not gw.app.backends_configured  # from now on, the embedded default is what runs
         async with asyncio.timeout(10):
             while not any(b.name == "local" and b.stats.up for b in gw.app.registry.backends):

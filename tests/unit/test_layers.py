@@ -2,12 +2,14 @@
 two modules import each other, directly or round a circle (imports under TYPE_CHECKING and inside
 functions count too).
 
-    errors, paths, chunks, procfs  <  config  <  upstream, observe  <  runtimes, tenants  <  scheduling
+    errors, paths, chunks, endpoints, procfs  <  config  <  upstream, observe  <  runtimes, tenants  <  scheduling
         <  proxy  <  batches  <  server  <  testing  <  cli  <  __main__
 
 ``bench`` is a client of a gateway, not a part of it: it imports only itself and the base (the
 base modules import no other part of passerelle, so that holds all the way down; ``chunks`` is
-there so that the relay and the benchmark share one definition of a content chunk).
+there so that the relay and the benchmark share one definition of a content chunk; ``endpoints``
+so that the configuration, the route table, the protocols and the catalogue share one list of
+the inference endpoints).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import passerelle
 ROOT = Path(passerelle.__file__).parent
 
 LAYER = {
-    "errors": 0, "paths": 0, "chunks": 0, "procfs": 0, "__init__": 0, "config": 0.5,
+    "errors": 0, "paths": 0, "chunks": 0, "endpoints": 0, "procfs": 0, "__init__": 0, "config": 0.5,
     "upstream": 1, "observe": 1,
     "runtimes": 2, "tenants": 2,
     "scheduling": 3,
