@@ -31,6 +31,7 @@ from passerelle.paths import state_dir
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
+from passerelle.runtimes import embedded
 from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.factory import build_runtime, expand
 from passerelle.runtimes.kinds import Backend
@@ -363,9 +364,11 @@ class App:
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
                          f"[{', '.join(b.endpoints)}], {size}, {'up' if b.stats.up else 'DOWN'}")
         e = self.cfg.embedded
-        if not e.model_path and any(b.cfg.name == "local" for b in self.registry.backends):
-            lines.append(f"  note: {e.model_id} is a small base model: it continues text rather than chats "
-                         "(serve your own GGUF with [embedded] model_path)")
+        if (not e.model_path and not embedded.BUILTIN[e.model].chat
+                and any(b.cfg.name == "local" for b in self.registry.backends)):
+            lines.append(f"  note: {e.served_id} is a small base model: it continues text rather than chats "
+                         f"([embedded] model = \"{embedded.DEFAULT_MODEL_ID}\" answers; or serve your own GGUF "
+                         "with [embedded] model_path)")
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _spawn(self, coro: Any, name: str) -> None:
