@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, unquote
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from passerelle import __version__
 from passerelle.config import Config, RuntimesConfig, budget_share
 from passerelle.errors import ConfigError, GatewayError, InvalidRequest, UnknownModel
 from passerelle.observe.accesslog import AccessLog
@@ -218,7 +219,8 @@ class App:
 
     # -- small routes ----------------------------------------------------------------------
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await json_response(send, 200, {"status": "ok"})
+        # what answers, and which version: a benchmark's report names it (bench/target.py)
+        await json_response(send, 200, {"status": "ok", "server": "passerelle", "version": __version__})
 
     async def ready(self, scope: Scope, receive: Receive, send: Send) -> None:
         up = [b.name for b in self.registry.backends if b.stats.up]

