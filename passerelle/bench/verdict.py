@@ -188,10 +188,12 @@ def verdict(runs: Sequence[dict[str, Any]], slos: Sequence[Slo], models: dict[st
     else:
         w = targets[best]
         reason = (f"{best} {w['summary']} within the SLOs ({slo_text}), at {w['output_tokens_per_s']:.1f} "
-                  f"output tokens/s (goodput {w['goodput_rps']:.2f} requests/s within the SLOs)")
+                  "output tokens/s")
         mem = memory_phrase(w["memory"])
         if mem:
             reason += f" and {mem}"
+        if w["goodput_rps"] is not None:
+            reason += f"; goodput {w['goodput_rps']:.2f} requests/s (succeeded within the SLOs)"
     others = [f"{n}: {t['summary']}" for n, t in targets.items() if n != best and n not in tie
               and len(targets) > 1]
     if others:
