@@ -90,7 +90,7 @@ class Backend:
             self.health_path = cfg.health_path
         # what the gateway forwards to this runtime: its configured endpoints or its kind's, plus
         # the routes the operator added for every backend ([server] extra_routes) or for this one;
-        # less what the runtime says, once up, that it does not serve (unserved)
+        # without a configured list, less what the runtime says, once up, that it does not serve (unserved)
         self.declared_endpoints: tuple[str, ...] = (*(cfg.endpoints or self.serves), *cfg.extra_routes)
         self.endpoints = self.declared_endpoints
 
@@ -216,7 +216,9 @@ class Backend:
                 if not self.capacity_info.declared and not self._asked_capacity:
                     self.capacity_info.report(*await self._report_capacity())
                     self._asked_capacity = True  # once per start: a size does not change while it runs
-                if not self._asked_routes:
+                if not self._asked_routes and not self.cfg.endpoints:
+                    # what its kind serves is checked with the runtime; a list the operator wrote
+                    # (or the embedded default's, written for its model) is taken as it is
                     self._asked_routes = True  # once per start, like its size
                     gone = await self.unserved()
                     self.endpoints = tuple(e for e in self.declared_endpoints if e not in gone)
@@ -233,9 +235,10 @@ class Backend:
         """Kind-specific load figures; the generic OpenAI server reports none."""
 
     async def unserved(self) -> set[str]:
-        """The declared endpoints this runtime says, once up, that it does not serve (a route it
+        """The endpoints of its kind this runtime says, once up, that it does not serve (a route it
         answers with 501 for want of a model or a start-up flag): they are not advertised nor
-        forwarded. Asked once per start; empty where the kind cannot tell."""
+        forwarded. Asked once per start, for a backend without an ``endpoints`` list; empty where
+        the kind cannot tell."""
         return set()
 
     async def _probe(self, path: str, body: bytes, timeout: float = 2.0) -> int | None:

@@ -190,6 +190,19 @@ async def test_routes_a_llama_server_answers_with_501_are_neither_advertised_nor
         await runner.cleanup()
 
 
+async def test_an_endpoints_list_the_operator_wrote_is_taken_as_it_is():
+    runner, url, seen = await _llama_like(audio=False, embeddings=False, rerank=False, infill=False)
+    b = make_backend(BackendConfig(name="up", kind="llama-server", url=url, models=("m",),
+                                   endpoints=("chat", "embeddings", "transcriptions")), TimeoutConfig())
+    registry = Registry([b], Metrics())
+    try:
+        await registry.start()
+        assert b.endpoints == ("chat", "embeddings", "transcriptions") and seen == []
+    finally:
+        await registry.stop()
+        await runner.cleanup()
+
+
 async def test_a_runtime_that_serves_everything_keeps_every_route():
     runner, url, _ = await _llama_like(audio=True, embeddings=True, rerank=True, infill=True)
     b = make_backend(BackendConfig(name="up", kind="llama-server", url=url, models=("m",)), TimeoutConfig())
