@@ -169,7 +169,7 @@ def run_level_processes(target: Target, level: Level, options: RunOptions, progr
     merged = LevelResult(level, [r for j in sorted(done) for r in done[j].results],
                          [x for res in done.values() for x in res.loop_lag],
                          [x for res in done.values() for x in res.send_lag])
-    progress.end_level(merged, f" ({n} processes)")
+    progress.end_level(merged, f" ({n} processes){options.part}")
     return merged
 
 

@@ -101,6 +101,7 @@ class RunOptions:
     timeout: float | None = 300.0
     processes: int = 1
     index_base: int = 0  # distinct per target of a compare, so a shared backend never sees a repeat
+    part: str = ""  # what part of a level this run is (a round of a compare), said after its progress line
 
 
 def run_loop(coro: Awaitable[T]) -> T:
@@ -382,6 +383,6 @@ async def _run_levels(target: Target, levels: list[Level], options: RunOptions,
             finally:
                 ticker.cancel()
                 mark("end", i)
-            progress.end_level(result)
+            progress.end_level(result, options.part)
             out.append(result)
     return out

@@ -175,3 +175,14 @@ def test_the_fake_fails_with_the_status_asked_for(status):
         r = httpx.post(fake.url + "/v1/chat/completions",
                        json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == status and "injected failure" in r.json()["error"]["message"]
+
+
+def test_a_compare_names_its_rounds_in_the_progress_lines(tmp_path, capsys):
+    with start_fake_backend(ttft_ms=5, itl_ms=1) as fake:
+        assert main(["bench", "compare", "--target", f"a={fake.url}", "--target", f"b={fake.url}/v1",
+                     "--concurrency", "2", "--requests", "20", "--out", str(tmp_path), *FAST]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if " concurrency 2: " in x and not x.startswith("warn")]
+    assert len(lines) == 4 and all(x.endswith("of 2; the report pools the rounds)") for x in lines)
+    results = json.loads((tmp_path / "results.json").read_text())
+    v = results["verdict"]
+    assert v["winner"] in ("a", "b") or sorted(v["tie"]) == ["a", "b"]  # two targets: compared
