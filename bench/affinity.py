@@ -89,7 +89,7 @@ def main() -> int:
                     help="[routing] affinity_slack of the affinity gateway (default: passerelle's)")
     ap.add_argument("--think-s", type=float, default=2.0, help="mean pause between a user's turns")
     args = ap.parse_args()
-    binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
+    binary, model = embedded.find_or_build_llama_server(), embedded.ensure_gemma()
     work = Path(tempfile.mkdtemp(prefix="passerelle-affinity-"))
     procs: list[Service] = []
     replicas = []

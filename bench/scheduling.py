@@ -165,7 +165,7 @@ def main() -> int:
                     help="also run the flood through a gateway whose batch class may hold this share of the "
                          "slots (the default is 0.75): the latency / throughput trade-off, same run")
     args = ap.parse_args()
-    binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
+    binary, model = embedded.find_or_build_llama_server(), embedded.ensure_gemma()
     lport = free_port()
     work = Path(tempfile.mkdtemp(prefix="passerelle-sched-"))
     llama = subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL, "--port", str(lport),

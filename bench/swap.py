@@ -154,7 +154,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="also write results.json here")
     args = ap.parse_args()
     binary = embedded.find_or_build_llama_server()
-    models = {"chat": embedded.ensure_default_model(), "coder": ensure_tiny_llama()}
+    models = {"chat": embedded.ensure_gemma(), "coder": ensure_tiny_llama()}
     work = Path(tempfile.mkdtemp(prefix="passerelle-swap-"))
     results = [run_policy(p, args, work, binary, models) for p in args.policies.split(",")]
     print(f"\nTwo on-demand llama-servers (chat: Gemma 3 270M, coder: the tiny Llama; 2 slots each) under a "

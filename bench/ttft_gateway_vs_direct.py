@@ -93,7 +93,7 @@ def main() -> int:
                "--itl-ms", "10", "--model", "gemma-3-270m"]
         kind, routes = "openai", 'endpoints = ["chat", "completions", "responses", "messages"]\n'
     else:
-        binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
+        binary, model = embedded.find_or_build_llama_server(), embedded.ensure_gemma()
         cmd = [str(binary), "-m", str(model), "--alias", "gemma-3-270m", "--port", str(lport),
                "-np", "4", "-c", "8192", "--metrics", "--slots", "--no-webui"]
         kind, routes = "llama-server", ""

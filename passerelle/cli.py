@@ -125,7 +125,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
     binary = embedded.find_or_build_llama_server()
     model = embedded.ensure_default_model()
-    print(f"llama-server: {binary}\nmodel: {model}\n{_version_text()}")
+    gemma = embedded.ensure_gemma()  # the other built-in model ([embedded] model), which the tests use
+    print(f"llama-server: {binary}\nmodel: {model}\nalso: {gemma}\n{_version_text()}")
     return 0
 
 

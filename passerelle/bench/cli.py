@@ -86,7 +86,7 @@ _WHEN_SET: dict[str, Any] = {
              "find_max": False, "find_max_limit": 256, "processes": 1, "timeout": 300.0,
              "prompt_spread": 0, "max_tokens_spread": 0, "turns": 1, "endpoint": "chat", "ignore_eos": True,
              "usage": True, "calibrate": True, "extra_body": {}, "seed": None, "prefix_share": 0.0, "slo": None,
-             "tie_margin": 0.05, "memory": True, "runtime_pid": None, "rounds": None}
+             "tie_margin": 0.05, "error_budget": None, "memory": True, "runtime_pid": None, "rounds": None}
 
 
 def _command(args: argparse.Namespace, kind: str) -> str:
@@ -107,7 +107,7 @@ def _command(args: argparse.Namespace, kind: str) -> str:
             parts += [f"--{value}"] if value in ("chat", "completions") else ["--api", value]
         elif isinstance(value, bool):
             parts.append(flag if value else f"--no-{key.replace('_', '-')}")
-        elif key in ("prefix_share", "tie_margin"):
+        elif key in ("prefix_share", "tie_margin", "error_budget"):
             parts += [flag, f"{value:.4g}"]
         elif isinstance(value, list):
             parts += [flag, ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)]
@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace, targets: list[Any], kind: str) -> int:
     if problem:
         return _usage(problem)
     try:
-        slos = stats.parse_slos(args.slo)
+        slos = stats.with_error_budget(stats.parse_slos(args.slo), args.error_budget)
     except ValueError as exc:
         return _usage(f"{kind}: {exc}")
     # Fresh prompts every run unless a seed asks for the same ones (reproducing a run exactly).
@@ -226,7 +226,7 @@ def _run(args: argparse.Namespace, targets: list[Any], kind: str) -> int:
     failed = 0
     rounds = _rounds(args, targets, levels)
     try:
-        with Progress(args.progress) as progress:
+        with Progress(args.progress, summarize=stats.level_line) as progress:
             if rounds > 1:
                 outcomes = measure_interleaved(plan, targets, progress, nonce, rounds)
             else:
@@ -265,8 +265,9 @@ def _run(args: argparse.Namespace, targets: list[Any], kind: str) -> int:
     paths = report.write_all(results_doc, samples, request_rows, args.out)
     print(f"{results_doc['verdict']['reason']}.")
     for run in runs:
-        if run.get("cache_warning"):
-            print(f"warning: {run['target']} {_label(run)}: {run['cache_warning']}.", file=sys.stderr)
+        for warning in ("cache_warning", "tail_warning"):
+            if run.get(warning):
+                print(f"warning: {run['target']} {_label(run)}: {run[warning]}.", file=sys.stderr)
     print(f"wrote {', '.join(p.name for p in paths)} to {args.out}")
     return 0 if failed == 0 else 1
 

@@ -359,12 +359,22 @@ def _error_message(body: bytes) -> str:
 
 async def get_json(session: Any, url: str, headers: dict[str, str], timeout: float = 10.0) -> Any | None:
     """GET a JSON document; ``None`` when it is missing or unreadable (probing optional endpoints)."""
+    status, doc = await get_json_status(session, url, headers, timeout)
+    return doc if status == 200 else None
+
+
+async def get_json_status(session: Any, url: str, headers: dict[str, str],
+                          timeout: float = 10.0) -> tuple[int | None, Any | None]:
+    """GET a JSON document: the HTTP status (``None``: no answer) and the document (``None`` when
+    unreadable)."""
     import aiohttp
 
     try:
         async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status != 200:
-                return None
-            return orjson.loads(await resp.read())
-    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, ConnectionError):
-        return None
+            body = await resp.read()
+            try:
+                return resp.status, orjson.loads(body)
+            except orjson.JSONDecodeError:
+                return resp.status, None
+    except (TimeoutError, aiohttp.ClientError, ConnectionError):
+        return None, None

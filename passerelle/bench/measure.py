@@ -237,7 +237,8 @@ def measure_interleaved(plan: Plan, specs: list[TargetSpec], progress: Any, nonc
             for t in order if r % 2 == 0 else order[::-1]:
                 prep = prepared[t]
                 assert isinstance(prep, Prepared)
-                opts = replace(prep.options, index_base=prep.options.index_base + i * LEVEL_STRIDE + r * ROUND_STRIDE)
+                opts = replace(prep.options, index_base=prep.options.index_base + i * LEVEL_STRIDE + r * ROUND_STRIDE,
+                               part=f" (round {r + 1} of {rounds}; the report pools the rounds)")
                 index = i * MAX_ROUNDS + r
                 try:
                     mark = functools.partial(_mark_round, prep.mark, index)

@@ -139,6 +139,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--slo", metavar="SPEC",
                      help="targets, e.g. ttft_p95=2s,tpot_p95=100ms,e2e_p99=30s,error_rate=1%%")
+    out.add_argument("--error-budget", type=fraction, default=None, metavar="F",
+                     help="the share of requests that may fail (HTTP 429 and 5xx, cut streams, timeouts) for a "
+                          "load to hold; a level over it never holds and ends --find-max's climb (default 1%%; "
+                          "the same as error_rate in --slo)")
     out.add_argument("--tie-margin", type=fraction, default=0.05, metavar="F",
                      help="targets holding the same load whose throughputs differ by less than this are a tie "
                           "(default 5%%)")

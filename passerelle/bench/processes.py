@@ -29,7 +29,6 @@ from passerelle.bench.runner import (
     run_levels_here,
     run_load,
     run_loop,
-    summary,
     warm_up,
 )
 from passerelle.bench.target import Target
@@ -170,7 +169,7 @@ def run_level_processes(target: Target, level: Level, options: RunOptions, progr
     merged = LevelResult(level, [r for j in sorted(done) for r in done[j].results],
                          [x for res in done.values() for x in res.loop_lag],
                          [x for res in done.values() for x in res.send_lag])
-    progress.end_level(summary(merged) + f" ({n} processes)")
+    progress.end_level(merged, f" ({n} processes){options.part}")
     return merged
 
 

@@ -1,6 +1,9 @@
 """Live progress: a rich bar with requests done, live TTFT p50 and output tokens/s.
 
-Only when stderr is a terminal; otherwise one line per finished level. The runner updates a
+Only when stderr is a terminal; otherwise one line per finished level. That line gives the
+report's own figures for the level (``summarize``: the cli passes ``stats.level_line``), so the
+two never disagree; the bar's live figures are a running view (the last TTFTs, tokens over the
+time so far). The runner updates a
 :class:`Tally` (cheap, on the event loop); the bar reads it from rich's refresh thread.
 """
 
@@ -9,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 
@@ -54,8 +58,9 @@ class Tally:
 class Progress:
     """One bar per level. ``total`` is the request count, or ``None`` for a timed level."""
 
-    def __init__(self, enabled: bool | None = None) -> None:
+    def __init__(self, enabled: bool | None = None, summarize: Callable[[Any], str] | None = None) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.summarize = summarize  # a finished level (runner.LevelResult) -> its line
         self._progress: Any = None
         self._task: Any = None
         self._tally: Tally | None = None
@@ -95,10 +100,18 @@ class Progress:
             live += f"  [red]{t.errors} errors[/red]"
         self._progress.update(self._task, completed=t.done, live=live)
 
-    def end_level(self, summary: str) -> None:
+    def end_level(self, result: Any, suffix: str = "") -> None:
+        """The level is over: its line, with the figures the report gives it."""
         self.refresh()
+        if self.summarize is not None:
+            summary = self.summarize(result)
+        else:
+            ok = sum(1 for r in result.results if r.ok)
+            summary = f"{ok} ok, {len(result.results) - ok} errors"
         if self._progress is None:
-            print(f"{self._label}: {summary}", file=sys.stderr, flush=True)
+            print(f"{self._label}: {summary}{suffix}", file=sys.stderr, flush=True)
+        else:
+            self._progress.console.print(f"{self._label}: {summary}{suffix}")
         self._tally = None
         self._task = None
 

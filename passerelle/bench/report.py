@@ -121,8 +121,12 @@ def _machine(m: dict[str, Any]) -> str:
 
 def _version(t: dict[str, Any]) -> str:
     v = t.get("version") or {}
-    keys = ("build_info", "version", "owned_by", "total_slots", "n_ctx")
-    return "; ".join(f"{k}: {v[k]}" for k in keys if k in v) or "not reported"
+    parts = [f"passerelle {v['passerelle']}"] if "passerelle" in v else []
+    parts += [f"{k}: {v[k]}" for k in ("build_info", "version", "total_slots", "n_ctx") if k in v]
+    if parts:
+        return "; ".join(parts)
+    # who owns the models says what kind of server it may be, not which version it runs
+    return f"not reported (models owned by {v['owned_by']})" if "owned_by" in v else "not reported"
 
 
 def document(results: dict[str, Any], plots: Sequence[Path]) -> list[Block]:

@@ -101,6 +101,7 @@ class RunOptions:
     timeout: float | None = 300.0
     processes: int = 1
     index_base: int = 0  # distinct per target of a compare, so a shared backend never sees a repeat
+    part: str = ""  # what part of a level this run is (a round of a compare), said after its progress line
 
 
 def run_loop(coro: Awaitable[T]) -> T:
@@ -358,15 +359,6 @@ def run_levels_here(target: Target, levels: list[Level], options: RunOptions,
     return run_loop(_run_levels(target, levels, options, progress, mark))
 
 
-def summary(result: LevelResult) -> str:
-    ok = [r for r in result.results if r.ok]
-    tokens = sum(r.output_tokens for r in ok)
-    ttfts = sorted(r.ttft for r in ok if r.ttft is not None)
-    p50 = f"TTFT p50 {ttfts[len(ttfts) // 2] * 1000:.1f} ms, " if ttfts else ""
-    return (f"{len(ok)} ok, {len(result.results) - len(ok)} errors, {p50}"
-            f"{tokens / result.wall_s:.1f} output tok/s")
-
-
 async def _refresh(progress: Progress) -> None:
     while True:
         progress.refresh()
@@ -391,6 +383,6 @@ async def _run_levels(target: Target, levels: list[Level], options: RunOptions,
             finally:
                 ticker.cancel()
                 mark("end", i)
-            progress.end_level(summary(result))
+            progress.end_level(result, options.part)
             out.append(result)
     return out

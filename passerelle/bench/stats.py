@@ -70,6 +70,23 @@ class Slo:
         return f"{self.key} ≤ {self.threshold:g} ms"
 
 
+# The share of a level's requests that may fail (any error: an HTTP 429 or 500, a cut stream, a
+# timeout) for the level to hold, when --slo names no error_rate: a load where requests fail is
+# never "held", however fast the answers that did come back.
+DEFAULT_ERROR_BUDGET = 0.01
+
+
+def with_error_budget(slos: Sequence[Slo], budget: float | None) -> list[Slo]:
+    """``slos`` with an ``error_rate`` SLO of ``budget`` (default 1 %) unless they already have one;
+    ValueError when both name one and they differ."""
+    given = [s for s in slos if s.metric == "error_rate"]
+    if given:
+        if budget is not None and any(s.threshold != budget for s in given):
+            raise ValueError("--error-budget and error_rate in --slo say different things; give one")
+        return list(slos)
+    return [*slos, Slo("error_rate", None, DEFAULT_ERROR_BUDGET if budget is None else budget)]
+
+
 def parse_slos(text: str | None) -> list[Slo]:
     """``ttft_p95=2s,tpot_p95=100ms,e2e_p99=30s,error_rate=1%``; a bare number is milliseconds."""
     if not text:
@@ -130,6 +147,23 @@ def run_failures(run: dict[str, Any], slos: Sequence[Slo]) -> list[str]:
         if value is not None and value > slo.threshold:
             failed.append(slo.key)
     return failed
+
+
+# A p95 (p99) of fewer requests than this is one or two requests: it moves with any single one.
+FEW_FOR_TAIL = 20
+
+
+def few_for_tail(run: dict[str, Any]) -> bool:
+    """Does this run's p95 rest on too few requests to mean much?"""
+    return bool(0 < run.get("requests_ok", 0) < FEW_FOR_TAIL)
+
+
+def tail_warning(run: dict[str, Any]) -> str | None:
+    n = run.get("requests_ok", 0)
+    if not few_for_tail(run):
+        return None
+    return (f"its p95 and p99 rest on {n} request{'s' if n != 1 else ''}, fewer than {FEW_FOR_TAIL}: one slow "
+            f"request moves them (give --requests {FEW_FOR_TAIL} or more)")
 
 
 # --- steady state --------------------------------------------------------------------------
@@ -274,6 +308,7 @@ def run_record(target: str, level: LevelResult, results: Sequence[RequestResult]
     }
     record["slo_failures"] = run_failures(record, slos)
     record["meets_slo"] = not record["slo_failures"]
+    record["tail_warning"] = tail_warning(record)
     return record
 
 
@@ -294,3 +329,14 @@ def level_records(target: str, level: LevelResult, slos: Sequence[Slo]) -> list[
     share = max(c.workload.prefix_share for c in classes)
     records.append(run_record(target, level, level.results, slos, "all", conc, rate, prefix_share=share))
     return records
+
+
+def level_line(result: LevelResult) -> str:
+    """A finished level in one line, with the figures its whole-load record (and so the report)
+    gives: TTFT p50 interpolated, output tokens/s over the steady state."""
+    run = level_records("", result, [])[-1]
+    p50 = run["ttft_ms"]["p50"]
+    return (f"{run['requests_ok']} ok, {run['errors']} errors, "
+            + (f"TTFT p50 {p50:.1f} ms, " if p50 is not None else "")
+            + f"{run['output_tokens_per_s']:.1f} output tok/s"
+            + (" (steady state)" if run["throughput_over"] == "steady state" else ""))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from passerelle.bench.stats import FEW_FOR_TAIL, few_for_tail
 from passerelle.bench.verdict import gib, memory_phrase
 
 COLUMNS = (
@@ -20,6 +21,10 @@ COLUMNS = (
     ("requests_per_s", "req/s"), ("goodput_rps", "goodput req/s"), ("steady_state.duration_s", "steady s"),
     ("cache.cached_fraction", "cached"), ("meets_slo", "SLO"),
 )
+# the percentiles taken over requests (ITL pools every gap of every request: it has many more)
+_TAILS = tuple(f"{m}_ms.{p}" for m in ("ttft", "tpot", "e2e") for p in ("p95", "p99"))
+
+
 DEFINITIONS = (
     "TTFT: request sent → first chunk with content (the generator's own wait for a free "
     "concurrency slot is never counted). TPOT: (e2e − TTFT) / (output tokens − 1), per request. "
@@ -28,15 +33,27 @@ DEFINITIONS = (
     "steady state: from the end of the first answer to the last request's send, so neither the ramp-up "
     "(every request starting at once) nor the drain (fewer and fewer in flight) counts; `steady s` is "
     "that window's length, `–` where a run was too short to have one (then: its whole wall time). "
-    "Goodput: requests meeting every SLO on their own, per second. `cached`: the share of prompt tokens "
-    "the runtime says it took from its prompt cache."
+    "Goodput: requests that succeeded and met every latency SLO on their own, per second. A level holds "
+    "when it meets every SLO, the error budget included (`error_rate`: any failed request, a 429 as much "
+    "as a 500). `cached`: the share of prompt tokens the runtime says it took from its prompt cache. "
+    f"A p95 or p99 marked * rests on fewer than {FEW_FOR_TAIL} requests: one slow request moves it."
 )
 
 
 def cell(run: dict[str, Any], key: str) -> str:
+    if key in _TAILS and few_for_tail(run) and _get(run, key) is not None:
+        return f"{_format(_get(run, key), key)}*"
+    return _format(_get(run, key), key)
+
+
+def _get(run: dict[str, Any], key: str) -> Any:
     value: Any = run
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _format(value: Any, key: str) -> str:
     if value is None:
         return "–"
     if isinstance(value, bool):
@@ -75,7 +92,8 @@ def where(run: dict[str, Any]) -> str:
 
 # --- verdict ---------------------------------------------------------------------------------
 def verdict_rows(v: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    head = ["target", "load held within SLOs", "out tok/s there", "req/s there", "memory there"]
+    head = ["target", "load held within SLOs", "out tok/s there", "req/s there", "goodput req/s there",
+            "memory there"]
     rows = []
     for name, t in v["targets"].items():
         tag = " (winner)" if name == v["winner"] else " (tie)" if name in v.get("tie", []) else ""
@@ -83,7 +101,7 @@ def verdict_rows(v: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         if mem is None and t.get("memory"):
             mem = f"{memory_phrase(t['memory'])} at {t.get('memory_at')} (not held)"
         rows.append([name + tag, t.get("summary", "–"), cell(t, "output_tokens_per_s"), cell(t, "requests_per_s"),
-                     mem or "–"])
+                     cell(t, "goodput_rps"), mem or "–"])
     return head, rows
 
 
@@ -242,6 +260,8 @@ def notes(results: dict[str, Any]) -> list[str]:
         at = f"{run['target']} {where(run)}"
         if run.get("cache_warning"):
             out.append(f"**{at}: served from cache** — {run['cache_warning']}.")
+        if run.get("tail_warning"):
+            out.append(f"**{at}: {run['tail_warning']}**.")
         src = run["token_count_source"]
         if src in ("chunks", "mixed"):
             out.append(f"{at}: token counts from content chunks for {'some' if src == 'mixed' else 'all'} "

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from passerelle.bench.client import get_json
+from passerelle.bench.client import get_json, get_json_status
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,15 @@ async def discover(session: Any, target: Target) -> Target:
     """Fill in the model list, the model (first listed when none was asked for) and versions.
 
     Versions come from whatever the server offers: llama-server's ``/props`` (``build_info``),
-    vLLM's ``/version``, the ``owned_by`` of the models. A missing endpoint is not an error.
+    vLLM's ``/version``, passerelle's ``/health``; the ``owned_by`` of the models is kept to tell
+    the kind, not as a version. A missing endpoint is not an error; a refused key is (401/403).
     """
     headers = target.headers()
-    listing = await get_json(session, f"{target.base_url}/v1/models", headers)
+    status, listing = await get_json_status(session, f"{target.base_url}/v1/models", headers)
+    if status in (401, 403):
+        hint = ("the key given was refused" if target.api_key else
+                "pass --api-key (bench compare: key=ENV in --target)")
+        raise RuntimeError(f"GET {target.base_url}/v1/models: {status}: {hint}")
     models: list[str] = []
     owners: set[str] = set()
     if isinstance(listing, dict) and isinstance(listing.get("data"), list):
@@ -103,7 +108,12 @@ async def discover(session: Any, target: Target) -> Target:
                     owners.add(item["owned_by"])
     model = target.model or (models[0] if models else None)
     if model is None:
-        why = "did not answer (is the server running?)" if listing is None else "listed no model; pass --model"
+        if status is None:
+            why = "did not answer (is the server running?)"
+        elif status != 200:
+            why = f"answered HTTP {status}"
+        else:
+            why = "listed no model; pass --model"
         raise RuntimeError(f"GET {target.base_url}/v1/models {why}")
     version: dict[str, Any] = {}
     props = await get_json(session, f"{target.base_url}/props", headers)
@@ -114,17 +124,23 @@ async def discover(session: Any, target: Target) -> Target:
         settings = props.get("default_generation_settings")
         if isinstance(settings, dict) and isinstance(settings.get("n_ctx"), int):
             version["n_ctx"] = settings["n_ctx"]
-    ver = await get_json(session, f"{target.base_url}/version", headers)
-    if isinstance(ver, dict) and ver.get("version"):
-        version["version"] = ver["version"]
+    health = await get_json(session, f"{target.base_url}/health", headers)
+    if isinstance(health, dict) and health.get("server") == "passerelle" and isinstance(health.get("version"), str):
+        version["passerelle"] = health["version"]
+    else:
+        ver = await get_json(session, f"{target.base_url}/version", headers)
+        if isinstance(ver, dict) and ver.get("version"):
+            version["version"] = ver["version"]
     if owners:
         version["owned_by"] = ", ".join(sorted(owners))
     return replace(target, model=model, models=tuple(models), version=version)
 
 
 def server_kind(target: Target) -> str:
-    """A best guess for the report: llama-server, vllm, or unknown."""
+    """A best guess for the report: passerelle, llama-server, vllm, or unknown."""
     v = target.version
+    if "passerelle" in v:
+        return "passerelle"
     if "passerelle-fake" in str(v.get("build_info", "")):
         return "passerelle fake-backend"
     if "build_info" in v:

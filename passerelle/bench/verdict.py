@@ -1,6 +1,9 @@
 """The verdict: per target, the load it holds within the SLOs and whether a limit was found; the winner.
 
-A target **holds** load L when every tested load up to L met every SLO. It is said to "fail at"
+A target **holds** load L when every tested load up to L met every SLO, the error budget
+included (``error_rate``: 1 % of requests by default, whatever failed them: a 429 as much as a
+500). Goodput (requests that succeeded within every latency SLO, per second) stands beside the
+throughput. It is said to "fail at"
 the first load above that which missed one (and which SLO), or, when every tested load passed,
 to hold "≥ L (the highest load tried)": a limit not found is not a limit. Only whole-load runs
 count (a plain level, or a scenario's ``all``)::
@@ -8,7 +11,8 @@ count (a plain level, or a scenario's ``all``)::
     vulkan holds 4 concurrent requests, fails at 8 (TTFT p95) …
     rocm holds ≥ 4 concurrent requests (the highest load tried) …
 
-The winner holds the highest load; at equal load a target whose limit was not found ranks above
+With several targets, the winner holds the highest load (a single target is measured, never a
+"winner"); at equal load a target whose limit was not found ranks above
 one that failed just beyond, and then the higher output tokens/s wins — unless the throughputs
 differ by less than the noise: ``tie_margin`` (5 % by default) or twice the combined relative
 standard error of the two runs' mean request times, whichever is larger. Then there is no winner
@@ -112,8 +116,20 @@ def target_verdict(mine: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _why(run: dict[str, Any]) -> str:
+    """`` (TTFT p95, error rate 80 %)``: what a run missed, with its error rate where that was it."""
+    names = []
+    for key in run.get("slo_failures", []):
+        name = slo_name(key)
+        total = run.get("requests_ok", 0) + run.get("errors", 0)
+        if key == "error_rate" and total:
+            name += f" {run['errors'] / total:.0%}"
+        names.append(name)
+    return f" ({', '.join(names)})" if names else ""
+
+
 def _summary(held: dict[str, Any] | None, fails: dict[str, Any] | None, again: list[dict[str, Any]]) -> str:
-    why = f" ({', '.join(slo_name(k) for k in fails.get('slo_failures', []))})" if fails else ""
+    why = _why(fails) if fails else ""
     if held is None:
         text = f"fails at the lowest load tried, {load_phrase(fails)}{why}" if fails else "nothing measured"
     elif fails is None:
@@ -142,36 +158,44 @@ def verdict(runs: Sequence[dict[str, Any]], slos: Sequence[Slo], models: dict[st
     ranked = sorted(((n, t) for n, t in targets.items() if t["max_concurrency"] or t["max_rate"]),
                     key=rank, reverse=True)
     slo_text = ", ".join(s.describe() for s in slos) or "no SLO given"
-    winner, tie, noise = (ranked[0][0] if ranked else None), [], tie_margin
+    best, tie, noise = (ranked[0][0] if ranked else None), [], tie_margin
     if len(ranked) > 1 and rank(ranked[0])[:2] == rank(ranked[1])[:2]:
         first = ranked[0][1]
-        best = first["output_tokens_per_s"] or 0.0
+        top = first["output_tokens_per_s"] or 0.0
         for n, t in ranked:
             if rank((n, t))[:2] != rank(ranked[0])[:2]:
                 continue
             margin = max(tie_margin, 2 * ((first["throughput_rse"] or 0) ** 2 + (t["throughput_rse"] or 0) ** 2) ** 0.5)
-            if (t["output_tokens_per_s"] or 0.0) >= best * (1 - margin):
+            if (t["output_tokens_per_s"] or 0.0) >= top * (1 - margin):
                 tie.append(n)
                 noise = max(noise, margin)
         if len(tie) > 1:
-            winner = None
+            best = None
         else:
             tie = []
+    # one target is measured, not compared: it holds what it holds, and wins nothing
+    winner = best if len(targets) > 1 else None
     if tie:
         rates = " vs ".join(f"{targets[n]['output_tokens_per_s']:.1f}" for n in tie)
         reason = (f"no clear winner: {' and '.join(tie)} each {targets[tie[0]]['summary']} within the SLOs "
                   f"({slo_text}), at output tokens/s within the noise of each other ({rates}; differences under "
                   f"{noise:.0%} are noise here)")
-    elif winner is None:
+    elif best is None and len(targets) == 1:
+        name, t = next(iter(targets.items()))
+        reason = f"{name} {t['summary']}: it does not meet the SLOs ({slo_text}) at any tested load"
+    elif best is None:
         reason = f"no target meets the SLOs ({slo_text}) at any tested load"
     else:
-        w = targets[winner]
-        reason = (f"{winner} {w['summary']} within the SLOs ({slo_text}), at {w['output_tokens_per_s']:.1f} "
+        w = targets[best]
+        reason = (f"{best} {w['summary']} within the SLOs ({slo_text}), at {w['output_tokens_per_s']:.1f} "
                   "output tokens/s")
         mem = memory_phrase(w["memory"])
         if mem:
             reason += f" and {mem}"
-    others = [f"{n}: {t['summary']}" for n, t in targets.items() if n != winner and n not in tie]
+        if w["goodput_rps"] is not None:
+            reason += f"; goodput {w['goodput_rps']:.2f} requests/s (succeeded within the SLOs)"
+    others = [f"{n}: {t['summary']}" for n, t in targets.items() if n != best and n not in tie
+              and len(targets) > 1]
     if others:
         reason += " (" + "; ".join(others) + ")"
     distinct = {m for m in models.values() if m}

@@ -84,7 +84,7 @@ ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "
 # Conversation indexes of different targets of a compare differ by this much (see measure); lengths
 # are drawn from the index within a target, so every target gets the same sequence of lengths.
 TARGET_STRIDE = 1_000_000_000
-DEFAULT_MIN_REQUESTS = 16  # per level, unless --requests or --duration says otherwise
+DEFAULT_MIN_REQUESTS = 20  # per level, unless --requests or --duration says otherwise (a p95 of fewer is warned of)
 
 
 @dataclass(frozen=True)

@@ -82,14 +82,17 @@ class Backend:
         self.breaker = CircuitBreaker()
         self._missed_health = False
         self._asked_capacity = False
+        self._asked_routes = False
         self._client: UpstreamClient | None = None
         self._started = False
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         if cfg.health_path:
             self.health_path = cfg.health_path
         # what the gateway forwards to this runtime: its configured endpoints or its kind's, plus
-        # the routes the operator added for every backend ([server] extra_routes) or for this one
-        self.endpoints: tuple[str, ...] = (*(cfg.endpoints or self.serves), *cfg.extra_routes)
+        # the routes the operator added for every backend ([server] extra_routes) or for this one;
+        # without a configured list, less what the runtime says, once up, that it does not serve (unserved)
+        self.declared_endpoints: tuple[str, ...] = (*(cfg.endpoints or self.serves), *cfg.extra_routes)
+        self.endpoints = self.declared_endpoints
 
     @property
     def capacity(self) -> int:
@@ -223,10 +226,16 @@ class Backend:
                 if not self.capacity_info.declared and not self._asked_capacity:
                     self.capacity_info.report(*await self._report_capacity())
                     self._asked_capacity = True  # once per start: a size does not change while it runs
+                if not self._asked_routes and not self.cfg.endpoints:
+                    # what its kind serves is checked with the runtime; a list the operator wrote
+                    # (or the embedded default's, written for its model) is taken as it is
+                    self._asked_routes = True  # once per start, like its size
+                    gone = await self.unserved()
+                    self.endpoints = tuple(e for e in self.declared_endpoints if e not in gone)
                 await self._scrape_load(stats)
                 self._follow_queue(stats)
             else:
-                self._asked_capacity = False
+                self._asked_capacity = self._asked_routes = False
         except Exception as exc:  # garbage from a runtime must never break the gateway
             stats.error = f"{exc.__class__.__name__}: {exc}"
         self.stats = stats
@@ -234,6 +243,27 @@ class Backend:
 
     async def _scrape_load(self, stats: BackendStats) -> None:
         """Kind-specific load figures; the generic OpenAI server reports none."""
+
+    async def unserved(self) -> set[str]:
+        """The endpoints of its kind this runtime says, once up, that it does not serve (a route it
+        answers with 501 for want of a model or a start-up flag): they are not advertised nor
+        forwarded. Asked once per start, for a backend without an ``endpoints`` list; empty where
+        the kind cannot tell."""
+        return set()
+
+    async def _probe(self, path: str, body: bytes, timeout: float = 2.0) -> int | None:
+        """POST ``body`` (a request the runtime refuses before any work) and return the status;
+        None when there is no answer in time."""
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await self.client.request(b"POST", path, body, headers=b"Content-Type: application/json\r\n")
+                try:
+                    await resp.read(65536)
+                    return resp.status
+                finally:
+                    resp.close()
+        except (TimeoutError, HTTPClientError, OSError):
+            return None
 
     async def _report_capacity(self) -> tuple[int | None, str]:
         """How many requests the runtime says it runs at once, and where it said so; (None, "")

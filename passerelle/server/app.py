@@ -22,6 +22,7 @@ from urllib.parse import parse_qs, unquote
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from passerelle import __version__
 from passerelle.batches.api import BatchApi
 from passerelle.config import Config, RuntimesConfig, budget_share
 from passerelle.errors import ConfigError, GatewayError, InvalidRequest, Unauthorized, UnknownModel, clip
@@ -33,6 +34,7 @@ from passerelle.observe.tracing import start_tracer
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
+from passerelle.runtimes import embedded
 from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.factory import expand
 from passerelle.runtimes.fleet import Fleet
@@ -256,7 +258,8 @@ class App:
 
     # -- small routes ----------------------------------------------------------------------
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await json_response(send, 200, {"status": "ok"})
+        # what answers, and which version: a benchmark's report names it (bench/target.py)
+        await json_response(send, 200, {"status": "ok", "server": "passerelle", "version": __version__})
 
     def readiness(self) -> tuple[list[str], list[str]]:
         """The backends up, and the on-demand ones that start when asked: ready if either."""
@@ -446,9 +449,11 @@ class App:
             lines.append(f"  backend {b.name} ({b.kind}) at {b.url}: models {', '.join(b.models)} "
                          f"[{', '.join(b.endpoints)}], {size}, {'up' if b.stats.up else 'DOWN'}")
         e = self.cfg.embedded
-        if not e.model_path and any(b.cfg.name == "local" for b in self.registry.backends):
-            lines.append(f"  note: {e.model_id} is a small base model: it continues text rather than chats "
-                         "(serve your own GGUF with [embedded] model_path)")
+        if (not e.model_path and not embedded.BUILTIN[e.model].chat
+                and any(b.cfg.name == "local" for b in self.registry.backends)):
+            lines.append(f"  note: {e.served_id} is a small base model: it continues text rather than chats "
+                         f"([embedded] model = \"{embedded.DEFAULT_MODEL_ID}\" answers; or serve your own GGUF "
+                         "with [embedded] model_path)")
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _spawn(self, coro: Any, name: str) -> None:

@@ -92,6 +92,7 @@ class FakeConfig:
     tokens: int = 16  # output tokens when a request gives no max_tokens
     model: str = "fake-model"
     fail_rate: float = 0.0
+    fail_status: int = 500  # the status of an injected failure: 429 plays a gateway shedding load, at once
     abort_rate: float = 0.0
     seed: int | None = None
     usage: bool = True  # honour stream_options.include_usage (off: act like a runtime without it)
@@ -246,7 +247,8 @@ async def _sleep_until(deadline: float) -> None:
 
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
-            500: b"Internal Server Error"}
+            429: b"Too Many Requests", 500: b"Internal Server Error", 502: b"Bad Gateway",
+            503: b"Service Unavailable"}
 
 
 class Connection(asyncio.Protocol):
@@ -569,7 +571,9 @@ class FakeBackend:
             return
         if fail:
             self.counters.failed += 1
-            conn.respond(500, _error_body("injected failure (fake-backend --fail-rate)", "server_error", 500),
+            status = cfg.fail_status
+            conn.respond(status, _error_body("injected failure (fake-backend --fail-rate)",
+                                             "rate_limit_exceeded" if status == 429 else "server_error", status),
                          keep_alive)
             return
         prompt_tokens = _count_words(prompt)
@@ -791,7 +795,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
                         help="output tokens when a request gives no max_tokens (default 16)")
     parser.add_argument("--model", default="fake-model", help="model id served (default fake-model)")
     parser.add_argument("--fail-rate", type=_fraction, default=0.0,
-                        help="fraction of requests answered with HTTP 500")
+                        help="fraction of requests answered with HTTP 500 (or --fail-status)")
+    parser.add_argument("--fail-status", type=int, default=500, choices=(429, 500, 502, 503),
+                        help="the status of those failures (default 500; 429: a gateway shedding load)")
     parser.add_argument("--abort-rate", type=_fraction, default=0.0,
                         help="fraction of streams cut mid-stream (TCP close, no [DONE])")
     parser.add_argument("--seed", type=int, default=None, help="seed for the injected failures")
@@ -824,7 +830,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> FakeConfig:
     return FakeConfig(host=args.host, port=args.port, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
                       slots=max(args.slots, 0), tokens=args.tokens, model=args.model,
-                      fail_rate=args.fail_rate, abort_rate=args.abort_rate, seed=args.seed,
+                      fail_rate=args.fail_rate, fail_status=args.fail_status, abort_rate=args.abort_rate,
+                      seed=args.seed,
                       usage=args.usage, embedding_dim=args.embedding_dim,
                       close_after_stream_ms=args.close_after_stream_ms, prefix_cache=max(args.prefix_cache, 0),
                       openai_only=args.openai_only,

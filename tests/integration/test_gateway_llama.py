@@ -281,19 +281,35 @@ def test_sigkill_of_the_gateway_leaves_no_orphan(launched):
     wait_until(lambda: not pid_alive(runtime), 10, what="runtime killed with its parent")
 
 
+@pytest.mark.timeout(600)  # three runtimes to start and a 4,500-token prompt to compute, on shared cores
 def test_embedded_default_serves_the_whole_api(gateway):
+    from passerelle.runtimes.embedded import DEFAULT_MODEL_ID as DEFAULT
+
     gw = gateway("")
     c = sdk(gw)
-    assert c.chat.completions.create(model=MODEL_ID, messages=MSG, max_tokens=3).choices[0].message.content
-    emb = c.embeddings.create(model=MODEL_ID, input=["a lighthouse", "a ship"])
+    # an instruction-tuned model: it answers, and stops by itself (SmolLM2-135M-Instruct)
+    answer = c.chat.completions.create(model=DEFAULT, max_tokens=64, temperature=0,
+                                       messages=[{"role": "user", "content": "Write a haiku about lighthouses."}])
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.content.strip()
+    emb = c.embeddings.create(model=DEFAULT, input=["a lighthouse", "a ship"])
     assert len(emb.data) == 2 and len(emb.data[0].embedding) > 100
-    assert c.responses.create(model=MODEL_ID, input="Hi", max_output_tokens=3).usage.output_tokens > 0
-    assert gw.anthropic().messages.create(model=MODEL_ID, max_tokens=3, messages=MSG).usage.output_tokens > 0
+    assert c.responses.create(model=DEFAULT, input="Hi", max_output_tokens=3).usage.output_tokens > 0
+    assert gw.anthropic().messages.create(model=DEFAULT, max_tokens=3, messages=MSG).usage.output_tokens > 0
     assert httpx.post(gw.url + "/tokenize", json={"content": "a lighthouse"}).json()["tokens"]
-    infill = httpx.post(gw.url + "/infill", timeout=60, json={"input_prefix": "def f(", "input_suffix": "):",
-                                                              "n_predict": 2})
-    assert infill.status_code == 200 and infill.json()["tokens_predicted"] >= 1
+    # SmolLM2 has no fill-in-the-middle tokens: /infill is neither served nor advertised
+    infill = httpx.post(gw.url + "/infill", timeout=60, json={"model": DEFAULT, "input_prefix": "def f(",
+                                                              "input_suffix": "):", "n_predict": 2})
+    assert infill.status_code == 400 and "not served on /infill" in infill.json()["error"]["message"]
     ranked = httpx.post(gw.url + "/v1/rerank", timeout=60, json={"model": "tiny-reranker", "query": "light",
                                                                  "documents": ["a lighthouse", "a ship"]})
     assert ranked.status_code == 200 and len(ranked.json()["results"]) == 2
+    model = next(m for m in httpx.get(gw.url + "/v1/models").json()["data"] if m["id"] == DEFAULT)
+    assert "/infill" not in model["routes"] and "/v1/audio/transcriptions" not in model["routes"]
+    assert "/v1/embeddings" in model["routes"] and model["context_length"] == 8192
+    # a coding agent's first request (Claude Code's: about 4,200 tokens with its tools) fits a slot
+    big = c.chat.completions.create(model=DEFAULT, max_tokens=1, messages=[
+        {"role": "user", "content": "Summarise: " + "the lighthouse keeper lit the lamp at dusk. " * 500}])
+    assert big.usage.prompt_tokens > 4200
     assert len(gw.children()) == 3  # chat, embeddings, rerank
+    banner = gw.log_text()
+    assert "is a small base model" not in banner and "infill" not in banner.split("backend local ")[1].split("\n")[0]

@@ -234,7 +234,7 @@ def check_traffic(gw: Gateway, box: Box, endpoint: str) -> list[dict]:
 
 
 # -- a turn in front of the embedded llama-server ----------------------------------------------
-EMBEDDED_MODEL = EmbeddedConfig().model_id
+EMBEDDED_MODEL = EmbeddedConfig().served_id
 STOPS = [".", "!", "?"]
 EMBEDDED_FOR_AGENTS = f"""
 [embedded]

@@ -32,7 +32,7 @@ def test_a_second_run_gets_fresh_prompts_and_no_warning(tmp_path, capsys):
         assert run["cache_warning"] is None
     assert first["workload"]["nonce"] != second["workload"]["nonce"] and first["workload"]["seed"] is None
     assert ": served from cache**" not in (tmp_path / "2" / "report.md").read_text()
-    assert "warning" not in capsys.readouterr().err
+    assert "served from the runtime's prompt cache" not in capsys.readouterr().err
 
 
 def test_an_explicit_seed_repeats_prompts_and_the_report_warns(tmp_path, capsys):

@@ -209,7 +209,7 @@ def test_the_embedded_default_declares_a_text_model_without_vision_or_audio():
     from passerelle.runtimes.factory import embedded_models
 
     (entry,) = embedded_models(Config())
-    assert entry.name == Config().embedded.model_id
+    assert entry.name == Config().embedded.served_id
     assert "chat" in entry.capabilities and not {"vision", "audio"} & set(entry.capabilities)
     # a model of the operator's own (embedded.model_path) may see or hear: no capability is declared
     # for it (its entry only carries the agents' aliases)
@@ -217,7 +217,7 @@ def test_the_embedded_default_declares_a_text_model_without_vision_or_audio():
     assert own_model.capabilities == () and own_model.aliases == Config().embedded.aliases
     assert embedded_models(Config(embedded=EmbeddedConfig(model_path="/models/llava.gguf", aliases=()))) == ()
     # nor for a model the operator's [[models]] already describes
-    own = ModelConfig(name="chat", served_name=Config().embedded.model_id)
+    own = ModelConfig(name="chat", served_name=Config().embedded.served_id)
     assert embedded_models(Config(models=(own,))) == ()
 
 

@@ -269,7 +269,7 @@ def _embedded_catalogue(cfg) -> Catalogue:
     from passerelle.runtimes.factory import CHAT_ENDPOINTS, embedded_models
 
     chat_backend = BackendConfig(name="local", kind="llama-server", url="http://127.0.0.1:9",
-                                 models=(cfg.embedded.model_id,), endpoints=CHAT_ENDPOINTS)
+                                 models=(cfg.embedded.served_id,), endpoints=CHAT_ENDPOINTS)
     cfg = dataclasses.replace(cfg, backends=(chat_backend,), models=(*cfg.models, *embedded_models(cfg)))
     return Catalogue(cfg.models, Registry([make_backend(b, cfg.timeouts) for b in cfg.backends], Metrics()))
 
@@ -279,7 +279,7 @@ def test_the_embedded_default_serves_the_names_coding_agents_ask_for(tmp_path):
     with no configuration both reach the embedded model, rewritten to its id."""
     cfg = load_config(None, env={})
     c = _embedded_catalogue(cfg)
-    served = cfg.embedded.model_id
+    served = cfg.embedded.served_id
     for asked, api in (("claude-sonnet-4-5-20250929", "messages"), ("claude-haiku-4-5", "messages"),
                        ("claude-opus-5-5", "count_tokens"), ("gpt-5.5", "responses"), ("gpt-4o-mini", "chat"),
                        (served, "chat")):

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from passerelle import __version__
 from passerelle.config import AuthConfig, ClassConfig, TimeoutConfig
 from passerelle.errors import Cause
 from passerelle.tenants.keys import KeyStore
@@ -69,7 +70,7 @@ async def test_routes_unknown_paths_and_wrong_methods():
     async with fake_runtime() as fake, gateway(fake.backend_config()) as gw:
         assert (await gw.get("/v1/chat/completions")).status == 405
         assert (await gw.get("/v1/nothing")).json()["error"]["code"] == "not_found"
-        assert (await gw.get("/health")).json() == {"status": "ok"}
+        assert (await gw.get("/health")).json() == {"status": "ok", "server": "passerelle", "version": __version__}
         models = (await gw.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["fake-model"]
         assert (await gw.get("/admin/stats", client="192.0.2.7")).status == 403
