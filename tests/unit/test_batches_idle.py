@@ -22,35 +22,45 @@ SLOTS = 4  # the fake backend's max_concurrency (tests/inprocess.py)
 
 
 class Watch:
-    """Every request the scheduler admits: for a batch line, the batch's lines in the scheduler
-    then (itself included) against what the rule allows; for any other, whether a slot was free."""
+    """Each time the runner lets batch lines go, its lines in flight then against the rule worked
+    out here from the scheduler's own counts; the batch's peak in the scheduler; and for each
+    request of another class, whether a slot was free when it came."""
 
-    def __init__(self, sched: Scheduler, reserve: int) -> None:
-        self.sched, self.reserve = sched, reserve
+    def __init__(self, gw: InProcessGateway, reserve: int) -> None:
+        self.sched, self.reserve = gw.app.scheduler, reserve
+        self.gate = gw.app.batches.runner.idle
+        (self.backend,) = gw.app.gateway.registry.backends
         self.batch_peak = 0
         self.violations: list[str] = []
         self.others_at_once: list[bool] = []
-        submit: Callable[[Job], None] = sched.submit
+        submit: Callable[[Job], None] = self.sched.submit
+        pump: Callable[[], None] = self.gate.pump
 
-        def watched(job: Job) -> None:
-            if job.cls.name == "batch":
-                self._check(job)
+        def watched_submit(job: Job) -> None:
             submit(job)
             if job.cls.name != "batch":
                 self.others_at_once.append(job.backend is not None)
+            else:
+                batch = self.sched.running.get((self.backend.name, "batch"), 0)
+                self.batch_peak = max(self.batch_peak, batch + sum(j.cls.name == "batch" for j in self.sched.waiting))
 
-        sched.submit = watched  # type: ignore[method-assign]
+        def watched_pump() -> None:
+            before = sum(self.gate._in.values())
+            pump()
+            if sum(self.gate._in.values()) > before:
+                self._check()
 
-    def _check(self, job: Job) -> None:
-        sched = self.sched
-        (b,) = job.pool
-        batch = sched.running.get((b.name, "batch"), 0) + sum(1 for j in sched.waiting if j.cls.name == "batch") + 1
-        others = b.in_flight - sched.running.get((b.name, "batch"), 0)
+        self.sched.submit = watched_submit  # type: ignore[method-assign]
+        self.gate.pump = watched_pump  # type: ignore[method-assign]
+
+    def _check(self) -> None:
+        sched, mine = self.sched, sum(self.gate._in.values())
+        batch = sched.running.get((self.backend.name, "batch"), 0)
+        others = self.backend.in_flight - batch
         waiting = sum(1 for j in sched.waiting if j.cls.name != "batch")
         allowed = SLOTS - max(self.reserve, others) - waiting
-        self.batch_peak = max(self.batch_peak, batch)
-        if batch > allowed:
-            self.violations.append(f"{batch} batch lines with {others} others running, {waiting} waiting")
+        if mine > allowed:
+            self.violations.append(f"{mine} batch lines with {others} others running, {waiting} waiting")
 
 
 async def batch_lines_running(gw: InProcessGateway, n: int, timeout: float = 10.0) -> None:
@@ -72,7 +82,7 @@ async def test_batch_lines_leave_the_reserve_and_what_waiting_requests_need(tmp_
     cfg = BatchesConfig(in_flight_per_batch=8, in_flight_per_key=8)  # more than the slots: the gate bounds
     async with fake_runtime(ttft_ms=40, itl_ms=5, slots=SLOTS) as fake, \
             gateway(fake.backend_config(), db=tmp_path / "k.db", batches=cfg) as gw:
-        watch = Watch(gw.app.scheduler, reserve=1)
+        watch = Watch(gw, reserve=1)
         f = (await upload(gw, jsonl(rows))).json()
         b = (await create(gw, f["id"])).json()
         await batch_lines_running(gw, SLOTS - 1)
@@ -95,7 +105,7 @@ async def test_with_nothing_else_running_the_batch_uses_every_idle_slot(tmp_path
     cfg = BatchesConfig(in_flight_per_batch=8, in_flight_per_key=8, reserve_slots=0)
     async with fake_runtime(ttft_ms=30, slots=SLOTS) as fake, \
             gateway(fake.backend_config(), db=tmp_path / "k.db", batches=cfg) as gw:
-        watch = Watch(gw.app.scheduler, reserve=0)
+        watch = Watch(gw, reserve=0)
         f = (await upload(gw, jsonl(rows))).json()
         done = await settle(gw, (await create(gw, f["id"])).json()["id"])
         assert done["request_counts"]["completed"] == 30
