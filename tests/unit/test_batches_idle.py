@@ -14,7 +14,7 @@ import pytest
 
 from passerelle.config import BatchesConfig, load_config
 from passerelle.errors import ConfigError
-from passerelle.scheduling.scheduler import Job, Scheduler
+from passerelle.scheduling.scheduler import Job
 from tests.inprocess import InProcessGateway, fake_runtime, gateway
 from tests.unit.test_batches import create, jsonl, line, settle, upload
 
