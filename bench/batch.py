@@ -3,7 +3,8 @@
 Against the fake runtime with slots (it runs ``--slots`` streams at once and queues the rest),
 behind passerelle:
 
-1. capacity: a batch alone; its tokens/s is what the runtime does with no interactive load;
+1. capacity: a batch alone, on a gateway whose batch lines may take every slot
+   (``reserve_slots = 0``); its tokens/s is what the runtime does with no interactive load;
 2. interactive alone: streamed chat requests at a fixed rate (the design point), TTFT p50/p95
    and the tokens/s they take;
 3. the same interactive load while a batch of ``--lines`` lines runs: the batch's tokens/s over
@@ -17,7 +18,9 @@ The interactive requests carry no key, so they are of the anonymous class (``sta
 lines run at ``batch``, below it.
 
     .venv/bin/python bench/batch.py [--slots 4] [--rate 6] [--phase-s 20] [--lines 2000]
-                                    [--survival-lines 10000] [--only load,survival]
+                                    [--reserve-slots N] [--survival-lines 10000] [--only load,survival]
+
+``--reserve-slots``: ``[batches] reserve_slots`` of phases 2 to 4 (default: the configuration's).
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ def start_fake(work: Path, port: int, a: argparse.Namespace) -> Service:
     return svc
 
 
-def start_gateway(work: Path, fake_url: str, a: argparse.Namespace, *, fresh: bool) -> Service:
+def start_gateway(work: Path, fake_url: str, a: argparse.Namespace, *, fresh: bool,
+                  reserve: int | None = None) -> Service:
+    reserve = a.reserve_slots if reserve is None else reserve
     cfg = work / "gw.toml"
     cfg.write_text(f"""
 [server]
@@ -68,6 +73,7 @@ access_log = false
 [batches]
 in_flight_per_batch = {a.slots * 2}
 in_flight_per_key = {a.slots * 2}
+{"" if reserve is None else f"reserve_slots = {reserve}"}
 
 [[backends]]
 name = "fake"
@@ -144,10 +150,10 @@ async def interactive(url: str, rate: float, duration: float, max_tokens: int) -
 
 def load_phases(work: Path, a: argparse.Namespace) -> dict[str, Any]:
     fake = start_fake(work, free_port(), a)
-    gw = start_gateway(work, fake.url, a, fresh=True)
+    gw = start_gateway(work, fake.url, a, fresh=True, reserve=0)
     try:
         client = client_of(gw)
-        # 1. capacity: a batch alone
+        # 1. capacity: a batch alone, every slot its own
         n_cap = max(200, a.lines // 4)
         t0 = time.perf_counter()
         bid = submit(client, batch_file(n_cap, a.tokens, "cap"))
@@ -157,6 +163,9 @@ def load_phases(work: Path, a: argparse.Namespace) -> dict[str, Any]:
         usage = client.batches.retrieve(bid).usage
         per_line = (usage.output_tokens / n_cap) if usage else a.tokens
         capacity = n_cap * per_line / cap_s
+        gw.stop()
+        gw = start_gateway(work, fake.url, a, fresh=True)
+        client = client_of(gw)
         # 2. interactive alone
         alone = asyncio.run(interactive(gw.url, a.rate, a.phase_s, a.tokens))
         # 3. interactive with the batch
@@ -228,6 +237,7 @@ def main() -> None:
     p.add_argument("--phase-s", type=float, default=20.0)
     p.add_argument("--lines", type=int, default=2000)
     p.add_argument("--survival-lines", type=int, default=10000)
+    p.add_argument("--reserve-slots", type=int, default=None)
     p.add_argument("--only", default="load,survival")
     p.add_argument("--out", type=Path, default=WORK / "batch")
     a = p.parse_args()

@@ -265,6 +265,9 @@ class BatchesConfig:
     retention_h: float = 168.0  # a finished batch, its output and error files, and unused input files
     in_flight_per_batch: int = 4  # lines of one batch queued or running at once
     in_flight_per_key: int = 8  # lines of one key's batches together (fair share between keys' batches)
+    # Slots of each runtime batch lines leave free for other classes' requests (at most its slots
+    # less one); batch lines also leave every slot other classes use or wait for (batches/idle.py).
+    reserve_slots: int = 1
     max_window_h: float = 168.0  # the longest completion_window accepted
     line_attempts: int = 5  # tries of a line that met a passing failure (runtime down, queue full) before it fails
 
@@ -726,6 +729,8 @@ def _check_batches(b: BatchesConfig, *, file: str, text: str) -> None:
            key="batches.max_total_bytes", field_name="max_total_bytes", **ck)
     for name in ("max_lines", "in_flight_per_batch", "in_flight_per_key", "line_attempts"):
         _check(getattr(b, name) >= 1, "expected a positive integer", key=f"batches.{name}", field_name=name, **ck)
+    _check(b.reserve_slots >= 0, "expected zero or a positive integer", key="batches.reserve_slots",
+           field_name="reserve_slots", **ck)
     for name in ("retention_h", "max_window_h"):
         _check(getattr(b, name) > 0, "expected a positive number of hours", key=f"batches.{name}",
                field_name=name, **ck)

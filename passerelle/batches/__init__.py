@@ -6,5 +6,6 @@ answered exactly once.
     validate.py  what an input file and a batch must be; refusals name the bad lines
     store.py     SQLite state and content files, durable before acknowledged
     runner.py    lines through the gateway, bounded in flight, window, cancel, resume, retention
+    idle.py      lines only in the slots other classes leave idle (a reserve, back off when they wait)
     internal.py  one line as a request of the gateway's own path, without HTTP
 """

@@ -7,8 +7,9 @@ a time, until it is answered, its window ends, or it is cancelled; resumed after
 
 How hard a batch pushes: at most ``in_flight_per_batch`` of its lines are queued or running, and
 at most ``in_flight_per_key`` of all the lines of one key's batches (a semaphore per key, first
-come first served, so a key's batches share its turns); the scheduler then orders the keys'
-lines by fair share between tenants, behind every better class, and preemption takes slots back.
+come first served, so a key's batches share its turns); and all the batches' lines together only
+in the idle capacity (idle.py: a reserve of free slots, and none of what other classes use or wait
+for). The scheduler then orders the lines behind every better class, and preemption takes slots back.
 
 A line's outcome is one of: answered (any status the runtime or gateway gave: 200 goes to the
 output file, others to the error file, as OpenAI does), a passing failure (the runtime
@@ -30,6 +31,7 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from passerelle.batches.idle import IdleGate
 from passerelle.batches.internal import Answer, Line, usage_of
 from passerelle.batches.store import BatchStore, FileRow, Result
 from passerelle.batches.validate import ENDPOINTS, parse_lines
@@ -113,6 +115,7 @@ class Runner:
         self.metrics = metrics
         self.runs: dict[str, Run] = {}
         self._key_turns: dict[str, asyncio.Semaphore] = {}
+        self.idle = IdleGate(gateway, class_name, cfg.reserve_slots)
         self._sweeper: asyncio.Task[None] | None = None
         self.lines_done = 0  # since start, for the dashboard
 
@@ -128,6 +131,7 @@ class Runner:
         the next start), and each batch's task ends."""
         if self._sweeper is not None:
             self._sweeper.cancel()
+        self.idle.close()
         tasks = [r.task for r in self.runs.values() if r.task is not None]
         for run in list(self.runs.values()):
             self.end(run, "stopping")
@@ -212,6 +216,7 @@ class Runner:
         run.wake.set()
         for line in run.running:
             line.hang_up()
+        self.idle.pump()  # (its lines held back stop waiting)
 
     async def _worker(self, run: Run) -> None:
         owner = run.doc["_owner"]
@@ -253,6 +258,9 @@ class Runner:
         body = orjson.dumps(data)
         answer = Answer()
         for attempt in range(self.cfg.line_attempts):
+            pool = self.idle.pool_of(line.body.get("model"), endpoint)
+            if not await self.idle.enter(pool, doc["_owner"], lambda: bool(run.ending)):
+                return None  # the batch ends
             request = Line(line.url, body, key_id=doc["_key_id"], class_name=self.class_name, batch_id=doc["id"],
                            cap=self.gateway.cfg.limits.max_answer_bytes)
             run.running.add(request)
@@ -262,6 +270,7 @@ class Runner:
             finally:
                 run.running.discard(request)
                 self.metrics.running.dec()
+                self.idle.leave(pool, doc["_owner"])
             if request.too_large:
                 return Result(doc["id"], line.number, False, error_record(
                     line.custom_id, "answer_too_large", "The answer was larger than [limits] max_answer_bytes."))
