@@ -8,6 +8,7 @@ call to that tool that writes ``hello.txt`` with :data:`CONTENT` in ``--workdir`
 own tool-call shape; once the conversation carries a tool result, and on any other request, it
 answers with plain text. Every request is appended to ``--record`` as one JSON line
 (``{"path", "body", "answer"}``) for the test to read: which tools were offered, what came back.
+The answers themselves are answers.py's, the same as the corpus recorder's script gives.
 
 Tests start it like the fake runtime (a subprocess on a free loopback port) and put it behind the
 gateway as an ``openai`` backend with ``endpoints = ["chat", "responses", "messages",
