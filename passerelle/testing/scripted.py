@@ -19,11 +19,11 @@ from __future__ import annotations
 import base64
 import struct
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from passerelle.testing.answers import Answer, Call, Tool, Turn, build, count_tokens, has_tool_result, sse, tools
 
 TEXT = "Done: hello.txt holds the greeting."
 SHELL_LINE = "echo hello > hello.txt"
@@ -36,14 +36,6 @@ KNOWN_ARGS: dict[str, Any] = {
     "file_path": "hello.txt", "filePath": "hello.txt", "path": "hello.txt", "content": "hello\n",
     "city": "Paris", "location": "Paris",
 }
-
-
-@dataclass
-class Answer:
-    status: int = 200
-    content_type: str = "application/json"
-    body: bytes = b""
-    events: list[bytes] = field(default_factory=list)  # a stream's SSE events, when it streams
 
 
 def example_of(schema: Any, root: Any = None, depth: int = 0, name: str = "") -> Any:
@@ -108,54 +100,22 @@ def example_of(schema: Any, root: Any = None, depth: int = 0, name: str = "") ->
 
 
 # -- what the request asks for ------------------------------------------------------------------
-def _tools(api: str, body: dict[str, Any]) -> list[tuple[str, str, Any]]:
-    """(kind, name, schema) of each tool the request offers: kind "function" or "custom"."""
-    out = []
-    for tool in body.get("tools") or ():
-        if not isinstance(tool, dict):
-            continue
-        if isinstance(tool.get("function"), dict):  # chat
-            fn = tool["function"]
-            out.append(("function", str(fn.get("name")), fn.get("parameters") or {}))
-        elif "input_schema" in tool:  # Messages (whose "type", when given, is "custom")
-            out.append(("function", str(tool.get("name")), tool["input_schema"]))
-        elif tool.get("type") == "function":  # Responses
-            out.append(("function", str(tool.get("name")), tool.get("parameters") or {}))
-        elif tool.get("type") == "custom" and "name" in tool:  # Responses' free-form tool
-            out.append(("custom", str(tool.get("name")), None))
-        # (built-in tools, e.g. web search, are never called by the script)
-    return out
-
-
-def _has_tool_result(api: str, body: dict[str, Any]) -> bool:
-    if api == "chat":
-        return any(isinstance(m, dict) and m.get("role") in ("tool", "function") for m in body.get("messages") or ())
-    if api == "responses":
-        items = i if isinstance(i := body.get("input"), list) else []
-        return any(isinstance(i, dict) and str(i.get("type", "")).endswith("_output") for i in items)
-    for m in body.get("messages") or ():
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") == "tool_result" for b in content):
-            return True
-    return False
-
-
-def _choose_tool(api: str, body: dict[str, Any]) -> tuple[str, str, Any] | None:
-    tools = _tools(api, body)
+def _choose_tool(api: str, body: dict[str, Any]) -> Tool | None:
+    offered = tools(body)
     choice = body.get("tool_choice")
-    if not tools or choice == "none":
+    if not offered or choice == "none":
         return None
     kind = choice.get("type") if isinstance(choice, dict) else choice
     forced = choice.get("name") or (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    by_name = {t[1]: t for t in tools}
+    by_name = {t[1]: t for t in offered}
     if forced in by_name:
         return by_name[forced]
-    if _has_tool_result(api, body):
+    if has_tool_result(api, body):
         if kind not in ("required", "any"):
             return None
         # a tool must be called again: an output tool (pydantic-ai's final_result) ends the run
-        return next((t for t in tools if t[1].startswith("final_result")), tools[-1])
-    return next((by_name[n] for n in PREFERRED_TOOLS if n in by_name), tools[0])
+        return next((t for t in offered if t[1].startswith("final_result")), offered[-1])
+    return next((by_name[n] for n in PREFERRED_TOOLS if n in by_name), offered[0])
 
 
 def _structured(api: str, body: dict[str, Any]) -> str | None:
@@ -169,206 +129,47 @@ def _structured(api: str, body: dict[str, Any]) -> str | None:
     return "{}" if fmt.get("type") == "json_object" else None
 
 
-def _call(tool: tuple[str, str, Any]) -> tuple[str, str]:
-    """(name, arguments as JSON text, or a custom tool's free-form input)."""
-    kind, name, schema = tool
-    if kind == "custom":
-        return name, SHELL_LINE
-    return name, orjson.dumps(example_of(schema) if schema else {}).decode()
-
-
-def _wants_thinking(body: dict[str, Any]) -> bool:
-    thinking = body.get("thinking")
-    return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+def _turn(api: str, body: dict[str, Any]) -> Turn:
+    """The script's turn: a call of the chosen tool (arguments from its schema, a custom tool's
+    input a shell line), else text; thinking first when the request asks for it."""
+    tool, call = _choose_tool(api, body), None
+    if tool:
+        kind, name, schema = tool
+        args = SHELL_LINE if kind == "custom" else orjson.dumps(example_of(schema) if schema else {}).decode()
+        call = Call(name, args, "toolu_rec1" if api == "messages" else "call_rec1", custom=kind == "custom")
+    if api == "messages":
+        thinking = body.get("thinking")
+        return Turn(TEXT, call, isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive"))
+    # Responses: a reasoning item, which agents send back (Codex)
+    return Turn(_structured(api, body) or TEXT, call, api == "responses" and isinstance(body.get("reasoning"), dict))
 
 
 # -- the answers, per API -------------------------------------------------------------------------
-def _sse(obj: Any, event: str | None = None) -> bytes:
-    head = b"event: " + event.encode() + b"\n" if event else b""
-    return head + b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def _words(text: str) -> list[str]:
-    parts = text.split(" ")
-    return [p if i == 0 else " " + p for i, p in enumerate(parts)]
-
-
 def answer(api: str, body: dict[str, Any]) -> Answer:
     """The answer to one request of ``api`` (the gateway's endpoint names: chat, responses...)."""
-    handler = {"chat": _chat, "completions": _completions, "responses": _responses, "messages": _messages,
-               "count_tokens": _count_tokens, "responses_input_tokens": _count_tokens,
-               "embeddings": _embeddings}.get(api)
-    if handler is None:
-        return Answer(404, body=orjson.dumps({"error": {"message": f"no scripted answer for {api}",
-                                                        "type": "invalid_request_error", "code": 404}}))
-    return handler(api, body)
+    if api in ("chat", "responses", "messages"):
+        return build(api, body, _turn(api, body))
+    if api in ("count_tokens", "responses_input_tokens"):
+        return count_tokens(body)
+    if api == "completions":
+        return _completions(body)
+    if api == "embeddings":
+        return _embeddings(body)
+    return Answer(404, body=orjson.dumps({"error": {"message": f"no scripted answer for {api}",
+                                                    "type": "invalid_request_error", "code": 404}}))
 
 
-def _stream(body: dict[str, Any]) -> bool:
-    return bool(body.get("stream"))
-
-
-def _chat(api: str, body: dict[str, Any]) -> Answer:
-    model, created, rid = str(body.get("model", "m")), int(time.time()), "chatcmpl-rec1"
-    tool = _choose_tool(api, body)
-    text = _structured(api, body) or TEXT
-    usage = {"prompt_tokens": 20, "completion_tokens": 8, "total_tokens": 28}
-    finish = "tool_calls" if tool else "stop"
-    calls: list[dict[str, Any]] = []
-    if tool:
-        name, args = _call(tool)
-        calls = [{"id": "call_rec1", "type": "function", "function": {"name": name, "arguments": args}}]
-    if not _stream(body):
-        message: dict[str, Any] = {"role": "assistant", "content": None if tool else text}
-        if calls:
-            message["tool_calls"] = calls
-        return Answer(body=orjson.dumps({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                                         "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                                                      "logprobs": None}], "usage": usage}))
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        return _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                          "logprobs": None}]})
-
-    events = [chunk({"role": "assistant", "content": ""})]
-    if calls:
-        fn = calls[0]["function"]
-        events.append(chunk({"tool_calls": [{"index": 0, "id": "call_rec1", "type": "function",
-                                             "function": {"name": fn["name"], "arguments": ""}}]}))
-        events.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": fn["arguments"]}}]}))
-    else:
-        events += [chunk({"content": w}) for w in _words(text)]
-    events.append(chunk({}, finish))
-    if (body.get("stream_options") or {}).get("include_usage"):
-        events.append(_sse({**head, "choices": [], "usage": usage}))
-    events.append(b"data: [DONE]\n\n")
-    return Answer(content_type="text/event-stream", events=events)
-
-
-def _completions(api: str, body: dict[str, Any]) -> Answer:
+def _completions(body: dict[str, Any]) -> Answer:
     out = {"id": "cmpl-rec1", "object": "text_completion", "created": int(time.time()),
            "model": str(body.get("model", "m")),
            "choices": [{"index": 0, "text": TEXT, "finish_reason": "stop", "logprobs": None}],
            "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}}
-    if not _stream(body):
+    if not body.get("stream"):
         return Answer(body=orjson.dumps(out))
-    return Answer(content_type="text/event-stream", events=[_sse(out), b"data: [DONE]\n\n"])
+    return Answer(content_type="text/event-stream", events=[sse(out), b"data: [DONE]\n\n"])
 
 
-def _responses(api: str, body: dict[str, Any]) -> Answer:
-    tool = _choose_tool(api, body)
-    text = _structured(api, body) or TEXT
-    items: list[dict[str, Any]] = []
-    if isinstance(body.get("reasoning"), dict):  # a reasoning item, which agents send back (Codex)
-        items.append({"type": "reasoning", "id": "rs_rec1", "summary": [
-            {"type": "summary_text", "text": "**Writing the file**"}], "encrypted_content": "ZW5jcnlwdGVk"})
-    if tool:
-        name, args = _call(tool)
-        items.append({"type": "custom_tool_call", "id": "ctc_rec1", "call_id": "call_rec1", "name": name,
-                      "input": args, "status": "completed"} if tool[0] == "custom" else
-                     {"type": "function_call", "id": "fc_rec1", "call_id": "call_rec1", "name": name,
-                      "arguments": args, "status": "completed"})
-    else:
-        items.append({"type": "message", "id": "msg_rec1", "status": "completed", "role": "assistant",
-                      "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
-    base: dict[str, Any] = {
-            "id": "resp_rec1", "object": "response", "created_at": int(time.time()), "model": str(body.get("model")),
-            "error": None, "incomplete_details": None, "instructions": None, "metadata": {},
-            "parallel_tool_calls": True, "temperature": 1.0, "top_p": 1.0, "tool_choice": "auto", "tools": [],
-            "text": body.get("text") or {"format": {"type": "text"}}}
-    usage = {"input_tokens": 20, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 8,
-             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 28}
-    done = {**base, "status": "completed", "output": items, "usage": usage}
-    if not _stream(body):
-        return Answer(body=orjson.dumps(done))
-    seq = iter(range(1_000_000))
-
-    def ev(kind: str, **fields: Any) -> bytes:
-        return _sse({"type": kind, "sequence_number": next(seq), **fields}, kind)
-
-    events = [ev("response.created", response={**base, "status": "in_progress", "output": []}),
-              ev("response.in_progress", response={**base, "status": "in_progress", "output": []})]
-    for at, item in enumerate(items):
-        where = {"item_id": item["id"], "output_index": at}
-        if item["type"] == "message":
-            events.append(ev("response.output_item.added", output_index=at,
-                             item={**item, "status": "in_progress", "content": []}))
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            events.append(ev("response.content_part.added", **where, content_index=0, part=part))
-            events += [ev("response.output_text.delta", **where, content_index=0, delta=w, logprobs=[])
-                       for w in _words(text)]
-            events.append(ev("response.output_text.done", **where, content_index=0, text=text, logprobs=[]))
-            events.append(ev("response.content_part.done", **where, content_index=0, part=item["content"][0]))
-        elif item["type"] == "function_call":
-            events.append(ev("response.output_item.added", output_index=at,
-                             item={**item, "arguments": "", "status": "in_progress"}))
-            events.append(ev("response.function_call_arguments.delta", **where, delta=item["arguments"]))
-            events.append(ev("response.function_call_arguments.done", **where, arguments=item["arguments"],
-                             name=item["name"]))
-        elif item["type"] == "custom_tool_call":
-            events.append(ev("response.output_item.added", output_index=at,
-                             item={**item, "input": "", "status": "in_progress"}))
-            events.append(ev("response.custom_tool_call_input.delta", **where, delta=item["input"]))
-            events.append(ev("response.custom_tool_call_input.done", **where, input=item["input"]))
-        else:  # reasoning
-            events.append(ev("response.output_item.added", output_index=at, item={**item, "summary": []}))
-            summary = item["summary"][0]
-            events.append(ev("response.reasoning_summary_part.added", **where, summary_index=0,
-                             part={"type": "summary_text", "text": ""}))
-            events.append(ev("response.reasoning_summary_text.delta", **where, summary_index=0,
-                             delta=summary["text"]))
-            events.append(ev("response.reasoning_summary_text.done", **where, summary_index=0, text=summary["text"]))
-            events.append(ev("response.reasoning_summary_part.done", **where, summary_index=0, part=summary))
-        events.append(ev("response.output_item.done", output_index=at, item=item))
-    events.append(ev("response.completed", response=done))
-    return Answer(content_type="text/event-stream", events=events)
-
-
-def _messages(api: str, body: dict[str, Any]) -> Answer:
-    tool = _choose_tool(api, body)
-    blocks: list[dict[str, Any]] = []
-    if _wants_thinking(body):
-        blocks.append({"type": "thinking", "thinking": "The user wants a file written.", "signature": "c2lnbmF0dXJl"})
-    if tool:
-        name, args = _call(tool)
-        blocks.append({"type": "tool_use", "id": "toolu_rec1", "name": name, "input": orjson.loads(args)})
-    else:
-        blocks.append({"type": "text", "text": TEXT})
-    stop = "tool_use" if tool else "end_turn"
-    usage = {"input_tokens": 20, "output_tokens": 8, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-    msg = {"id": "msg_rec1", "type": "message", "role": "assistant", "model": str(body.get("model")),
-           "content": blocks, "stop_reason": stop, "stop_sequence": None, "usage": usage}
-    if not _stream(body):
-        return Answer(body=orjson.dumps(msg))
-    events = [_sse({"type": "message_start", "message": {**msg, "content": [], "stop_reason": None,
-                                                         "usage": {**usage, "output_tokens": 1}}}, "message_start")]
-    for i, block in enumerate(blocks):
-        kind = block["type"]
-        start = {"thinking": {"type": "thinking", "thinking": "", "signature": ""},
-                 "tool_use": {**block, "input": {}}, "text": {"type": "text", "text": ""}}[kind]
-        events.append(_sse({"type": "content_block_start", "index": i, "content_block": start}, "content_block_start"))
-        deltas: Iterator[dict[str, Any]]
-        if kind == "thinking":
-            deltas = iter([{"type": "thinking_delta", "thinking": block["thinking"]},
-                           {"type": "signature_delta", "signature": block["signature"]}])
-        elif kind == "tool_use":
-            deltas = iter([{"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}])
-        else:
-            deltas = ({"type": "text_delta", "text": w} for w in _words(block["text"]))
-        events += [_sse({"type": "content_block_delta", "index": i, "delta": d}, "content_block_delta") for d in deltas]
-        events.append(_sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
-    events.append(_sse({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
-                        "usage": {"output_tokens": 8}}, "message_delta"))
-    events.append(_sse({"type": "message_stop"}, "message_stop"))
-    return Answer(content_type="text/event-stream", events=events)
-
-
-def _count_tokens(api: str, body: dict[str, Any]) -> Answer:
-    return Answer(body=orjson.dumps({"input_tokens": max(1, len(orjson.dumps(body)) // 4)}))
-
-
-def _embeddings(api: str, body: dict[str, Any]) -> Answer:
+def _embeddings(body: dict[str, Any]) -> Answer:
     inputs = body.get("input")
     count = len(inputs) if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int) else 1
     dims = d if isinstance(d := body.get("dimensions"), int) else 8
