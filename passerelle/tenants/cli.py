@@ -259,8 +259,8 @@ def _key_fields(p: argparse.ArgumentParser, *, creating: bool) -> None:
                    help="a model it may use, globs allowed ('llama-3-8b*'); repeat or comma-separate "
                         "(default: all; '*' sets all again)")
     p.add_argument("--quota", action="append", metavar="TOKENS/PERIOD",
-                   help="tokens per day, week or month: 2M/day, 500k/week, 30M/month (repeat for several; "
-                        "'none' removes them)")
+                   help="tokens per day, week or month: 2M/day, 500k/week, 30M/month, or requests: "
+                        "'1000 requests/day' (repeat for several; 'none' removes them)")
     p.add_argument("--expires", metavar="WHEN",
                    help="2026-07-01 (local midnight), 2026-07-01T18:00, or from now: 90d, 12h"
                         + ("" if creating else "; 'never' removes the expiry"))

@@ -67,7 +67,9 @@ def test_one_enum_of_causes_matches_the_contract():
         # added by the client-side limits (issue 11)
         "shutdown", "server_busy",
         # added by the answers' memory budget (issue 20)
-        "answers_busy"}
+        "answers_busy",
+        # added by the shared store and the active-passive pair (issue 25)
+        "store_unavailable", "standby"}
 
 
 def test_model_not_allowed_lists_the_keys_models():

@@ -1,0 +1,68 @@
+"""Usage and quotas shared through a real PostgreSQL (``[store] url``: tenants/pgusage.py,
+pgquota.py), a database that goes away and comes back, and an active-passive pair
+(server/active.py). One PostgreSQL for the module, a database per test (see
+test_store_postgres.py for how it is started)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import psycopg
+import pytest
+
+from tests.conftest import wait_until
+from tests.integration.test_store_postgres import MODEL, Postgres, cli, shared
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    pg = Postgres()
+    yield pg
+    pg.close()
+
+
+def rows(url: str, key_id: str) -> list[tuple[str, str]]:
+    with psycopg.connect(url) as conn:
+        return [(str(r[0]), r[1]) for r in conn.execute("SELECT id, cause FROM usage WHERE key_id = %s", (key_id,))]
+
+
+def make_key(gw, *args: str) -> tuple[str, str]:
+    made = cli("keys", "create", "--tenant", "team", *args, "--config", str(gw.extra["config"]))
+    assert made.returncode == 0, made.stderr
+    secret = made.stdout.strip()
+    return secret, secret.split("_")[1]
+
+
+async def burst(urls: list[str], secret: str, n: int) -> list[int]:
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=2 * n)) as client:
+        async def one(url: str) -> int:
+            r = await client.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {secret}"},
+                                  json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            return r.status_code
+        return await asyncio.gather(*(one(u) for u in urls for _ in range(n)))
+
+
+def test_two_gateways_never_let_a_key_past_its_request_quota(postgres, gateway, fake_backend, tmp_path):
+    url = postgres.new_database()
+    fake = fake_backend(ttft_ms=5, itl_ms=1, slots=64)
+    a = gateway(shared(fake.url, url, slots=64))
+    b = gateway(shared(fake.url, url, slots=64), env={"PASSERELLE_STATE": str(tmp_path / "state-b")})
+    secret, key_id = make_key(a, "--quota", "60 requests/day")
+    for gw in (a, b):
+        wait_until(lambda gw=gw: httpx.get(gw.url + "/v1/me", headers={"Authorization": f"Bearer {secret}"},
+                                           timeout=10).status_code == 200, 10, what="the key on both gateways")
+    statuses = asyncio.run(burst([a.url, b.url], secret, 50))
+    served = statuses.count(200)
+    print(f"\n2 gateways x 50 concurrent requests, a quota of 60 requests a day: {served} served, "
+          f"{statuses.count(429)} refused (429)")
+    assert served == 60 and statuses.count(429) == 40, statuses
+    # every row reaches the shared usage table, once
+    wait_until(lambda: len(rows(url, key_id)) == 100, 15, what="the usage rows in PostgreSQL")
+    causes = [c for _, c in rows(url, key_id)]
+    assert causes.count("ok") == 60 and causes.count("quota_exceeded") == 40
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT requests FROM quota_use WHERE key_id = %s AND period = 'day'",
+                            (key_id,)).fetchone() == (60,)
+    me = httpx.get(b.url + "/v1/me", headers={"Authorization": f"Bearer {secret}"}, timeout=10).json()
+    assert me["quotas"][0]["unit"] == "requests" and me["quotas"][0]["used"] == 60
