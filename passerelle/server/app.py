@@ -267,6 +267,10 @@ class App:
             return
         # a shared store: whether it answers (serving from cached keys is still 200), and the pair's role
         body: dict[str, Any] = {"status": "ok", "store": self.store_state()}
+        if not body["store"]["serving_keys"]:  # away for longer than [store] offline_s: requests get 503 too
+            body["status"] = "store_unavailable"
+            await json_response(send, 503, body)
+            return
         if self.active_lock is not None:
             body["active"] = self.active_lock.describe()
             if not self.active_lock.active:

@@ -149,11 +149,14 @@ class PgKeyStore(KeyStore):
 
     # -- the request path's reads: what the poller last read ---------------------------------
     def version(self) -> int:
+        self.usable()
+        return self._cached_version
+
+    def usable(self) -> None:
         if self.failing and time.monotonic() - self.last_read > self.offline_s:
             raise StoreUnavailable(f"The gateway's key store has been out of reach for more than "
                                    f"{self.offline_s:g} s ([store] offline_s); it cannot check keys until it is "
                                    "back.", retry_after=self.poll_s)
-        return self._cached_version
 
     @property
     def up(self) -> bool:
@@ -163,8 +166,8 @@ class PgKeyStore(KeyStore):
         """For ``/health``: whether the database answers, and how old the keys served are."""
         age = time.monotonic() - self.last_read
         return {"up": not self.failing, "keys_age_s": round(age, 1),
-                "serving": "database" if not self.failing else
-                ("cached keys" if age <= self.offline_s else "nothing (offline_s passed)")}
+                "serving_keys": not self.failing or age <= self.offline_s,
+                "keys_from": "cache" if self.failing else "database"}
 
     def cached_keys(self) -> builtins.list[ApiKey]:
         return list(self._cached)

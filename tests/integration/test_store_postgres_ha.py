@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from tests.conftest import wait_until
-from tests.integration.test_store_postgres import MODEL, Postgres, cli, shared
+from tests.integration.test_store_postgres import MODEL, Postgres, chat, cli, shared
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,8 @@ async def burst(urls: list[str], secret: str, n: int) -> list[int]:
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=2 * n)) as client:
         async def one(url: str) -> int:
             r = await client.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {secret}"},
-                                  json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+                                  json={"model": MODEL, "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": "hi"}]})
             return r.status_code
         return await asyncio.gather(*(one(u) for u in urls for _ in range(n)))
 
@@ -66,3 +67,69 @@ def test_two_gateways_never_let_a_key_past_its_request_quota(postgres, gateway, 
                             (key_id,)).fetchone() == (60,)
     me = httpx.get(b.url + "/v1/me", headers={"Authorization": f"Bearer {secret}"}, timeout=10).json()
     assert me["quotas"][0]["unit"] == "requests" and me["quotas"][0]["used"] == 60
+
+
+def metric(gw, name: str) -> float:
+    for line in httpx.get(gw.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_database_away_leaves_requests_served_and_usage_spooled_then_written_back_once(
+        postgres, gateway, fake_backend):
+    url = postgres.new_database()
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    gw = gateway(shared(fake.url, url))
+    secret, key_id = make_key(gw, "--quota", "1000 requests/day")
+    wait_until(lambda: chat(gw, secret) == 200, 10, what="the key served")
+    assert httpx.get(gw.url + "/health", timeout=10).json()["store"]["up"] is True
+    assert metric(gw, "passerelle_store_up") == 1
+    postgres.stop()
+    try:
+        wait_until(lambda: "unreachable" in gw.log_text(), 20, what="the loss in the log")
+        served = sum(chat(gw, secret) == 200 for _ in range(20))
+        assert served == 20  # from the keys last read, quotas counted by this gateway alone
+        health = httpx.get(gw.url + "/health", timeout=10)
+        assert health.status_code == 200, health.text
+        store = health.json()["store"]
+        assert store["up"] is False and store["keys_from"] == "cache" and store["serving_keys"] is True
+        wait_until(lambda: httpx.get(gw.url + "/health", timeout=10).json()["store"]["usage_up"] is False, 10,
+                   what="the usage writer noticing")
+        assert httpx.get(gw.url + "/health", timeout=10).json()["store"]["usage_spooled_bytes"] > 0
+        assert metric(gw, "passerelle_store_up") == 0 and metric(gw, "passerelle_usage_spool_bytes") > 0
+    finally:
+        postgres.start()
+    wait_until(lambda: len(rows(url, key_id)) >= 21, 30, what="the spooled rows written back")
+    wait_until(lambda: httpx.get(gw.url + "/health", timeout=10).json()["store"]["up"] is True, 30,
+               what="the store back in /health")
+    got = rows(url, key_id)
+    assert len(got) == 21 and len({i for i, _ in got}) == 21 and all(c == "ok" for _, c in got)  # each once
+    assert metric(gw, "passerelle_store_up") == 1 and metric(gw, "passerelle_usage_spool_bytes") == 0
+    # what the gateway admitted alone is in the shared counter once the database is back
+    with psycopg.connect(url) as conn:
+        wait_until(lambda: conn.execute("SELECT requests FROM quota_use WHERE key_id = %s AND period = 'day'",
+                                        (key_id,)).fetchone() == (21,), 15, what="the quota counter caught up")
+    assert "written back" in gw.log_text()
+
+
+def test_past_offline_s_requests_are_refused_with_their_own_cause(postgres, gateway, fake_backend):
+    url = postgres.new_database()
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    gw = gateway(shared(fake.url, url, store="offline_s = 1"))
+    secret, _ = make_key(gw)
+    wait_until(lambda: chat(gw, secret) == 200, 10, what="the key served")
+    postgres.stop()
+    try:
+        wait_until(lambda: chat(gw, secret) == 503, 30, what="the cached keys no longer trusted")
+        r = httpx.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {secret}"}, timeout=10,
+                       json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503, (r.status_code, r.text)
+        assert r.json()["error"]["code"] == "store_unavailable" and "offline_s" in r.json()["error"]["message"]
+        health = httpx.get(gw.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "store_unavailable"
+    finally:
+        postgres.start()
+    wait_until(lambda: chat(gw, secret) == 200, 30, what="served again once the database is back")
+    assert any('"cause": "store_unavailable"' in line or "store_unavailable" in line
+               for line in gw.log_text().splitlines())
