@@ -36,15 +36,13 @@ def _actor() -> str:
 
 
 def _open(args: argparse.Namespace, *, usage: bool = False) -> tuple[Config, KeyStore]:
-    """The instance's key store (``[store] url`` or its SQLite file); ``usage``: its SQLite file,
-    where usage rows are, whatever holds the keys."""
+    """The instance's key store (``--db``, ``[store] url`` or its SQLite file), where its usage
+    rows are too (``usage``: the same; its ``conn`` answers the reports' SQL either way)."""
     from passerelle.config import load_config
-    from passerelle.tenants.keys import KeyStore
     from passerelle.tenants.store import open_key_store
 
     cfg = load_config(getattr(args, "config", None))
-    db = getattr(args, "db", None)
-    return cfg, (KeyStore(db or cfg.db_path()) if usage else open_key_store(cfg, db))
+    return cfg, open_key_store(cfg, getattr(args, "db", None))
 
 
 def _when(ts: float | None, never: str = "never") -> str:

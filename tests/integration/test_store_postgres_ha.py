@@ -6,6 +6,8 @@ test_store_postgres.py for how it is started)."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 
 import httpx
 import psycopg
@@ -65,6 +67,8 @@ def test_two_gateways_never_let_a_key_past_its_request_quota(postgres, gateway, 
     with psycopg.connect(url) as conn:
         assert conn.execute("SELECT requests FROM quota_use WHERE key_id = %s AND period = 'day'",
                             (key_id,)).fetchone() == (60,)
+    report = cli("usage", "--by", "key", "--config", str(b.extra["config"]))  # from the shared table
+    assert report.returncode == 0 and key_id in report.stdout and report.stderr.startswith("store: postgresql://")
     me = httpx.get(b.url + "/v1/me", headers={"Authorization": f"Bearer {secret}"}, timeout=10).json()
     assert me["quotas"][0]["unit"] == "requests" and me["quotas"][0]["used"] == 60
 
@@ -133,3 +137,46 @@ def test_past_offline_s_requests_are_refused_with_their_own_cause(postgres, gate
     wait_until(lambda: chat(gw, secret) == 200, 30, what="served again once the database is back")
     assert any('"cause": "store_unavailable"' in line or "store_unavailable" in line
                for line in gw.log_text().splitlines())
+
+
+PAIR = """
+    active_passive = true
+    lock_poll_s = 0.2
+"""
+
+
+def test_the_standby_takes_over_when_the_active_is_killed_and_no_accepted_usage_is_lost(
+        postgres, gateway, fake_backend, tmp_path):
+    url = postgres.new_database()
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    state_a = str(tmp_path / "state-a")
+    a = gateway(shared(fake.url, url, store=PAIR), env={"PASSERELLE_STATE": state_a})
+    b = gateway(shared(fake.url, url, store=PAIR), env={"PASSERELLE_STATE": str(tmp_path / "state-b")})
+    secret, key_id = make_key(a)
+    wait_until(lambda: chat(a, secret) == 200, 10, what="the key served by the active")
+    assert httpx.get(a.url + "/health", timeout=10).json()["active"]["active"] is True
+    health = httpx.get(b.url + "/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "standby", health.text
+    refused = httpx.post(b.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {secret}"}, timeout=10,
+                         json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "standby"
+    assert float(refused.headers["retry-after"]) > 0
+    assert metric(b, "passerelle_active") == 0 and metric(a, "passerelle_active") == 1
+    accepted = 1 + sum(chat(a, secret) == 200 for _ in range(15))
+
+    a.proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    a.proc.wait(10)
+    wait_until(lambda: chat(b, secret) == 200, 30, interval=0.02, what="the standby serving")
+    took = time.monotonic() - killed
+    print(f"\nkill -9 of the active -> the standby serving in {took:.2f} s")
+    assert took < 10  # (about lock_poll_s once PostgreSQL sees the session gone; generous for a loaded box)
+    assert httpx.get(b.url + "/health", timeout=10).status_code == 200
+    assert "holds the lock" in b.log_text()
+    accepted += 1
+    # the killed gateway's rows: written back already, or from its spool when it comes back (as the standby)
+    a2 = gateway(shared(fake.url, url, store=PAIR), env={"PASSERELLE_STATE": state_a})
+    assert httpx.get(a2.url + "/health", timeout=10).json()["status"] == "standby"
+    wait_until(lambda: len(rows(url, key_id)) >= accepted, 20, what="every accepted request's row")
+    got = rows(url, key_id)
+    assert len(got) == accepted == sum(c == "ok" for _, c in got) and len({i for i, _ in got}) == accepted
