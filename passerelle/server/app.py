@@ -78,6 +78,10 @@ def budget_gib(rt: RuntimesConfig) -> float:
     return share * total
 
 
+# The Batch API's routes: a standby takes no work either (batches stay where they were made)
+_BATCH_TARGETS = frozenset({"files", "file_item", "batches_route", "batch_item"})
+
+
 class App:
     """``App(cfg, backends, processes)`` is an ASGI 3 application; ``processes`` are the runtimes
     it launches, ``loader`` re-reads the configuration for a reload."""
@@ -216,10 +220,11 @@ class App:
                     return
                 raise err
             route = match(method, path, self.extra_routes)
+            if self.active_lock is not None and not self.active_lock.active and (
+                    route.access is Access.INFERENCE or route.target in _BATCH_TARGETS):
+                raise Standby("This gateway is the standby of an active-passive pair; send requests to the "
+                              "active one.", retry_after=self.cfg.store.lock_poll_s * 2)
             if route.access is Access.INFERENCE:
-                if self.active_lock is not None and not self.active_lock.active:
-                    raise Standby("This gateway is the standby of an active-passive pair; send requests to the "
-                                  "active one.", retry_after=self.cfg.store.lock_poll_s * 2)
                 # the body has a deadline (408) and a share of a budget (503), and the shutdown path
                 # may end the answer (shutdown.py)
                 bounded = BoundedReceive(receive, self.cfg.server.body_timeout_s, self.body_budget)
