@@ -3,8 +3,10 @@ holding a session-level advisory lock serves; the others stand by.
 
 The lock is taken with ``pg_try_advisory_lock`` on a connection of its own (TCP keepalives on, so a
 dead peer is noticed by the server and by the client). A standby tries it every ``lock_poll_s``;
-the active runs ``SELECT 1`` on that connection as often, and on any error considers the lock lost
-(the database may already have given it to another gateway) and stands by until it takes it again.
+the active runs ``SELECT 1`` on that connection as often. When that fails, the active reconnects and
+tries the lock again at each look: it stands by as soon as another gateway holds the lock, and keeps
+serving while the database cannot be reached at all (no standby can take the lock then either), for
+at most ``offline_s``, the time the keys last read are trusted.
 When the active dies (``kill -9``, a box that stops), PostgreSQL ends its session and frees the
 lock, and the next try of a standby gets it: takeover is about one ``lock_poll_s`` after the
 database notices (at once for a process that dies; a box that vanishes is noticed by the keepalives).
@@ -35,10 +37,12 @@ LOCK_ID = 0x70617373_61637476  # the advisory lock's key ("passactv"); one pair 
 
 
 class ActiveLock:
-    def __init__(self, url: str, *, poll_s: float = 0.5, timeout_s: float = 5.0,
+    def __init__(self, url: str, *, poll_s: float = 0.5, timeout_s: float = 5.0, offline_s: float = 300.0,
                  on_change: Callable[[bool], None] | None = None) -> None:
         self.url, self.poll_s, self.timeout_s, self.on_change = url, poll_s, timeout_s, on_change
+        self.offline_s = offline_s
         self.active = False
+        self.unconfirmed_since: float | None = None  # active, but the database out of reach since then
         self.since = time.monotonic()  # when ``active`` last changed
         self.reason = "starting"  # why this gateway stands by (for /health and the log)
         self._conn: Any = None
@@ -59,21 +63,35 @@ class ActiveLock:
                 self._conn = connect(self.url, self.timeout_s, keepalives=1, keepalives_idle=2,
                                      keepalives_interval=1, keepalives_count=3,
                                      tcp_user_timeout=int(self.timeout_s * 1000))
-            if self.active:
+            if self.active and self.unconfirmed_since is None:
                 self._conn.execute("SELECT 1")
             elif self._conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_ID,)).fetchone()[0]:
-                log.warning("active: this gateway holds the lock in %s and serves", redacted(self.url))
+                if not self.active or self.unconfirmed_since is not None:
+                    log.warning("active: this gateway holds the lock in %s and serves", redacted(self.url))
+                self.unconfirmed_since = None
                 self._set(True)
             else:
+                if self.active:
+                    log.error("active lock: another gateway holds it now; standing by")
+                self.unconfirmed_since = None
                 self._set(False, "another gateway holds the lock")
         except Exception as exc:
+            self._drop()
             if self.active:
-                log.error("active lock lost (%s): standing by until it is taken again", first_line(exc))
-            elif self.reason != "database unreachable":
+                now = time.monotonic()
+                if self.unconfirmed_since is None:
+                    self.unconfirmed_since = now
+                    log.error("active lock: database unreachable (%s); serving on for at most %g s ([store] "
+                              "offline_s) unless another gateway takes the lock", first_line(exc), self.offline_s)
+                elif now - self.unconfirmed_since > self.offline_s:
+                    log.error("active lock: database unreachable for %g s; standing by", self.offline_s)
+                    self.unconfirmed_since = None
+                    self._set(False, "database unreachable")
+                return
+            if self.reason != "database unreachable":
                 log.error("active lock: database %s unreachable (%s); standing by", redacted(self.url),
                           first_line(exc))
             self._set(False, "database unreachable")
-            self._drop()
 
     def _drop(self) -> None:
         if self._conn is not None:
@@ -101,5 +119,9 @@ class ActiveLock:
         self._set(False, "stopped")
 
     def describe(self) -> dict[str, Any]:
-        return {"active": self.active, "for_s": round(time.monotonic() - self.since, 1),
-                **({} if self.active else {"reason": self.reason})}
+        out: dict[str, Any] = {"active": self.active, "for_s": round(time.monotonic() - self.since, 1)}
+        if not self.active:
+            out["reason"] = self.reason
+        elif self.unconfirmed_since is not None:
+            out["lock_unconfirmed_s"] = round(time.monotonic() - self.unconfirmed_since, 1)
+        return out

@@ -142,7 +142,8 @@ class App:
             self.gateway.keys.quotas.shared = self.shared_quotas
             self.gateway.keys.quotas.load = self.shared_quotas.load
             if st.active_passive:
-                self.active_lock = ActiveLock(st.url, poll_s=st.lock_poll_s, timeout_s=st.timeout_s)
+                self.active_lock = ActiveLock(st.url, poll_s=st.lock_poll_s, timeout_s=st.timeout_s,
+                                              offline_s=st.offline_s)
         else:
             self.usage = UsageRecorder(connect(cfg.db_path()),
                                        refused_retention_s=cfg.auth.usage_refused_retention_days * 86400.0,

@@ -138,3 +138,16 @@ def test_an_unreachable_database_leaves_the_gateway_standing_by():
     lock = ActiveLock(nowhere(), poll_s=0.1, timeout_s=1)
     lock.step()
     assert lock.active is False and lock.describe()["reason"] == "database unreachable"
+
+
+def test_an_active_that_loses_its_database_serves_on_for_offline_s_then_stands_by():
+    lock = ActiveLock(nowhere(), poll_s=0.1, timeout_s=1, offline_s=30)
+    lock.active = True  # (as if it had taken the lock before the database went away)
+    lock.step()
+    assert lock.active and lock.describe()["lock_unconfirmed_s"] >= 0
+    lock.step()
+    assert lock.active  # still within offline_s: no standby can take the lock meanwhile
+    assert lock.unconfirmed_since is not None
+    lock.unconfirmed_since -= 31
+    lock.step()
+    assert not lock.active and lock.describe()["reason"] == "database unreachable"
