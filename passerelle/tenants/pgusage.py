@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 
+from passerelle.errors import StoreUnavailable
 from passerelle.observe.record import RequestRecord, clip
 from passerelle.tenants.pgstore import _Conn, connect, first_line
 from passerelle.tenants.usage import billed_tokens, report, tokens_since, used_since
@@ -210,15 +211,20 @@ class PgUsageReader:
         self._lock = threading.Lock()
 
     def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        import psycopg
+
         with self._lock:
-            if self._conn is None:
-                self._conn = _Conn(connect(self.url, self.timeout_s))
             try:
+                if self._conn is None:
+                    self._conn = _Conn(connect(self.url, self.timeout_s))
                 return fn(self._conn, *args, **kw)
-            except Exception:
-                self._conn.close()
+            except psycopg.Error as exc:
+                if self._conn is not None:
+                    with contextlib.suppress(Exception):
+                        self._conn.close()
                 self._conn = None
-                raise
+                raise StoreUnavailable(f"The usage store is out of reach ({first_line(exc)}); try again later.",
+                                       retry_after=5) from None
 
     async def report(self, **kw: Any) -> list[dict[str, Any]]:
         return await asyncio.to_thread(self._run, report, **kw)

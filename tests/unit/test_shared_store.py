@@ -151,3 +151,14 @@ def test_an_active_that_loses_its_database_serves_on_for_offline_s_then_stands_b
     lock.unconfirmed_since -= 31
     lock.step()
     assert not lock.active and lock.describe()["reason"] == "database unreachable"
+
+
+async def test_a_report_while_the_usage_store_is_away_is_a_503_with_its_cause():
+    from passerelle.errors import StoreUnavailable
+    from passerelle.tenants.pgusage import PgUsageReader
+
+    reader = PgUsageReader(nowhere(), timeout_s=1)
+    with pytest.raises(StoreUnavailable) as info:
+        await reader.report(since=0.0, by=("key",))
+    assert info.value.status == 503 and info.value.cause is Cause.STORE_UNAVAILABLE
+    reader.close()
