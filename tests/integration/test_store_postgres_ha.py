@@ -180,3 +180,31 @@ def test_the_standby_takes_over_when_the_active_is_killed_and_no_accepted_usage_
     wait_until(lambda: len(rows(url, key_id)) >= accepted, 20, what="every accepted request's row")
     got = rows(url, key_id)
     assert len(got) == accepted == sum(c == "ok" for _, c in got) and len({i for i, _ in got}) == accepted
+
+
+def test_a_database_away_leaves_the_active_serving_and_one_active_when_it_returns(
+        postgres, gateway, fake_backend, tmp_path):
+    url = postgres.new_database()
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    a = gateway(shared(fake.url, url, store=PAIR), env={"PASSERELLE_STATE": str(tmp_path / "state-a")})
+    b = gateway(shared(fake.url, url, store=PAIR), env={"PASSERELLE_STATE": str(tmp_path / "state-b")})
+    secret, _ = make_key(a)
+    wait_until(lambda: chat(a, secret) == 200, 10, what="the key served by the active")
+
+    def roles() -> list[int]:
+        return [httpx.get(gw.url + "/health", timeout=10).status_code for gw in (a, b)]
+
+    assert roles() == [200, 503]
+    postgres.stop()
+    try:
+        wait_until(lambda: "lock_unconfirmed_s" in httpx.get(a.url + "/health", timeout=10).json()["active"], 20,
+                   what="the active noticing")
+        assert roles() == [200, 503] and chat(a, secret) == 200  # served on, from the keys last read
+    finally:
+        postgres.start()
+    # one of them takes the lock again (whichever asks first), never both
+    wait_until(lambda: sorted(roles()) == [200, 503] and all(
+        "lock_unconfirmed_s" not in httpx.get(gw.url + "/health", timeout=10).json()["active"] for gw in (a, b)),
+        30, what="one active again, confirmed")
+    active = a if roles()[0] == 200 else b
+    assert chat(active, secret) == 200
