@@ -233,12 +233,17 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """A store shared by several gateways: PostgreSQL (psycopg 3), for keys and the audit log
-    (tenants/pgstore.py); usage rows stay in each instance's SQLite file ([auth] db)."""
+    """A store shared by several gateways: PostgreSQL (psycopg 3), for keys, the audit log, usage
+    rows and quotas' counters (tenants/pgstore.py, pgusage.py, pgquota.py), and the lock of an
+    active-passive pair (server/active.py)."""
 
-    url: str = ""  # postgresql://user:password@host/db; empty: keys in the instance's SQLite file
+    url: str = ""  # postgresql://user:password@host/db; empty: everything in the instance's SQLite file
     poll_s: float = 1.0  # how often each gateway looks for changed keys (and retries a lost database)
     timeout_s: float = 5.0  # connecting, and each statement
+    offline_s: float = 300.0  # how long the keys last read are served while the database is away; then 503
+    spool_max_mib: int = 256  # usage rows kept on disk (state_dir/usage-spool.jsonl) while the database is away
+    active_passive: bool = False  # one gateway serves (it holds the lock), the others stand by
+    lock_poll_s: float = 0.5  # how often a standby tries the lock, and the active checks it still holds it
 
 
 @dataclass(frozen=True)
@@ -608,9 +613,13 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     store: StoreConfig = sections["store"]
     _check(not store.url or store.url.startswith(("postgresql://", "postgres://")),
            "expected a postgresql:// URL", file=file, key="store.url", text=text, header="store", field_name="url")
-    for name in ("poll_s", "timeout_s"):
+    for name in ("poll_s", "timeout_s", "offline_s", "lock_poll_s"):
         _check(getattr(store, name) > 0, "expected a positive number of seconds", file=file, key=f"store.{name}",
                text=text, header="store", field_name=name)
+    _check(store.spool_max_mib > 0, "expected a positive number of MiB", file=file, key="store.spool_max_mib",
+           text=text, header="store", field_name="spool_max_mib")
+    _check(bool(store.url) or not store.active_passive, "active_passive needs [store] url (the lock is in PostgreSQL)",
+           file=file, key="store.active_passive", text=text, header="store", field_name="active_passive")
     tracing: TracingConfig = sections["tracing"]
     _check(0.0 <= tracing.sample_ratio <= 1.0, "expected a share between 0 and 1", file=file,
            key="tracing.sample_ratio", text=text, header="tracing", field_name="sample_ratio")

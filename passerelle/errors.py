@@ -21,6 +21,8 @@ rendered in OpenAI's shape ``{"error": {"message", "type", "code"}}``.
         ├── QueueTimeout             429 queue_timeout                cause queue_timeout
         ├── NoBackend                503 no_backend                   cause no_backend
         ├── AnswersBusy              503 answers_busy                 cause answers_busy
+        ├── StoreUnavailable         503 store_unavailable            cause store_unavailable
+        ├── Standby                  503 standby                      cause standby
         ├── UpstreamError            502 upstream_error               cause upstream_error
         │   ├── UpstreamStatus       the runtime's own 4xx/5xx answer, status passed through
         │   ├── UpstreamTooLarge     502 upstream_too_large (a cap)   cause upstream_error
@@ -65,6 +67,8 @@ class Cause(enum.StrEnum):
     ANSWERS_BUSY = "answers_busy"  # answers being assembled at once hold [limits] max_answer_bytes_total
     TENANT_QUEUE_FULL = "tenant_queue_full"  # the tenant holds its share of a class's queue while others wait
     SESSION_LIMIT = "session_limit"  # the session already has [routing] max_session_in_flight requests running
+    STORE_UNAVAILABLE = "store_unavailable"  # the shared key store away for longer than [store] offline_s
+    STANDBY = "standby"  # this gateway is the standby of an active-passive pair ([store] active_passive)
 
 
 
@@ -228,6 +232,19 @@ class QueueTimeout(GatewayError):
 
 class NoBackend(GatewayError):
     status, type, code, cause = 503, "server_error", "no_backend", Cause.NO_BACKEND
+
+
+class StoreUnavailable(GatewayError):
+    """The shared key store ([store] url) has been out of reach for longer than ``[store] offline_s``:
+    the keys last read are no longer trusted (one may have been revoked since)."""
+
+    status, type, code, cause = 503, "server_error", "store_unavailable", Cause.STORE_UNAVAILABLE
+
+
+class Standby(GatewayError):
+    """This gateway is the standby of an active-passive pair: another one holds the lock and serves."""
+
+    status, type, code, cause = 503, "server_error", "standby", Cause.STANDBY
 
 
 class AnswersBusy(GatewayError):

@@ -87,6 +87,15 @@ class Metrics:
         self.requests = Counter("passerelle_requests", "Requests by termination cause.",
                                 ["model", "priority", "cause", *(["tenant"] if tenant_label else [])],
                                 registry=r)
+        # a shared store ([store] url); set when /metrics is read
+        self.store_up = Gauge("passerelle_store_up", "1 when the shared store (PostgreSQL) answers; 0 while the "
+                              "gateway serves cached keys and spools usage to disk.", registry=r)
+        self.usage_spooled = Gauge("passerelle_usage_spool_bytes", "Usage rows on disk not yet written to the "
+                                   "shared store.", registry=r)
+        self.usage_dropped = Gauge("passerelle_usage_rows_dropped", "Usage rows lost to a full spool "
+                                   "([store] spool_max_mib) since start.", registry=r)
+        self.active = Gauge("passerelle_active", "1 when this gateway serves; 0 while it is the standby of an "
+                            "active-passive pair.", registry=r)
         self.backend_up = Gauge("passerelle_backend_up", "1 when the backend answers its health check.",
                                 ["backend"], registry=r)
         self.slots_busy = Gauge("passerelle_backend_slots_busy", "Slots (sequences) the runtime is processing.",

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from passerelle import __version__
 from passerelle.batches.api import BatchApi
 from passerelle.config import Config, RuntimesConfig, budget_share
-from passerelle.errors import ConfigError, GatewayError, InvalidRequest, Unauthorized, UnknownModel, clip
+from passerelle.errors import ConfigError, GatewayError, InvalidRequest, Standby, Unauthorized, UnknownModel, clip
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
@@ -46,6 +46,7 @@ from passerelle.runtimes.supervisor import RuntimeFailed, RuntimeProcess, Superv
 from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, PreemptionPolicy, Scheduler
 from passerelle.scheduling.swapper import Swapper
 from passerelle.server import control
+from passerelle.server.active import ActiveLock
 from passerelle.server.admin import AdminGuard, AdminListener
 from passerelle.server.connections import BodyBudget, BoundedReceive, ConnectionLimits
 from passerelle.server.forwarded import ForwardedTrust
@@ -58,8 +59,11 @@ from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_reques
 from passerelle.tenants.db import connect
 from passerelle.tenants.keys import KeyRing
 from passerelle.tenants.manage import KeyManager
+from passerelle.tenants.pgquota import PgQuotas
+from passerelle.tenants.pgstore import PgKeyStore
+from passerelle.tenants.pgusage import PgUsage, PgUsageReader
 from passerelle.tenants.store import open_key_store
-from passerelle.tenants.usage import UsageReader, UsageRecorder
+from passerelle.tenants.usage import UsageReader, UsageRecorder, UsageReports, UsageSink
 
 log = logging.getLogger("passerelle.server.app")
 _KEYLESS = frozenset({"/admin/login", "/admin/logout"})  # admin routes the admin key does not guard
@@ -80,6 +84,10 @@ def budget_gib(rt: RuntimesConfig) -> float:
     total = machine_gib(rt.memory)
     log.info("memory budget: %s of %.1f GiB (%s) = %.1f GiB", rt.max_loaded, total, rt.memory, share * total)
     return share * total
+
+
+# The Batch API's routes: a standby takes no work either (batches stay where they were made)
+_BATCH_TARGETS = frozenset({"files", "file_item", "batches_route", "batch_item"})
 
 
 class App:
@@ -130,11 +138,27 @@ class App:
         self.metrics.is_known_tenant = keyring.has_tenant
         self.gateway.on_demand = self.swapper.poke
         self.gateway.catalogue = self._catalogue(cfg)
-        self.usage = UsageRecorder(connect(cfg.db_path()),
-                                   refused_retention_s=cfg.auth.usage_refused_retention_days * 86400.0,
-                                   max_rows=cfg.auth.usage_max_rows)
-        self.usage_reader = UsageReader(cfg.db_path())
-        self.gateway.keys.quotas.load = self._usage_since
+        self.usage: UsageSink
+        self.usage_reader: UsageReports
+        self.shared_quotas: PgQuotas | None = None
+        self.active_lock: ActiveLock | None = None
+        if cfg.store.url:  # usage rows and quotas' counters in PostgreSQL too (tenants/pgusage.py, pgquota.py)
+            st = cfg.store
+            self.usage = PgUsage(st.url, cfg.state_path() / "usage-spool.jsonl", timeout_s=st.timeout_s,
+                                 retry_s=st.poll_s, spool_max_bytes=st.spool_max_mib << 20)
+            self.usage_reader = PgUsageReader(st.url, timeout_s=st.timeout_s)
+            self.shared_quotas = PgQuotas(st.url, timeout_s=st.timeout_s, retry_s=st.poll_s)
+            self.gateway.keys.quotas.shared = self.shared_quotas
+            self.gateway.keys.quotas.load = self.shared_quotas.load
+            if st.active_passive:
+                self.active_lock = ActiveLock(st.url, poll_s=st.lock_poll_s, timeout_s=st.timeout_s,
+                                              offline_s=st.offline_s)
+        else:
+            self.usage = UsageRecorder(connect(cfg.db_path()),
+                                       refused_retention_s=cfg.auth.usage_refused_retention_days * 86400.0,
+                                       max_rows=cfg.auth.usage_max_rows)
+            self.usage_reader = UsageReader(cfg.db_path())
+            self.gateway.keys.quotas.load = self._usage_since
         self.gateway.listeners.append(self.usage.record)
         self.gateway.listeners.append(self.gateway.keys.activity.observe)
         self.keys_api = KeysApi(cfg.admin.key, self.keystore, self.key_manager, self.gateway.keys, self.usage,
@@ -210,6 +234,10 @@ class App:
                     return
                 raise err
             route = match(method, path, self.extra_routes)
+            if self.active_lock is not None and not self.active_lock.active and (
+                    route.access is Access.INFERENCE or route.target in _BATCH_TARGETS):
+                raise Standby("This gateway is the standby of an active-passive pair; send requests to the "
+                              "active one.", retry_after=self.cfg.store.lock_poll_s * 2)
             if route.access is Access.INFERENCE:
                 # the body has a deadline (408) and a share of a budget (503), and the shutdown path
                 # may end the answer (shutdown.py)
@@ -259,7 +287,30 @@ class App:
     # -- small routes ----------------------------------------------------------------------
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         # what answers, and which version: a benchmark's report names it (bench/target.py)
-        await json_response(send, 200, {"status": "ok", "server": "passerelle", "version": __version__})
+        body: dict[str, Any] = {"status": "ok", "server": "passerelle", "version": __version__}
+        if not self.cfg.store.url:
+            await json_response(send, 200, body)
+            return
+        # a shared store: whether it answers (serving from cached keys is still 200), and the pair's role
+        body["store"] = self.store_state()
+        if not body["store"]["serving_keys"]:  # away for longer than [store] offline_s: requests get 503 too
+            body["status"] = "store_unavailable"
+            await json_response(send, 503, body)
+            return
+        if self.active_lock is not None:
+            body["active"] = self.active_lock.describe()
+            if not self.active_lock.active:
+                body["status"] = "standby"
+                await json_response(send, 503, body)
+                return
+        await json_response(send, 200, body)
+
+    def store_state(self) -> dict[str, Any]:
+        """The shared store as /health shows it: keys, usage written back, what waits on disk."""
+        assert isinstance(self.keystore, PgKeyStore) and isinstance(self.usage, PgUsage)
+        keys = self.keystore.describe()
+        return {**keys, "up": keys["up"] and self.usage.up, "usage_up": self.usage.up,
+                "usage_spooled_bytes": self.usage.pending_bytes, "usage_rows_dropped": self.usage.dropped}
 
     def readiness(self) -> tuple[list[str], list[str]]:
         """The backends up, and the on-demand ones that start when asked: ready if either."""
@@ -344,13 +395,19 @@ class App:
     async def batch_item(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._batch_route(self.batches.batch_item, scope, receive, send)
 
-    async def _usage_since(self, key_id: str, starts: list[float]) -> list[int]:
-        """A key's tokens since each of ``starts``, for its quotas (rows still buffered included)."""
+    async def _usage_since(self, key_id: str, starts: list[float]) -> list[tuple[int, int]]:
+        """A key's tokens and requests since each of ``starts``, for its quotas (rows still buffered included)."""
         await self.usage.flush()
-        return await self.usage_reader.tokens_since(key_id, starts)
+        return await self.usage_reader.used_since(key_id, starts)
 
     async def prom(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.swapper.refresh_metrics()
+        if self.cfg.store.url:
+            state = self.store_state()
+            self.metrics.store_up.set(1 if state["up"] else 0)
+            self.metrics.usage_spooled.set(state["usage_spooled_bytes"])
+            self.metrics.usage_dropped.set(state["usage_rows_dropped"])
+            self.metrics.active.set(1 if self.active_lock is None or self.active_lock.active else 0)
         body = generate_latest(self.metrics.registry)
         await raw_response(send, 200, body, CONTENT_TYPE_LATEST.encode())
 
@@ -421,6 +478,10 @@ class App:
         await self.registry.start()
         self.registry.on_up = self.scheduler.dispatch
         self.usage.start()
+        if self.shared_quotas is not None:
+            self.shared_quotas.start()
+        if self.active_lock is not None:
+            await asyncio.to_thread(self.active_lock.start)
         await self.batches.start()
         # What exists after start-up lives as long as the process: keep it out of every
         # collection, and collect less often (full collections paused the loop for 40-50 ms).
@@ -549,8 +610,9 @@ class App:
         self.admin_login_form.body_timeout_s = s.body_timeout_s
         self.keys_api.admin_key = self.batches.admin_key = cfg.admin.key
         self.key_manager.classes = tuple(c.name for c in cfg.classes)
-        self.usage.refused_retention_s = cfg.auth.usage_refused_retention_days * 86400.0
-        self.usage.max_rows = cfg.auth.usage_max_rows
+        if isinstance(self.usage, UsageRecorder):  # (SQLite's retention; PostgreSQL's table is not pruned)
+            self.usage.refused_retention_s = cfg.auth.usage_refused_retention_days * 86400.0
+            self.usage.max_rows = cfg.auth.usage_max_rows
         g = self.gateway
         g.cfg = cfg
         g.classes = {c.name: c for c in cfg.classes}
@@ -585,8 +647,10 @@ class App:
             await self.admin_listener.stop()
         await self.batches.stop()  # (its lines' usage rows are written by the usage store's stop)
         await self.usage.stop()
-        self.usage.conn.close()
+        self.usage.close()
         self.usage_reader.close()
+        if self.shared_quotas is not None:
+            await asyncio.to_thread(self.shared_quotas.close)
         await self.swapper.stop()
         await self.registry.stop()
         if self.supervisor is not None:
@@ -596,4 +660,6 @@ class App:
             await asyncio.to_thread(self.gateway.tracer.shutdown)  # the spans still buffered, sent
         if self.cfg.store.url:
             await asyncio.to_thread(self.keystore.close)  # (its polling thread)
+        if self.active_lock is not None:
+            await asyncio.to_thread(self.active_lock.close)  # (the lock freed for the standby at once)
 

@@ -36,7 +36,7 @@ from passerelle.tenants.keys import ApiKey, KeyStore
 from passerelle.tenants.manage import KeyManager
 from passerelle.tenants.policy import KeyPolicy
 from passerelle.tenants.quota import iso_time
-from passerelle.tenants.usage import UsageReader, UsageRecorder, parse_since
+from passerelle.tenants.usage import UsageReports, UsageSink, parse_since
 
 MAX_BODY = 64 * 1024
 
@@ -88,8 +88,8 @@ class KeysApi:
     store: KeyStore
     manager: KeyManager
     policy: KeyPolicy
-    recorder: UsageRecorder
-    reader: UsageReader
+    recorder: UsageSink
+    reader: UsageReports
 
     def _require_admin_key(self) -> None:
         if not self.admin_key:

@@ -36,15 +36,13 @@ def _actor() -> str:
 
 
 def _open(args: argparse.Namespace, *, usage: bool = False) -> tuple[Config, KeyStore]:
-    """The instance's key store (``[store] url`` or its SQLite file); ``usage``: its SQLite file,
-    where usage rows are, whatever holds the keys."""
+    """The instance's key store (``--db``, ``[store] url`` or its SQLite file), where its usage
+    rows are too (``usage``: the same; its ``conn`` answers the reports' SQL either way)."""
     from passerelle.config import load_config
-    from passerelle.tenants.keys import KeyStore
     from passerelle.tenants.store import open_key_store
 
     cfg = load_config(getattr(args, "config", None))
-    db = getattr(args, "db", None)
-    return cfg, (KeyStore(db or cfg.db_path()) if usage else open_key_store(cfg, db))
+    return cfg, open_key_store(cfg, getattr(args, "db", None))
 
 
 def _when(ts: float | None, never: str = "never") -> str:
@@ -262,8 +260,8 @@ def _key_fields(p: argparse.ArgumentParser, *, creating: bool) -> None:
                    help="a model it may use, globs allowed ('llama-3-8b*'); repeat or comma-separate "
                         "(default: all; '*' sets all again)")
     p.add_argument("--quota", action="append", metavar="TOKENS/PERIOD",
-                   help="tokens per day, week or month: 2M/day, 500k/week, 30M/month (repeat for several; "
-                        "'none' removes them)")
+                   help="tokens per day, week or month: 2M/day, 500k/week, 30M/month, or requests: "
+                        "'1000 requests/day' (repeat for several; 'none' removes them)")
     p.add_argument("--trust-forwarded-user", action=argparse.BooleanOptionalAction, default=None,
                    help="a trusted front-end's key (Open WebUI): the user it names in [auth] forwarded_user_header "
                         "becomes the tenant '<tenant>/<user>' for fair share, limits and usage")

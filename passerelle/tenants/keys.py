@@ -234,6 +234,9 @@ class KeyStore:
         """Every key, as the key ring reads them on the request path (here: from the file)."""
         return self.list()
 
+    def usable(self) -> None:
+        """Raise StoreUnavailable when the keys in memory may no longer be trusted (a shared store's)."""
+
     def version(self) -> int:
         """Changes whenever anyone (this process or ``passerelle keys``) changes a key."""
         with self._lock:
@@ -264,6 +267,7 @@ class KeyRing:
         self.refresh(force=True)
 
     def refresh(self, *, force: bool = False) -> None:
+        self.store.usable()  # (a shared store away for too long raises, on every request)
         now = time.monotonic()
         if not force and now - self._checked < self.refresh_s:
             return

@@ -150,12 +150,12 @@ class KeyManager:
             quotas = [parse_quota(q) for part in items for q in part.split(",") if q.strip()]
         except ValueError as exc:
             raise InvalidRequest(f"'quotas': {exc}.", param="quotas") from None
-        periods = [q.period for q in quotas]
-        twice = sorted({p for p in periods if periods.count(p) > 1})
+        periods = [(q.period, q.unit) for q in quotas]  # one of tokens and one of requests per period
+        twice = sorted({f"{u} a {p}" for p, u in periods if periods.count((p, u)) > 1})
         if twice:
-            raise InvalidRequest(f"'quotas': one quota per period; {', '.join(twice)} is given more than once.",
-                                 param="quotas")
-        return tuple(sorted(quotas, key=lambda q: PERIODS.index(q.period)))
+            raise InvalidRequest(f"'quotas': one quota per period and unit; {', '.join(twice)} is given more "
+                                 "than once.", param="quotas")
+        return tuple(sorted(quotas, key=lambda q: (PERIODS.index(q.period), q.unit)))
 
     # -- the operations ------------------------------------------------------------------------
     def create(self, spec: Mapping[str, Any], *, actor: str) -> tuple[ApiKey, str]:

@@ -2,14 +2,15 @@
 
 :class:`PgKeyStore` is a :class:`~passerelle.tenants.keys.KeyStore` whose rows live in PostgreSQL
 (psycopg 3): a key created or revoked through one gateway (or ``passerelle keys``) is seen by the
-others at their next poll (``[store] poll_s``, 1 s). Usage rows, quotas' counts and batches stay in
-the instance's SQLite file for now.
+others at their next poll (``[store] poll_s``, 1 s). Usage rows (tenants/pgusage.py) and quotas'
+counters (tenants/pgquota.py) are in the same database; batches stay in the instance's files.
 
 The request path never waits on the database: a thread polls the keys' version and, when it
 moved, reads the keys; the key ring reads what that thread last read. While the database is
 unreachable the keys last read keep being served, the failure is logged once, and the thread
-reconnects every ``poll_s``. Writes (creating, changing, revoking a key) go to the database and
-fail with it.
+reconnects every ``poll_s``; past ``[store] offline_s`` without a read, requests are refused
+(503 ``store_unavailable``) rather than served on keys that may have been revoked since. Writes
+(creating, changing, revoking a key) go to the database and fail with it.
 
 Schema migrations are numbered and applied at start, under an advisory lock (two gateways starting
 at once migrate once); ``passerelle_schema`` records how far a database was taken.
@@ -29,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from passerelle.errors import StoreUnavailable
 from passerelle.tenants.keys import ApiKey, KeyStore
 
 log = logging.getLogger("passerelle.tenants.pgstore")
@@ -54,6 +56,23 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         """CREATE OR REPLACE TRIGGER api_keys_changed AFTER INSERT OR UPDATE OR DELETE ON api_keys
         FOR EACH STATEMENT EXECUTE FUNCTION passerelle_keys_changed()""",
     ),
+    (  # 2: usage rows (an id each, so a row written back twice is kept once) and quotas' counters
+        """CREATE TABLE IF NOT EXISTS usage (
+        id UUID PRIMARY KEY, ts DOUBLE PRECISION NOT NULL, tenant TEXT NOT NULL, key_id TEXT NOT NULL DEFAULT '',
+        class TEXT NOT NULL, model TEXT NOT NULL, cause TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
+        completion_tokens INTEGER NOT NULL)""",
+        "CREATE INDEX IF NOT EXISTS usage_ts ON usage (ts)",
+        "CREATE INDEX IF NOT EXISTS usage_key_ts ON usage (key_id, ts)",
+        """CREATE TABLE IF NOT EXISTS quota_use (
+        key_id TEXT NOT NULL, period TEXT NOT NULL, start DOUBLE PRECISION NOT NULL,
+        tokens DOUBLE PRECISION NOT NULL DEFAULT 0, requests BIGINT NOT NULL DEFAULT 0,
+        PRIMARY KEY (key_id, period, start))""",
+    ),
+    (  # 3: a key may name the person behind a request (a trusted front-end); usage by person and session
+        "ALTER TABLE api_keys ADD COLUMN IF NOT EXISTS trust_forwarded_user INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE usage ADD COLUMN IF NOT EXISTS \"user\" TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE usage ADD COLUMN IF NOT EXISTS session TEXT NOT NULL DEFAULT ''",
+    ),
 )
 _MIGRATION_LOCK = 0x70617373  # pg_advisory_xact_lock key: "pass"
 
@@ -78,11 +97,21 @@ class _Conn:
         self.raw.close()
 
 
-def _connect(url: str, timeout_s: float) -> Any:
+def connect(url: str, timeout_s: float, **kw: Any) -> Any:
+    """A psycopg connection in autocommit mode, with ``timeout_s`` for connecting and each statement."""
     import psycopg
 
     return psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(timeout_s)),
-                           options=f"-c statement_timeout={int(timeout_s * 1000)}")
+                           options=f"-c statement_timeout={int(timeout_s * 1000)}", **kw)
+
+
+_connect = connect
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line, for a log line that says why the database is out of reach."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def migrate(conn: Any) -> int:
@@ -107,8 +136,8 @@ class PgKeyStore(KeyStore):
 
     _audit_order = "ts DESC, seq DESC"
 
-    def __init__(self, url: str, *, poll_s: float = 1.0, timeout_s: float = 5.0) -> None:
-        self.url, self.poll_s, self.timeout_s = url, poll_s, timeout_s
+    def __init__(self, url: str, *, poll_s: float = 1.0, timeout_s: float = 5.0, offline_s: float = 300.0) -> None:
+        self.url, self.poll_s, self.timeout_s, self.offline_s = url, poll_s, timeout_s, offline_s
         self.path = redacted(url)  # type: ignore[assignment]  # (shown where a file's path is)
         self._lock = threading.Lock()
         raw = _connect(url, timeout_s)
@@ -125,7 +154,25 @@ class PgKeyStore(KeyStore):
 
     # -- the request path's reads: what the poller last read ---------------------------------
     def version(self) -> int:
+        self.usable()
         return self._cached_version
+
+    def usable(self) -> None:
+        if self.failing and time.monotonic() - self.last_read > self.offline_s:
+            raise StoreUnavailable(f"The gateway's key store has been out of reach for more than "
+                                   f"{self.offline_s:g} s ([store] offline_s); it cannot check keys until it is "
+                                   "back.", retry_after=self.poll_s)
+
+    @property
+    def up(self) -> bool:
+        return not self.failing
+
+    def describe(self) -> dict[str, Any]:
+        """For ``/health``: whether the database answers, and how old the keys served are."""
+        age = time.monotonic() - self.last_read
+        return {"up": not self.failing, "keys_age_s": round(age, 1),
+                "serving_keys": not self.failing or age <= self.offline_s,
+                "keys_from": "cache" if self.failing else "database"}
 
     def cached_keys(self) -> builtins.list[ApiKey]:
         return list(self._cached)
@@ -150,9 +197,9 @@ class PgKeyStore(KeyStore):
                     self.failing = False
             except Exception as exc:
                 if not self.failing:
-                    log.error("store %s unreachable (%s): serving the keys read %.0f s ago until it is back",
-                              self.path, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
-                              time.monotonic() - self.last_read)
+                    log.error("store %s unreachable (%s): serving the keys read %.0f s ago for at most %g s "
+                              "([store] offline_s) until it is back", self.path, first_line(exc),
+                              time.monotonic() - self.last_read, self.offline_s)
                     self.failing = True
 
     def close(self) -> None:

@@ -72,7 +72,7 @@ class Ticket:
 
 class KeyPolicy:
     def __init__(self, cfg: Config, ring: KeyRing | None, *,
-                 load_usage: Callable[[str, list[float]], Awaitable[list[int]]] | None = None) -> None:
+                 load_usage: Callable[[str, list[float]], Awaitable[list[tuple[int, int]]]] | None = None) -> None:
         self.cfg = cfg
         self.ring = ring
         self.limiter = KeyLimiter()
@@ -151,14 +151,11 @@ class KeyPolicy:
         concurrent slots (time spent there counts as the request's queue wait)."""
         if not key.allows(rec.model):
             raise ModelNotAllowed(rec.model, key.models)
-        charge = None
-        if key.quotas:
-            await self.quotas.ensure(key.id, key.quotas)
-            charge = self.quotas.reserve(key.id, key.quotas, tokens)
+        charge = await self.quotas.take(key.id, key.quotas, tokens)  # (shared: atomic in the store)
         try:
             grant = self.limiter.admit(key, tokens, rec.user if key.trust_forwarded_user else "")
         except BaseException:
-            self.quotas.settle(charge, 0)
+            self.quotas.release(charge)
             raise
         rec.t_queued = time.perf_counter()
         try:
@@ -168,7 +165,7 @@ class KeyPolicy:
             await self.limiter.wait_turn(grant, key, cls, left)
         except BaseException:
             self.limiter.finish(grant, 0.0)
-            self.quotas.settle(charge, 0)
+            self.quotas.release(charge)
             raise
         return Ticket(key, grant, charge)
 

@@ -1,5 +1,5 @@
 """Which key store an instance uses: ``[store] url`` (PostgreSQL, shared by several gateways) or
-its own SQLite file (``Config.db_path``). Usage rows are always in the SQLite file."""
+its own SQLite file (``Config.db_path``). Usage rows and quotas follow the same choice (server/app.py)."""
 
 from __future__ import annotations
 
@@ -16,5 +16,6 @@ def open_key_store(cfg: Config, db: str | os.PathLike[str] | None = None) -> Key
     if cfg.store.url:
         from passerelle.tenants.pgstore import PgKeyStore
 
-        return PgKeyStore(cfg.store.url, poll_s=cfg.store.poll_s, timeout_s=cfg.store.timeout_s)
+        return PgKeyStore(cfg.store.url, poll_s=cfg.store.poll_s, timeout_s=cfg.store.timeout_s,
+                          offline_s=cfg.store.offline_s)
     return KeyStore(cfg.db_path())

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from passerelle.observe.record import RequestRecord, clip
 from passerelle.tenants.db import connect
@@ -39,7 +39,8 @@ from passerelle.tenants.db import connect
 log = logging.getLogger("passerelle.tenants.usage")
 
 # --by dimensions and the columns they group on
-DIMENSIONS = {"key": "key_id", "tenant": "tenant", "model": "model", "class": "class", "user": "user",
+# ("user" quoted: PostgreSQL's shared usage table reads a bare `user` as the connected role)
+DIMENSIONS = {"key": "key_id", "tenant": "tenant", "model": "model", "class": "class", "user": '"user"',
               "session": "session"}
 
 # A buffered row: (ts, tenant, key_id, class, model, cause, prompt_tokens, completion_tokens, user, session)
@@ -56,7 +57,38 @@ def billed_tokens(rec: RequestRecord) -> tuple[int, int]:
 _REFUSED = "prompt_tokens = 0 AND completion_tokens = 0 AND cause != 'ok'"
 
 
+class UsageSink(Protocol):
+    """Where finished requests' usage rows go: this module's SQLite recorder, or PostgreSQL's
+    (tenants/pgusage.py). ``record`` is on the request path and never waits on the store."""
+
+    def record(self, rec: RequestRecord) -> None: ...
+
+    async def flush(self) -> None: ...
+
+    async def prune(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class UsageReports(Protocol):
+    """Reports on the usage rows, off the event loop (:class:`UsageReader`, or PostgreSQL's)."""
+
+    async def report(self, **kw: Any) -> list[dict[str, Any]]: ...
+
+    async def tokens_since(self, key_id: str, starts: Sequence[float]) -> list[int]: ...
+
+    async def used_since(self, key_id: str, starts: Sequence[float]) -> list[tuple[int, int]]: ...
+
+    def close(self) -> None: ...
+
+
 class UsageRecorder:
+    """The usage sink in the instance's SQLite file (see the module's notes)."""
+
     def __init__(self, conn: sqlite3.Connection, *, flush_s: float = 0.5,
                  clock: Callable[[], float] = time.time, refused_retention_s: float = 7 * 86400.0,
                  max_rows: int = 5_000_000, prune_every_s: float = 600.0) -> None:
@@ -143,6 +175,9 @@ class UsageRecorder:
                 await self._task
         await self.flush()
 
+    def close(self) -> None:
+        self.conn.close()
+
 
 def report(conn: sqlite3.Connection, *, since: float = 0.0, until: float | None = None,
            by: Sequence[str] = ("tenant", "class"), key_id: str | None = None) -> list[dict[str, Any]]:
@@ -191,6 +226,16 @@ def tokens_since(conn: sqlite3.Connection, key_id: str, starts: Sequence[float])
     return [int(v) for v in row]
 
 
+def used_since(conn: Any, key_id: str, starts: Sequence[float]) -> list[tuple[int, int]]:
+    """(tokens, requests) the key used since each of ``starts``, for its quotas: a request counts
+    unless it was refused before being served (no token billed, a cause other than ``ok``)."""
+    cases = ", ".join("COALESCE(SUM(CASE WHEN ts >= ? THEN prompt_tokens + completion_tokens END), 0), "
+                      f"COALESCE(SUM(CASE WHEN ts >= ? AND NOT ({_REFUSED}) THEN 1 END), 0)" for _ in starts)
+    row = conn.execute(f"SELECT {cases} FROM usage WHERE key_id = ? AND ts >= ?",
+                       (*(s for s in starts for _ in (0, 1)), key_id, min(starts))).fetchone()
+    return [(int(row[2 * i]), int(row[2 * i + 1])) for i in range(len(starts))]
+
+
 def summarize(conn: sqlite3.Connection, since: float = 0.0) -> list[tuple[str, str, int, int, int, int]]:
     """(tenant, class, requests, prompt tokens, completion tokens, requests not ok) since ``since``."""
     return [(r["tenant"], r["class"], r["requests"], r["prompt_tokens"], r["completion_tokens"], r["not_ok"])
@@ -227,6 +272,9 @@ class UsageReader:
 
     async def tokens_since(self, key_id: str, starts: Sequence[float]) -> list[int]:
         return await asyncio.to_thread(self._run, tokens_since, key_id, starts)
+
+    async def used_since(self, key_id: str, starts: Sequence[float]) -> list[tuple[int, int]]:
+        return await asyncio.to_thread(self._run, used_since, key_id, starts)
 
     def close(self) -> None:
         with self._lock:

@@ -153,8 +153,8 @@ def test_quota_429_until_the_windows_end_survives_a_restart_and_me_shows_it(gate
     auth = {"Authorization": f"Bearer {secret}"}
     me = httpx.get(gw.url + "/v1/me", headers=auth).json()
     assert me["label"] == "nightly" and me["models"] == ["fake-model"]
-    assert me["quotas"] == [{"quota": "100/day", "tokens": 100, "period": "day", "used": 0, "remaining": 100,
-                             "resets_at": me["quotas"][0]["resets_at"]}]
+    assert me["quotas"] == [{"quota": "100/day", "tokens": 100, "period": "day", "unit": "tokens", "used": 0,
+                             "remaining": 100, "resets_at": me["quotas"][0]["resets_at"]}]
     codes = []
     while not codes or codes[-1] == 200:
         codes.append((r := chat(gw.url, secret, max_tokens=20)).status_code)

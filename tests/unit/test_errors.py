@@ -69,7 +69,9 @@ def test_one_enum_of_causes_matches_the_contract():
         # added by the answers' memory budget (issue 20)
         "answers_busy",
         # added by fair admission and sessions (issue 22)
-        "tenant_queue_full", "session_limit"}
+        "tenant_queue_full", "session_limit",
+        # added by the shared store and the active-passive pair (issue 25)
+        "store_unavailable", "standby"}
 
 
 def test_model_not_allowed_lists_the_keys_models():

@@ -12,7 +12,7 @@ from passerelle.errors import Cause, QuotaExceeded
 from passerelle.observe.record import RequestRecord
 from passerelle.tenants.db import connect
 from passerelle.tenants.quota import Quota, QuotaBook, parse_quota, window
-from passerelle.tenants.usage import UsageRecorder, report, tokens_since
+from passerelle.tenants.usage import UsageRecorder, report, used_since
 
 DAY = (Quota(1000, "day"),)
 
@@ -53,8 +53,8 @@ class Store:
         self.conn.execute("INSERT INTO usage (ts, tenant, key_id, class, model, cause, prompt_tokens, "
                           "completion_tokens) VALUES (?, 't', ?, 'standard', 'm', 'ok', 0, ?)", (when, key_id, tokens))
 
-    async def load(self, key_id: str, starts: list[float]) -> list[int]:
-        return tokens_since(self.conn, key_id, starts)
+    async def load(self, key_id: str, starts: list[float]) -> list[tuple[int, int]]:
+        return used_since(self.conn, key_id, starts)
 
 
 async def test_used_up_quota_is_429_until_the_end_of_the_day(tmp_path):
@@ -169,10 +169,35 @@ async def test_a_failed_load_is_not_remembered(tmp_path):
         attempts.append(key_id)
         if len(attempts) == 1:
             raise OSError("disk unavailable")
-        return [5, 5, 5]
+        return [(5, 1), (5, 1), (5, 1)]
 
     book = QuotaBook(load)
     with pytest.raises(OSError):
         await book.ensure("k", DAY)
     await book.ensure("k", DAY)
     assert attempts == ["k", "k"] and book.usage("k", DAY)[0]["used"] == 5
+
+
+def test_request_quotas_are_read_written_and_counted(tmp_path):
+    q = parse_quota("60 requests/day")
+    assert (q.tokens, q.period, q.unit, str(q)) == (60, "day", "requests", "60req/day")
+    assert parse_quota(str(q)) == q and parse_quota("1k REQ/week") == Quota(1000, "week", "requests")
+    assert parse_quota("2M/day").unit == "tokens"
+
+
+async def test_a_request_quota_counts_admitted_requests_and_a_released_one_does_not(tmp_path):
+    store = Store(tmp_path / "u.db")
+    now = ts(2026, 12, 2, 12, 0)
+    store.add(now - 60, "k", 10)  # one request served earlier today: it counts after a restart
+    store.conn.execute("INSERT INTO usage (ts, tenant, key_id, class, model, cause, prompt_tokens, "
+                       "completion_tokens) VALUES (?, 't', 'k', 'standard', 'm', 'rate_limited', 0, 0)", (now - 30,))
+    quotas = (Quota(3, "day", "requests"),)
+    book = QuotaBook(store.load, clock=lambda: now)
+    first = await book.take("k", quotas, 500)  # tokens do not matter to a request quota
+    released = book.reserve("k", quotas, 500)
+    book.release(released)  # refused after its reservation (its queue): not counted
+    await book.take("k", quotas, 500)
+    with pytest.raises(QuotaExceeded, match="quota of 3 requests a day is used up"):
+        await book.take("k", quotas, 1)
+    book.settle(first, 20)
+    assert book.usage("k", quotas)[0]["used"] == 3 and book.usage("k", quotas)[0]["remaining"] == 0

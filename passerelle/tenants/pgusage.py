@@ -1,0 +1,243 @@
+"""Usage rows in PostgreSQL (``[store] url``), through a spool file so that none is lost.
+
+Each finished request's row, with an id of its own, is appended to a spool file in the
+instance's state directory (``usage-spool.jsonl``: one write, so a ``kill -9`` of the gateway
+loses nothing written) and a thread copies the spool to the ``usage`` table every ``flush_s``, in
+one transaction, ``ON CONFLICT (id) DO NOTHING``: a row copied twice (a crash between the insert
+and the spool's truncation, a restart that replays the spool) is kept once. The request path only
+appends a line.
+
+While the database is away the spool grows, up to ``[store] spool_max_mib`` (past it new rows are
+dropped and counted, said in the log), and is written back when the database returns. The spool
+is truncated once everything in it is in the database.
+
+Example::
+
+    usage = PgUsage(url, state / "usage-spool.jsonl"); usage.start()
+    gateway.listeners.append(usage.record)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from passerelle.errors import StoreUnavailable
+from passerelle.observe.record import RequestRecord, clip
+from passerelle.tenants.pgstore import _Conn, connect, first_line
+from passerelle.tenants.usage import billed_tokens, report, tokens_since, used_since
+
+log = logging.getLogger("passerelle.tenants.pgusage")
+
+_INSERT = ("INSERT INTO usage (id, ts, tenant, key_id, class, model, cause, prompt_tokens, completion_tokens, "
+           "\"user\", session) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING")
+_FIELDS = 11  # a spool line's fields (lines spooled before user and session were written have 9)
+_READ_CHUNK = 4 << 20  # bytes of spool read and written back per transaction
+
+
+class Spool:
+    """An append-only file of JSON lines, at most ``max_bytes``; read back from an offset."""
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        self.path, self.max_bytes = path, max_bytes
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:  # two gateways on one spool would truncate each other's rows away
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise RuntimeError(f"{path} is in use by another gateway: give each gateway its own [server] "
+                               "state_dir") from None
+        self.size = os.fstat(self._fd).st_size
+        self._lock = threading.Lock()
+
+    def append(self, line: bytes) -> bool:
+        with self._lock:
+            if self.size + len(line) > self.max_bytes:
+                return False
+            os.write(self._fd, line)  # one write: whole or (disk full) raised
+            self.size += len(line)
+            return True
+
+    def read(self, offset: int) -> tuple[list[bytes], int]:
+        """The whole lines from ``offset`` (at most about :data:`_READ_CHUNK`), and where they end."""
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            data = f.read(_READ_CHUNK)
+        end = data.rfind(b"\n") + 1
+        return data[:end].splitlines(), offset + end
+
+    def truncate_if(self, offset: int) -> bool:
+        """Empty the file if everything up to its end was written back (``offset`` is its size)."""
+        with self._lock:
+            if offset != self.size:
+                return False
+            os.ftruncate(self._fd, 0)
+            self.size = 0
+            return True
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class PgUsage:
+    """The usage sink for PostgreSQL: ``record`` (the request path), a writer thread, ``flush``."""
+
+    def __init__(self, url: str, spool_path: Path, *, flush_s: float = 0.5, timeout_s: float = 5.0,
+                 retry_s: float = 1.0, spool_max_bytes: int = 256 << 20,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.url, self.flush_s, self.timeout_s, self.retry_s, self.clock = url, flush_s, timeout_s, retry_s, clock
+        self.spool = Spool(spool_path, spool_max_bytes)
+        self.offset = 0  # spool bytes known written back (0 at start: a spool left by a crash is replayed)
+        self.up = True
+        self.dropped = 0  # rows lost to a full spool
+        self.written = 0
+        self._conn: Any = None
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.spool.size - self.offset
+
+    def record(self, rec: RequestRecord) -> None:
+        if rec.cause is None:
+            return
+        prompt, completion = billed_tokens(rec)
+        line = orjson.dumps([uuid.uuid4().hex, self.clock(), rec.tenant, rec.key_id, rec.priority, clip(rec.model),
+                             rec.cause.value, prompt, completion, rec.user, rec.session]) + b"\n"
+        try:
+            kept = self.spool.append(line)
+        except OSError as exc:
+            kept = False
+            log.error("usage spool %s: %s", self.spool.path, exc)
+        if not kept:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 10_000 == 0:
+                log.error("usage spool %s is full ([store] spool_max_mib): %d usage rows lost so far",
+                          self.spool.path, self.dropped)
+
+    def drain(self) -> bool:
+        """Write the spool back to the database; False when the database is away."""
+        import psycopg
+
+        with self._lock:
+            try:
+                while True:
+                    lines, end = self.spool.read(self.offset)
+                    if not lines:
+                        break
+                    rows = [(row + [""] * (_FIELDS - len(row))) for row in map(orjson.loads, lines)]
+                    if self._conn is None:
+                        if time.monotonic() < self._retry_at:
+                            return False
+                        self._conn = connect(self.url, self.timeout_s)
+                    with self._conn.transaction(), self._conn.cursor() as cur:
+                        cur.executemany(_INSERT, rows)
+                    self.offset = end
+                    self.written += len(rows)
+                    if not self.up:
+                        log.warning("usage store %s reachable again: %d usage rows written back so far",
+                                    self._redacted, self.written)
+                        self.up = True
+                if self.spool.truncate_if(self.offset):
+                    self.offset = 0
+                return True
+            except (psycopg.Error, OSError) as exc:
+                if self.up:
+                    log.error("usage store %s unreachable (%s): usage rows kept in %s until it is back",
+                              self._redacted, first_line(exc), self.spool.path)
+                self.up = False
+                if self._conn is not None:
+                    with contextlib.suppress(Exception):  # a broken connection: closing it says nothing more
+                        self._conn.close()
+                self._conn = None
+                self._retry_at = time.monotonic() + self.retry_s
+                return False
+
+    @property
+    def _redacted(self) -> str:
+        from passerelle.tenants.pgstore import redacted
+
+        return redacted(self.url)
+
+    async def flush(self) -> None:
+        await asyncio.to_thread(self.drain)
+
+    async def prune(self) -> int:
+        return 0  # (the shared table is kept whole; see docs/limits.md)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_s):
+            self.drain()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="passerelle-pg-usage", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, self.timeout_s + self.flush_s + 1)
+        await self.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+        self.spool.close()
+
+
+class PgUsageReader:
+    """Reports on the shared usage table, in a worker thread, on a connection of their own
+    (reconnected on the next report after a failure)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        self._conn: _Conn | None = None
+        self._lock = threading.Lock()
+
+    def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        import psycopg
+
+        with self._lock:
+            try:
+                if self._conn is None:
+                    self._conn = _Conn(connect(self.url, self.timeout_s))
+                return fn(self._conn, *args, **kw)
+            except psycopg.Error as exc:
+                if self._conn is not None:
+                    with contextlib.suppress(Exception):
+                        self._conn.close()
+                self._conn = None
+                raise StoreUnavailable(f"The usage store is out of reach ({first_line(exc)}); try again later.",
+                                       retry_after=5) from None
+
+    async def report(self, **kw: Any) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self._run, report, **kw)
+
+    async def tokens_since(self, key_id: str, starts: Sequence[float]) -> list[int]:
+        return await asyncio.to_thread(self._run, tokens_since, key_id, starts)
+
+    async def used_since(self, key_id: str, starts: Sequence[float]) -> list[tuple[int, int]]:
+        return await asyncio.to_thread(self._run, used_since, key_id, starts)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
