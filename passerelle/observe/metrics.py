@@ -11,6 +11,8 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 # 5 ms to 60 s, denser where interactive targets sit (100 ms – 3 s).
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -48,6 +50,18 @@ def observe_many(child: Histogram, values: Sequence[float]) -> None:
             if done == len(xs):
                 break
     child._sum.inc(math.fsum(xs))
+
+
+class ReadCounter(Collector):
+    """A counter whose one count another object keeps (read at each scrape, never copied)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.read: Callable[[], int] = lambda: 0
+        registry.register(self)
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.documentation, value=self.read())]
 
 
 class Metrics:
@@ -97,6 +111,8 @@ class Metrics:
                               ["backend"], registry=r)
         self.backend_queue = Gauge("passerelle_backend_queue_depth",
                                    "Requests waiting inside the runtime itself.", ["backend"], registry=r)
+        # the scheduler's preemptor counts them (scheduling/preemption.py); read when scraped
+        self.suspensions = ReadCounter("passerelle_suspensions", "Streams suspended for a better class.", r)
         self._children: dict[tuple[str, ...], RequestChildren] = {}
         # Which tenants get a label of their own (the app answers: those of the API keys); every
         # other one, e.g. a client's `user` field without keys, is counted as "other".

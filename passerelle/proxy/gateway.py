@@ -67,6 +67,7 @@ from passerelle.proxy.intake import (
 from passerelle.proxy.protocols import Api, Parsed, api_for, replace_form_field
 from passerelle.proxy.resume import Splice, suspendable
 from passerelle.proxy.retry import RetryBudget, may_retry
+from passerelle.runtimes.breaker import Outcome
 from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
@@ -116,7 +117,7 @@ class Gateway:
         self.answers = AnswerBudget(cfg.limits.max_answer_bytes_total)  # answers assembled at once
         self._watchdog: asyncio.TimerHandle | None = None
         self.catalogue = Catalogue((), registry)  # model names -> pools; the app sets the configured one
-        self.preemption_stats = {"suspensions": 0, "resumed_streams": 0, "resume_prompt_tokens_processed": 0,
+        self.preemption_stats = {"resumed_streams": 0, "resume_prompt_tokens_processed": 0,
                                  "resume_prompt_tokens_cached": 0}
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
         self.on_demand: Callable[[list[Backend]], None] | None = None
@@ -299,16 +300,44 @@ class Gateway:
 
     async def _dispatch(self, ex: Exchange, api: Api, job: Job, data: dict[str, Any] | None, body: bytes,
                         cls: ClassConfig, splice: Splice | None = None) -> None:
-        """Queue for a replica and try it; before the client got a byte, a replica that could not
-        take the request is replaced by another (within the retry budget). Each attempt reports
-        its outcome to its replica's circuit breaker exactly once. A stream suspended for a better
-        class queues again and continues where it was cut."""
+        """Run the request on a replica until its answer is whole. The resume loop: a stream
+        suspended for a better class (the scheduler cut it, freed its slot and queued the job
+        again, scheduling/preemption.py) waits here to resume, and its next attempt continues it
+        where it was cut (resume.py), as often as it is suspended."""
         rec = ex.rec
         rec.t_queued = rec.t_queued or time.perf_counter()  # set already if it waited in its key's queue
         rec.to(State.QUEUED)
         self.retry_budget.deposit()
         deadline = Deadline(self.cfg.timeouts, rec.t_arrival)
         suspended_at = 0.0
+        while True:
+            await self._retrying(ex, api, job, data, body, cls, deadline, splice, suspended_at)
+            if splice is None or not splice.suspended:
+                break
+            # Suspended: the scheduler has freed the slot and queued the job again.
+            splice.resumed()
+            rec.suspensions = splice.suspensions
+            suspended_at = time.perf_counter()
+            ex.finishing = False  # (the cut attempt may have seen its end, the client did not)
+            rec.to(State.SUSPENDED)
+            if rec.trace is not None:
+                rec.trace.suspended()
+        if splice is not None:
+            rec.prompt_tokens, rec.completion_tokens = splice.totals(rec.prompt_tokens, rec.completion_tokens)
+            rec.resume_prompt_tokens = splice.resume_prompt_processed
+            if splice.suspensions:
+                self.preemption_stats["resumed_streams"] += 1
+                self.preemption_stats["resume_prompt_tokens_processed"] += splice.resume_prompt_processed
+                self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
+
+    async def _retrying(self, ex: Exchange, api: Api, job: Job, data: dict[str, Any] | None, body: bytes,
+                        cls: ClassConfig, deadline: Deadline, splice: Splice | None, suspended_at: float) -> None:
+        """The retry loop: queue for a replica and try it; before the client got a byte, a replica
+        that could not take the request is replaced by another (within the retry budget). Each
+        attempt reports its outcome to its replica's circuit breaker exactly once, a cut one as
+        neutral (it says nothing of the runtime). Returns once an attempt has ended: the answer
+        whole, or the stream cut by the scheduler (``splice.suspended``)."""
+        rec = ex.rec
         trace = rec.trace
         while True:
             job.max_wait_s = deadline.left_s  # the queue wait is within the total time too
@@ -336,8 +365,6 @@ class Gateway:
             error: BaseException | None = None
             try:
                 await self._attempt(ex, api, backend, job, data, body, cls, deadline, splice)
-                if splice is None or not splice.suspended:
-                    break
             except Exception as err:
                 if splice is None or not splice.suspended:  # (a suspended attempt was cut by the scheduler)
                     error = err
@@ -357,31 +384,17 @@ class Gateway:
                 raise
             finally:
                 running.dec()
+                cut = splice is not None and splice.suspended
                 if trace is not None:
-                    trace.attempt_ended(error, suspended=splice is not None and splice.suspended)
-                backend.breaker.record(outcome_of(error), probe=job.probe, now=self.scheduler.clock())
+                    trace.attempt_ended(error, suspended=cut)
+                backend.breaker.record(Outcome.NEUTRAL if cut else outcome_of(error), probe=job.probe,
+                                       now=self.scheduler.clock())
                 job.probe = False
                 error = None  # (no reference cycle through the exception's traceback: see handle)
                 if not suspended_at and rec.t_first > rec.t_dispatch and (rec.stream or backend.stream_always):
                     # a streamed first token: the signal a runtime's learned capacity follows
                     backend.observe_first_token(rec.t_first - rec.t_dispatch, sent_with, job.est_prompt_tokens)
-            # Suspended: the scheduler has freed the slot and queued the job again.
-            assert splice is not None
-            splice.resumed()
-            rec.suspensions = splice.suspensions
-            suspended_at = time.perf_counter()
-            ex.finishing = False  # (the cut attempt may have seen its end, the client did not)
-            rec.to(State.SUSPENDED)
-            if trace is not None:
-                trace.suspended()
-            self.preemption_stats["suspensions"] += 1
-        if splice is not None:
-            rec.prompt_tokens, rec.completion_tokens = splice.totals(rec.prompt_tokens, rec.completion_tokens)
-            rec.resume_prompt_tokens = splice.resume_prompt_processed
-            if splice.suspensions:
-                self.preemption_stats["resumed_streams"] += 1
-                self.preemption_stats["resume_prompt_tokens_processed"] += splice.resume_prompt_processed
-                self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
+            return
 
     async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, data: dict[str, Any] | None,
                        body: bytes, cls: ClassConfig, deadline: Deadline, splice: Splice | None = None) -> None:
@@ -414,7 +427,7 @@ class Gateway:
             sp = splice
 
             def on_streaming() -> None:  # its first token went out: from now on it may be cut
-                self.scheduler.allow_suspend(job, sp.suspend, lambda: sp.tokens)
+                self.scheduler.allow_suspend(job, sp)
         if collect and ex.held is None:  # (the answers assembled at once share a budget: answer.py)
             ex.held = self.answers.hold()
             ex.held.check()

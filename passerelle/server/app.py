@@ -100,6 +100,8 @@ class App:
                                    affinity_max_entries=cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES,
                                    preemption=PreemptionPolicy(sc.preempt_after_ms / 1000, sc.min_run_s)
                                    if sc.preemption else None)
+        if (preemptor := self.scheduler.preemptor) is not None:
+            self.metrics.suspensions.read = lambda: preemptor.suspensions
         self.supervisor = Supervisor(processes or [], max_loaded_gib=budget_gib(cfg.runtimes),
                                      memory_kind=cfg.runtimes.memory,
                                      book=MemoryBook(cfg.state_path() / "runtime-memory.json"),
@@ -231,8 +233,10 @@ class App:
         snap["batches"] = self.batches.snapshot()  # progress of the batches in progress
         snap.update(self.gateway.keys.snapshot())  # auth_throttle, tenants, keys (tenants/policy.py)
         # streams suspended for a better class, resumed, and the prompt tokens resuming cost
-        snap["preemption"] = {"enabled": self.scheduler.preemption is not None, **self.scheduler.preempt_counts,
-                              **self.gateway.preemption_stats}
+        preemptor = self.scheduler.preemptor
+        snap["preemption"] = {"enabled": preemptor is not None,
+                              "suspended": preemptor.suspensions if preemptor else 0,
+                              "resumed": preemptor.resumes if preemptor else 0, **self.gateway.preemption_stats}
         await raw_response(send, 200, orjson.dumps(snap), b"application/json", [(b"cache-control", b"no-store")])
 
     async def ui(self, scope: Scope, receive: Receive, send: Send) -> None:
