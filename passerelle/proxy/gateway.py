@@ -32,9 +32,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
-from passerelle.config import ClassConfig, Config
+from passerelle.config import Config
 from passerelle.errors import (
     Cause,
     ClientDisconnect,
@@ -44,7 +43,6 @@ from passerelle.errors import (
     InvalidRequest,
     QueueTimeout,
     UpstreamError,
-    encode_request,
 )
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics, observe_many
@@ -62,13 +60,13 @@ from passerelle.proxy.intake import (
     read_request_body,
     session_hash,
     session_of,
-    with_usage_requested,
 )
-from passerelle.proxy.protocols import Api, Parsed, api_for, replace_form_field
+from passerelle.proxy.protocols import Api, Parsed, api_for
 from passerelle.proxy.resume import Splice, suspendable
 from passerelle.proxy.retry import RetryBudget, may_retry
+from passerelle.proxy.upstream_request import upstream_request
 from passerelle.runtimes.breaker import Outcome
-from passerelle.runtimes.catalogue import Catalogue
+from passerelle.runtimes.catalogue import Catalogue, Route
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
@@ -194,11 +192,8 @@ class Gateway:
                 rec.model = model = route.name
                 pool = route.pool
                 check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
-                if req.data is None:  # a form (an upload): its model field alone is rewritten, the file untouched
-                    if route.served != req.model:
-                        body = replace_form_field(body, header(scope, b"content-type"), "model", route.served)
-                else:
-                    req.data, body = route.data, route.body
+                if req.data is not None:  # (a form's model field is rewritten per attempt: upstream_request.py)
+                    req.data = route.data
                     if route.rewritten and req.data is not None:
                         capped = next((req.data[f] for f in api.budget if isinstance(req.data.get(f), int)), None)
                         if isinstance(capped, int) and capped >= 0:
@@ -222,7 +217,7 @@ class Gateway:
                 splice = (Splice(req.data, endpoint) if cls.preemptible and self.scheduler.preemption is not None
                           and req.data is not None and any(b.continuation for b in pool)
                           and suspendable(req.data, endpoint) else None)
-                await self._dispatch(ex, api, job, req.data, body, cls, splice)
+                await self._dispatch(ex, api, job, route, splice)
                 rec.finish(Cause.OK, 200)
             except asyncio.CancelledError:
                 if not ex.take_cancel():
@@ -298,8 +293,7 @@ class Gateway:
         usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
         return min(usable, key=lambda b: b.in_flight / b.capacity) if usable else None
 
-    async def _dispatch(self, ex: Exchange, api: Api, job: Job, data: dict[str, Any] | None, body: bytes,
-                        cls: ClassConfig, splice: Splice | None = None) -> None:
+    async def _dispatch(self, ex: Exchange, api: Api, job: Job, route: Route, splice: Splice | None = None) -> None:
         """Run the request on a replica until its answer is whole. The resume loop: a stream
         suspended for a better class (the scheduler cut it, freed its slot and queued the job
         again, scheduling/preemption.py) waits here to resume, and its next attempt continues it
@@ -311,7 +305,7 @@ class Gateway:
         deadline = Deadline(self.cfg.timeouts, rec.t_arrival)
         suspended_at = 0.0
         while True:
-            await self._retrying(ex, api, job, data, body, cls, deadline, splice, suspended_at)
+            await self._retrying(ex, api, job, route, deadline, splice, suspended_at)
             if splice is None or not splice.suspended:
                 break
             # Suspended: the scheduler has freed the slot and queued the job again.
@@ -330,8 +324,8 @@ class Gateway:
                 self.preemption_stats["resume_prompt_tokens_processed"] += splice.resume_prompt_processed
                 self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
 
-    async def _retrying(self, ex: Exchange, api: Api, job: Job, data: dict[str, Any] | None, body: bytes,
-                        cls: ClassConfig, deadline: Deadline, splice: Splice | None, suspended_at: float) -> None:
+    async def _retrying(self, ex: Exchange, api: Api, job: Job, route: Route, deadline: Deadline,
+                        splice: Splice | None, suspended_at: float) -> None:
         """The retry loop: queue for a replica and try it; before the client got a byte, a replica
         that could not take the request is replaced by another (within the retry budget). Each
         attempt reports its outcome to its replica's circuit breaker exactly once, a cut one as
@@ -364,7 +358,7 @@ class Gateway:
             sent_with = backend.in_flight
             error: BaseException | None = None
             try:
-                await self._attempt(ex, api, backend, job, data, body, cls, deadline, splice)
+                await self._attempt(ex, api, backend, job, route, deadline, splice)
             except Exception as err:
                 if splice is None or not splice.suspended:  # (a suspended attempt was cut by the scheduler)
                     error = err
@@ -396,45 +390,26 @@ class Gateway:
                     backend.observe_first_token(rec.t_first - rec.t_dispatch, sent_with, job.est_prompt_tokens)
             return
 
-    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, data: dict[str, Any] | None,
-                       body: bytes, cls: ClassConfig, deadline: Deadline, splice: Splice | None = None) -> None:
+    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, route: Route, deadline: Deadline,
+                       splice: Splice | None = None) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing. With a
         ``splice`` the stream may be cut by the scheduler (then this returns or raises with
         ``splice.suspended`` set), and a later try continues it."""
-        rec = ex.rec
-        strip_usage = False
-        chat_like = api.grammar == "chat"
-        collect = not rec.stream and backend.stream_always and api.collect and data is not None
-        dialect = backend.continuation if splice is not None else ""
-        if dialect and splice is not None:
-            data = splice.request_data(dialect)
-            body = encode_request(data)
-        if collect:
-            assert data is not None
-            extra = {"stream_options": {"include_usage": True}} if chat_like else {}
-            body = encode_request({**data, "stream": True, **extra})
-        elif rec.stream and chat_like and data is not None and not (data.get("stream_options") or {}).get(
-                "include_usage"):
-            body, strip_usage = with_usage_requested(body, data), True
-        ctype = b"application/json"
-        if api.form:
-            ctype = (header(ex.scope, b"content-type") or "").encode("latin-1")
-        elif api.scheduled:  # (vLLM's priority, llama-server's slot: for requests that take one)
-            body = backend.prepare(body, cls.rank, job.slot)
         on_streaming: Callable[[], None] | None = None
         if splice is not None:
             sp = splice
 
             def on_streaming() -> None:  # its first token went out: from now on it may be cut
                 self.scheduler.allow_suspend(job, sp)
-        if collect and ex.held is None:  # (the answers assembled at once share a budget: answer.py)
+        req = upstream_request(api, route, backend, stream=ex.rec.stream, rank=job.cls.rank, slot=job.slot,
+                               splice=splice, content_type=(header(ex.scope, b"content-type") or "").encode("latin-1"),
+                               cfg=self.cfg, on_streaming=on_streaming)
+        if req.collect and ex.held is None:  # (the answers assembled at once share a budget: answer.py)
             ex.held = self.answers.hold()
             ex.held.check()
         try:
-            answer = await fetch(ex, api, backend, body, ctype, deadline, self.cfg, collect=collect,
-                                 strip_usage=strip_usage, splice=splice, dialect=dialect, on_streaming=on_streaming,
-                                 hold=ex.held)
+            answer = await fetch(ex, req, backend, deadline)
         finally:
             if splice is not None:
                 self.scheduler.forbid_suspend(job)
