@@ -45,7 +45,7 @@ from passerelle.errors import (
     UpstreamError,
 )
 from passerelle.observe.accesslog import AccessLog
-from passerelle.observe.metrics import Metrics, observe_many
+from passerelle.observe.metrics import Metrics
 from passerelle.observe.record import RequestRecord, State
 from passerelle.observe.tracing import RequestTracer
 from passerelle.proxy.answer import AnswerBudget, size_of
@@ -70,7 +70,7 @@ from passerelle.runtimes.catalogue import Catalogue, Route
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
-from passerelle.tenants.keys import ApiKey, KeyRing
+from passerelle.tenants.keys import ApiKey
 from passerelle.tenants.names import forwarded_user, user_tenant
 from passerelle.tenants.policy import KeyPolicy, Ticket
 from passerelle.tenants.sessions import SessionGate
@@ -101,30 +101,32 @@ def charge_as_sent(rec: RequestRecord, est_prompt: int) -> None:
 
 class Gateway:
     def __init__(self, cfg: Config, registry: Registry, metrics: Metrics, access_log: AccessLog,
-                 scheduler: Scheduler, keyring: KeyRing | None = None) -> None:
+                 scheduler: Scheduler, keys: KeyPolicy, catalogue: Catalogue, *,
+                 on_demand: Callable[[list[Backend]], None] | None = None,
+                 listeners: list[Callable[[RequestRecord], None]] | None = None,
+                 tracer: RequestTracer | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.metrics = metrics
         self.access_log = access_log
         self.scheduler = scheduler
-        self.keyring = keyring
-        self.keys = KeyPolicy(cfg, keyring)  # keys: who, which models, quotas, limits (tenants/policy.py)
+        self.keys = keys  # keys: who, which models, quotas, limits (tenants/policy.py)
+        self.catalogue = catalogue  # model names -> pools (runtimes/catalogue.py)
         self.classes = {c.name: c for c in cfg.classes}
         self.sessions = SessionGate(cfg.routing.max_session_in_flight)
         self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
         self.answers = AnswerBudget(cfg.limits.max_answer_bytes_total)  # answers assembled at once
         self._watchdog: asyncio.TimerHandle | None = None
-        self.catalogue = Catalogue((), registry)  # model names -> pools; the app sets the configured one
         self.preemption_stats = {"resumed_streams": 0, "resume_prompt_tokens_processed": 0,
                                  "resume_prompt_tokens_cached": 0}
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
-        self.on_demand: Callable[[list[Backend]], None] | None = None
+        self.on_demand = on_demand
         # Called with every finished request's record (usage store, the dashboard's window).
-        self.listeners: list[Callable[[RequestRecord], None]] = []
+        self.listeners = listeners if listeners is not None else []
         # Requests in progress: the watchdog cuts clients that stopped reading, the shutdown ends those
         # still running past its grace (server/shutdown.py).
         self.open: set[Exchange] = set()
-        self.tracer: RequestTracer | None = None  # [tracing] on (observe/tracing.py); None: no cost
+        self.tracer = tracer  # [tracing] on (observe/tracing.py); None: no cost
 
     # -- who is asking, and how urgent ---------------------------------------------------------
     def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:
@@ -426,28 +428,7 @@ class Gateway:
         if rec.trace is not None:
             rec.trace.end(rec)
             rec.trace = None
-        m = self.metrics
-        model = rec.model if self.catalogue.serves(rec.model) else "unknown"
-        m.count_request(model, rec.priority, rec.cause.value, rec.tenant)  # type: ignore[union-attr]
-        if rec.t_queued and m.enabled:
-            if m.tenant_label:
-                m.queue_wait.labels(model, rec.priority, m.tenant(rec.tenant)).observe(rec.queue_wait)
-            else:
-                m.queue_wait.labels(model, rec.priority).observe(rec.queue_wait)
-        if rec.backend:
-            ttft, itl, tpot, e2e, ptok, gtok = m.request_children(rec.backend, model, rec.priority, rec.tenant)
-            if rec.cause is Cause.OK and m.enabled:  # [metrics] enabled = false: no histograms
-                e2e.observe(rec.duration)
-                if rec.ttft is not None:
-                    ttft.observe(rec.ttft)
-                observe_many(itl, rec.gaps)  # one bucket update per bucket, not per token
-                n = rec.output_tokens
-                if rec.stream and n > 1 and rec.ttft is not None:
-                    tpot.observe((rec.t_end - rec.t_first) / (n - 1))
-            if rec.prompt_tokens:
-                ptok.inc(rec.prompt_tokens)
-            if rec.completion_tokens:
-                gtok.inc(rec.completion_tokens)
+        self.metrics.observe(rec)
         self.access_log.write(rec)
         for listener in self.listeners:
             listener(rec)
