@@ -306,11 +306,8 @@ class Gateway:
         self.retry_budget.deposit()
         deadline = Deadline(self.cfg.timeouts, rec.t_arrival)
         suspended_at = 0.0
-        while True:
-            await self._retrying(ex, api, job, route, deadline, splice, suspended_at)
-            if splice is None or not splice.suspended:
-                break
-            # Suspended: the scheduler has freed the slot and queued the job again.
+        while await self._retrying(ex, api, job, route, deadline, splice, suspended_at) and splice is not None:
+            # Cut: the scheduler has freed the slot and queued the job again, SUSPENDED.
             splice.resumed()
             rec.suspensions = splice.suspensions
             suspended_at = time.perf_counter()
@@ -327,12 +324,12 @@ class Gateway:
                 self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
 
     async def _retrying(self, ex: Exchange, api: Api, job: Job, route: Route, deadline: Deadline,
-                        splice: Splice | None, suspended_at: float) -> None:
+                        splice: Splice | None, suspended_at: float) -> bool:
         """The retry loop: queue for a replica and try it; before the client got a byte, a replica
         that could not take the request is replaced by another (within the retry budget). Each
         attempt reports its outcome to its replica's circuit breaker exactly once, a cut one as
-        neutral (it says nothing of the runtime). Returns once an attempt has ended: the answer
-        whole, or the stream cut by the scheduler (``splice.suspended``)."""
+        neutral (it says nothing of the runtime). Returns once an attempt has ended: False, the
+        answer is whole; True, the scheduler cut the stream (``splice.suspended``) to resume it later."""
         rec = ex.rec
         trace = rec.trace
         while True:
@@ -362,7 +359,7 @@ class Gateway:
             try:
                 await self._attempt(ex, api, backend, job, route, deadline, splice)
             except Exception as err:
-                if splice is None or not splice.suspended:  # (a suspended attempt was cut by the scheduler)
+                if splice is None or not splice.suspended:  # (a cut attempt may end in an error: not this one's)
                     error = err
                     if not isinstance(err, UpstreamError) or not may_retry(
                             retryable=err.retryable, started=ex.started, retries=rec.retries,
@@ -390,7 +387,7 @@ class Gateway:
                 if not suspended_at and rec.t_first > rec.t_dispatch and (rec.stream or backend.stream_always):
                     # a streamed first token: the signal a runtime's learned capacity follows
                     backend.observe_first_token(rec.t_first - rec.t_dispatch, sent_with, job.est_prompt_tokens)
-            return
+            return cut
 
     async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, route: Route, deadline: Deadline,
                        splice: Splice | None = None) -> None:
