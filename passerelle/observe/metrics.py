@@ -11,6 +11,11 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from passerelle.errors import Cause
+from passerelle.observe.record import RequestRecord
 
 # 5 ms to 60 s, denser where interactive targets sit (100 ms – 3 s).
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -48,6 +53,18 @@ def observe_many(child: Histogram, values: Sequence[float]) -> None:
             if done == len(xs):
                 break
     child._sum.inc(math.fsum(xs))
+
+
+class ReadCounter(Collector):
+    """A counter whose one count another object keeps (read at each scrape, never copied)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.read: Callable[[], int] = lambda: 0
+        registry.register(self)
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.documentation, value=self.read())]
 
 
 class Metrics:
@@ -106,10 +123,15 @@ class Metrics:
                               ["backend"], registry=r)
         self.backend_queue = Gauge("passerelle_backend_queue_depth",
                                    "Requests waiting inside the runtime itself.", ["backend"], registry=r)
+        # the scheduler's preemptor counts them (scheduling/preemption.py); read when scraped
+        self.suspensions = ReadCounter("passerelle_suspensions", "Streams suspended for a better class.", r)
         self._children: dict[tuple[str, ...], RequestChildren] = {}
         # Which tenants get a label of their own (the app answers: those of the API keys); every
         # other one, e.g. a client's `user` field without keys, is counted as "other".
         self.is_known_tenant: Callable[[str], bool] = lambda name: False
+        # Which model names get a label of their own (the catalogue's); any other a client sent
+        # is counted as "unknown".
+        self.is_known_model: Callable[[str], bool] = lambda name: False
 
     KNOWN = frozenset({"anonymous"})  # a request with neither key nor `user`
 
@@ -127,6 +149,33 @@ class Metrics:
                         self.prompt_tokens.labels(*key), self.generation_tokens.labels(*key))
             self._children[key] = children
         return children
+
+    def observe(self, rec: RequestRecord) -> None:
+        """Count one finished request: its cause, its queue wait, its latencies (unless
+        ``enabled`` is off) and its tokens."""
+        model = rec.model if self.is_known_model(rec.model) else "unknown"
+        assert rec.cause is not None
+        self.count_request(model, rec.priority, rec.cause.value, rec.tenant)
+        if rec.t_queued and self.enabled:
+            if self.tenant_label:
+                self.queue_wait.labels(model, rec.priority, self.tenant(rec.tenant)).observe(rec.queue_wait)
+            else:
+                self.queue_wait.labels(model, rec.priority).observe(rec.queue_wait)
+        if not rec.backend:
+            return
+        ttft, itl, tpot, e2e, ptok, gtok = self.request_children(rec.backend, model, rec.priority, rec.tenant)
+        if rec.cause is Cause.OK and self.enabled:  # [metrics] enabled = false: no histograms
+            e2e.observe(rec.duration)
+            if rec.ttft is not None:
+                ttft.observe(rec.ttft)
+            observe_many(itl, rec.gaps)  # one bucket update per bucket, not per token
+            n = rec.output_tokens
+            if rec.stream and n > 1 and rec.ttft is not None:
+                tpot.observe((rec.t_end - rec.t_first) / (n - 1))
+        if rec.prompt_tokens:
+            ptok.inc(rec.prompt_tokens)
+        if rec.completion_tokens:
+            gtok.inc(rec.completion_tokens)
 
     def count_request(self, model: str, priority: str, cause: str, tenant: str) -> None:
         if self.tenant_label:

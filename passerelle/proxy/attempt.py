@@ -14,8 +14,8 @@ Every attempt's end is one :class:`Outcome` for the replica's circuit breaker (`
 
 Example::
 
-    answer = await fetch(ex, api, backend, body, b"application/json", deadline, cfg, collect=False,
-                         strip_usage=True)
+    req = upstream_request(api, route, backend, ...)   # upstream_request.py: the body as sent
+    answer = await fetch(ex, req, backend, deadline)
     if answer is not None:          # (None: streamed to the client already)
         raw, content_type = answer
 """
@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-from passerelle.config import Config
 from passerelle.errors import UpstreamError, UpstreamStatus, UpstreamTooLarge
 from passerelle.proxy import grammars
 from passerelle.proxy.answer import Hold, Piece
@@ -37,15 +35,11 @@ from passerelle.proxy.assemble import ChatAssembler
 from passerelle.proxy.assemble_events import EventsAssembler
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Send
-from passerelle.proxy.protocols import Api
 from passerelle.proxy.relay import SSEScanner, StreamRelay, finish_upstream, read_body, read_error
-from passerelle.proxy.resume import Splice
+from passerelle.proxy.upstream_request import UpstreamRequest
 from passerelle.runtimes.breaker import Outcome
 from passerelle.runtimes.kinds import Backend
 from passerelle.upstream.client import Response
-
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
 
 
 class _Collector:
@@ -90,36 +84,33 @@ def outcome_of(err: BaseException | None) -> Outcome:
     return Outcome.FAILURE
 
 
-async def fetch(ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: bytes, deadline: Deadline, cfg: Config,
-                *, collect: bool, strip_usage: bool, splice: Splice | None = None, dialect: str = "",
-                on_streaming: Callable[[], None] | None = None,
-                hold: Hold | None = None) -> tuple[bytes | list[Piece], bytes] | None:
-    """Send the request and take the runtime's answer within the attempt's one timer (the
-    response head, then the stream it moves): a stream is relayed to the client (None); a
-    non-streamed answer is returned whole, with its content type, for the caller to send (an
-    answer assembled from a stream as pieces, answer.py; what it holds counted in ``hold``).
+async def fetch(ex: Exchange, req: UpstreamRequest, backend: Backend,
+                deadline: Deadline) -> tuple[bytes | list[Piece], bytes] | None:
+    """Send ``req`` and take the runtime's answer within the attempt's one timer (the response
+    head, then the stream it moves): a stream is relayed to the client (None); a non-streamed
+    answer is returned whole, with its content type, for the caller to send (an answer assembled
+    from a stream as pieces, answer.py; what it holds counted in ``ex.held``).
 
-    With a ``splice`` (a preemptible stream, resume.py) the events pass through it, the
-    scheduler may cut the attempt once ``on_streaming`` was called, and a cut attempt returns
-    None (or raises) with ``splice.suspended`` set; an assembled answer keeps its collector
-    across attempts."""
-    rec, limits = ex.rec, cfg.limits
-    streamed = rec.stream or collect
+    With a splice (a preemptible stream, resume.py) the events pass through it, the scheduler
+    may cut the attempt once ``req.on_streaming`` was called, and a cut attempt returns None (or
+    raises) with ``splice.suspended`` set; an assembled answer keeps its collector across attempts."""
+    rec, limits, api, splice = ex.rec, req.limits, req.api, req.splice
+    streamed = req.streamed
     deadline.start_attempt()
     head_at = deadline.head_at(streamed=streamed)
     resp: Response | None = None
     relay: StreamRelay | None = None
     sink: _Collector | None = None
-    if collect:
+    if req.collect:
         builder = ChatAssembler(api.name) if api.grammar == "chat" else EventsAssembler(api.grammar)
         sink = splice.collector if splice is not None and splice.collector is not None else \
-            _Collector(limits.max_answer_bytes, builder, hold)
+            _Collector(limits.max_answer_bytes, builder, ex.held)
         if splice is not None:
             splice.collector = sink
     finishing = False  # the answer is whole; only what follows [DONE] is being read
     try:
         async with asyncio.timeout_at(head_at) as budget:
-            resp = await backend.post(api.upstream, body, request_id=rec.id, content_type=ctype,
+            resp = await backend.post(api.upstream, req.body, request_id=rec.id, content_type=req.content_type,
                                       traceparent=rec.trace.traceparent if rec.trace is not None else b"")
             check_head(resp, backend, streamed=streamed, json=not api.form)
             if resp.status != 200:
@@ -140,21 +131,15 @@ async def fetch(ex: Exchange, api: Api, backend: Backend, body: bytes, ctype: by
                 return raw, resp.header(b"content-type") or b"application/json"
             send: Send = sink if sink is not None else ex.send
             if splice is not None:
-                send = splice.watch(resp, send, dialect, streaming=on_streaming)
-            if sink is not None:
-                relay = StreamRelay(rec, send, cfg.timeouts, strip_usage=False,
-                                    grammar=grammars.make(api.grammar), max_event=limits.max_event_bytes)
-                await relay.run(resp, deadline, budget)
-                if splice is not None and splice.suspended:
-                    return None
-            else:
-                relay = StreamRelay(rec, send, cfg.timeouts, strip_usage=strip_usage,
-                                    before_first=None if ex.started else lambda: ex.start(200, SSE_HEADERS),
-                                    on_done=ex.mark_finishing, grammar=grammars.make(api.grammar),
-                                    max_event=limits.max_event_bytes)
-                await relay.run(resp, deadline, budget)
-                if splice is not None and splice.suspended:
-                    return None
+                send = splice.watch(resp, send, req.dialect, streaming=req.on_streaming)
+            # to an assembler, or to the client (whose response head goes out with the first bytes)
+            relay = StreamRelay(rec, send, req.timeouts, strip_usage=req.strip_usage,
+                                client=ex if sink is None else None, grammar=grammars.make(api.grammar),
+                                max_event=limits.max_event_bytes)
+            await relay.run(resp, deadline, budget)
+            if splice is not None and splice.suspended:
+                return None
+            if sink is None:
                 ex.mark_finishing()
                 with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
                     await ex.send_body(b"", more=False)

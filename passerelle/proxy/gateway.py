@@ -32,9 +32,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
-from passerelle.config import ClassConfig, Config
+from passerelle.config import Config
 from passerelle.errors import (
     Cause,
     ClientDisconnect,
@@ -44,10 +43,9 @@ from passerelle.errors import (
     InvalidRequest,
     QueueTimeout,
     UpstreamError,
-    encode_request,
 )
 from passerelle.observe.accesslog import AccessLog
-from passerelle.observe.metrics import Metrics, observe_many
+from passerelle.observe.metrics import Metrics
 from passerelle.observe.record import RequestRecord, State
 from passerelle.observe.tracing import RequestTracer
 from passerelle.proxy.answer import AnswerBudget, size_of
@@ -62,16 +60,17 @@ from passerelle.proxy.intake import (
     read_request_body,
     session_hash,
     session_of,
-    with_usage_requested,
 )
-from passerelle.proxy.protocols import Api, Parsed, api_for, replace_form_field
+from passerelle.proxy.protocols import Api, Parsed, api_for
 from passerelle.proxy.resume import Splice, suspendable
 from passerelle.proxy.retry import RetryBudget, may_retry
-from passerelle.runtimes.catalogue import Catalogue
+from passerelle.proxy.upstream_request import upstream_request
+from passerelle.runtimes.breaker import Outcome
+from passerelle.runtimes.catalogue import Catalogue, Route
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
-from passerelle.tenants.keys import ApiKey, KeyRing
+from passerelle.tenants.keys import ApiKey
 from passerelle.tenants.names import forwarded_user, user_tenant
 from passerelle.tenants.policy import KeyPolicy, Ticket
 from passerelle.tenants.sessions import SessionGate
@@ -102,30 +101,32 @@ def charge_as_sent(rec: RequestRecord, est_prompt: int) -> None:
 
 class Gateway:
     def __init__(self, cfg: Config, registry: Registry, metrics: Metrics, access_log: AccessLog,
-                 scheduler: Scheduler, keyring: KeyRing | None = None) -> None:
+                 scheduler: Scheduler, keys: KeyPolicy, catalogue: Catalogue, *,
+                 on_demand: Callable[[list[Backend]], None] | None = None,
+                 listeners: list[Callable[[RequestRecord], None]] | None = None,
+                 tracer: RequestTracer | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.metrics = metrics
         self.access_log = access_log
         self.scheduler = scheduler
-        self.keyring = keyring
-        self.keys = KeyPolicy(cfg, keyring)  # keys: who, which models, quotas, limits (tenants/policy.py)
+        self.keys = keys  # keys: who, which models, quotas, limits (tenants/policy.py)
+        self.catalogue = catalogue  # model names -> pools (runtimes/catalogue.py)
         self.classes = {c.name: c for c in cfg.classes}
         self.sessions = SessionGate(cfg.routing.max_session_in_flight)
         self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
         self.answers = AnswerBudget(cfg.limits.max_answer_bytes_total)  # answers assembled at once
         self._watchdog: asyncio.TimerHandle | None = None
-        self.catalogue = Catalogue((), registry)  # model names -> pools; the app sets the configured one
-        self.preemption_stats = {"suspensions": 0, "resumed_streams": 0, "resume_prompt_tokens_processed": 0,
+        self.preemption_stats = {"resumed_streams": 0, "resume_prompt_tokens_processed": 0,
                                  "resume_prompt_tokens_cached": 0}
         # Called with a pool none of whose replicas is up: starts an on-demand runtime.
-        self.on_demand: Callable[[list[Backend]], None] | None = None
+        self.on_demand = on_demand
         # Called with every finished request's record (usage store, the dashboard's window).
-        self.listeners: list[Callable[[RequestRecord], None]] = []
+        self.listeners = listeners if listeners is not None else []
         # Requests in progress: the watchdog cuts clients that stopped reading, the shutdown ends those
         # still running past its grace (server/shutdown.py).
         self.open: set[Exchange] = set()
-        self.tracer: RequestTracer | None = None  # [tracing] on (observe/tracing.py); None: no cost
+        self.tracer = tracer  # [tracing] on (observe/tracing.py); None: no cost
 
     # -- who is asking, and how urgent ---------------------------------------------------------
     def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:
@@ -193,11 +194,8 @@ class Gateway:
                 rec.model = model = route.name
                 pool = route.pool
                 check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
-                if req.data is None:  # a form (an upload): its model field alone is rewritten, the file untouched
-                    if route.served != req.model:
-                        body = replace_form_field(body, header(scope, b"content-type"), "model", route.served)
-                else:
-                    req.data, body = route.data, route.body
+                if req.data is not None:  # (a form's model field is rewritten per attempt: upstream_request.py)
+                    req.data = route.data
                     if route.rewritten and req.data is not None:
                         capped = next((req.data[f] for f in api.budget if isinstance(req.data.get(f), int)), None)
                         if isinstance(capped, int) and capped >= 0:
@@ -221,7 +219,7 @@ class Gateway:
                 splice = (Splice(req.data, endpoint) if cls.preemptible and self.scheduler.preemption is not None
                           and req.data is not None and any(b.continuation for b in pool)
                           and suspendable(req.data, endpoint) else None)
-                await self._dispatch(ex, api, job, req.data, body, cls, splice)
+                await self._dispatch(ex, api, job, route, splice)
                 rec.finish(Cause.OK, 200)
             except asyncio.CancelledError:
                 if not ex.take_cancel():
@@ -297,18 +295,42 @@ class Gateway:
         usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
         return min(usable, key=lambda b: b.in_flight / b.capacity) if usable else None
 
-    async def _dispatch(self, ex: Exchange, api: Api, job: Job, data: dict[str, Any] | None, body: bytes,
-                        cls: ClassConfig, splice: Splice | None = None) -> None:
-        """Queue for a replica and try it; before the client got a byte, a replica that could not
-        take the request is replaced by another (within the retry budget). Each attempt reports
-        its outcome to its replica's circuit breaker exactly once. A stream suspended for a better
-        class queues again and continues where it was cut."""
+    async def _dispatch(self, ex: Exchange, api: Api, job: Job, route: Route, splice: Splice | None = None) -> None:
+        """Run the request on a replica until its answer is whole. The resume loop: a stream
+        suspended for a better class (the scheduler cut it, freed its slot and queued the job
+        again, scheduling/preemption.py) waits here to resume, and its next attempt continues it
+        where it was cut (resume.py), as often as it is suspended."""
         rec = ex.rec
         rec.t_queued = rec.t_queued or time.perf_counter()  # set already if it waited in its key's queue
         rec.to(State.QUEUED)
         self.retry_budget.deposit()
         deadline = Deadline(self.cfg.timeouts, rec.t_arrival)
         suspended_at = 0.0
+        while await self._retrying(ex, api, job, route, deadline, splice, suspended_at) and splice is not None:
+            # Cut: the scheduler has freed the slot and queued the job again, SUSPENDED.
+            splice.resumed()
+            rec.suspensions = splice.suspensions
+            suspended_at = time.perf_counter()
+            ex.finishing = False  # (the cut attempt may have seen its end, the client did not)
+            rec.to(State.SUSPENDED)
+            if rec.trace is not None:
+                rec.trace.suspended()
+        if splice is not None:
+            rec.prompt_tokens, rec.completion_tokens = splice.totals(rec.prompt_tokens, rec.completion_tokens)
+            rec.resume_prompt_tokens = splice.resume_prompt_processed
+            if splice.suspensions:
+                self.preemption_stats["resumed_streams"] += 1
+                self.preemption_stats["resume_prompt_tokens_processed"] += splice.resume_prompt_processed
+                self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
+
+    async def _retrying(self, ex: Exchange, api: Api, job: Job, route: Route, deadline: Deadline,
+                        splice: Splice | None, suspended_at: float) -> bool:
+        """The retry loop: queue for a replica and try it; before the client got a byte, a replica
+        that could not take the request is replaced by another (within the retry budget). Each
+        attempt reports its outcome to its replica's circuit breaker exactly once, a cut one as
+        neutral (it says nothing of the runtime). Returns once an attempt has ended: False, the
+        answer is whole; True, the scheduler cut the stream (``splice.suspended``) to resume it later."""
+        rec = ex.rec
         trace = rec.trace
         while True:
             job.max_wait_s = deadline.left_s  # the queue wait is within the total time too
@@ -335,11 +357,9 @@ class Gateway:
             sent_with = backend.in_flight
             error: BaseException | None = None
             try:
-                await self._attempt(ex, api, backend, job, data, body, cls, deadline, splice)
-                if splice is None or not splice.suspended:
-                    break
+                await self._attempt(ex, api, backend, job, route, deadline, splice)
             except Exception as err:
-                if splice is None or not splice.suspended:  # (a suspended attempt was cut by the scheduler)
+                if splice is None or not splice.suspended:  # (a cut attempt may end in an error: not this one's)
                     error = err
                     if not isinstance(err, UpstreamError) or not may_retry(
                             retryable=err.retryable, started=ex.started, retries=rec.retries,
@@ -357,71 +377,38 @@ class Gateway:
                 raise
             finally:
                 running.dec()
+                cut = splice is not None and splice.suspended
                 if trace is not None:
-                    trace.attempt_ended(error, suspended=splice is not None and splice.suspended)
-                backend.breaker.record(outcome_of(error), probe=job.probe, now=self.scheduler.clock())
+                    trace.attempt_ended(error, suspended=cut)
+                backend.breaker.record(Outcome.NEUTRAL if cut else outcome_of(error), probe=job.probe,
+                                       now=self.scheduler.clock())
                 job.probe = False
                 error = None  # (no reference cycle through the exception's traceback: see handle)
                 if not suspended_at and rec.t_first > rec.t_dispatch and (rec.stream or backend.stream_always):
                     # a streamed first token: the signal a runtime's learned capacity follows
                     backend.observe_first_token(rec.t_first - rec.t_dispatch, sent_with, job.est_prompt_tokens)
-            # Suspended: the scheduler has freed the slot and queued the job again.
-            assert splice is not None
-            splice.resumed()
-            rec.suspensions = splice.suspensions
-            suspended_at = time.perf_counter()
-            ex.finishing = False  # (the cut attempt may have seen its end, the client did not)
-            rec.to(State.SUSPENDED)
-            if trace is not None:
-                trace.suspended()
-            self.preemption_stats["suspensions"] += 1
-        if splice is not None:
-            rec.prompt_tokens, rec.completion_tokens = splice.totals(rec.prompt_tokens, rec.completion_tokens)
-            rec.resume_prompt_tokens = splice.resume_prompt_processed
-            if splice.suspensions:
-                self.preemption_stats["resumed_streams"] += 1
-                self.preemption_stats["resume_prompt_tokens_processed"] += splice.resume_prompt_processed
-                self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
+            return cut
 
-    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, data: dict[str, Any] | None,
-                       body: bytes, cls: ClassConfig, deadline: Deadline, splice: Splice | None = None) -> None:
+    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, route: Route, deadline: Deadline,
+                       splice: Splice | None = None) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing. With a
         ``splice`` the stream may be cut by the scheduler (then this returns or raises with
         ``splice.suspended`` set), and a later try continues it."""
-        rec = ex.rec
-        strip_usage = False
-        chat_like = api.grammar == "chat"
-        collect = not rec.stream and backend.stream_always and api.collect and data is not None
-        dialect = backend.continuation if splice is not None else ""
-        if dialect and splice is not None:
-            data = splice.request_data(dialect)
-            body = encode_request(data)
-        if collect:
-            assert data is not None
-            extra = {"stream_options": {"include_usage": True}} if chat_like else {}
-            body = encode_request({**data, "stream": True, **extra})
-        elif rec.stream and chat_like and data is not None and not (data.get("stream_options") or {}).get(
-                "include_usage"):
-            body, strip_usage = with_usage_requested(body, data), True
-        ctype = b"application/json"
-        if api.form:
-            ctype = (header(ex.scope, b"content-type") or "").encode("latin-1")
-        elif api.scheduled:  # (vLLM's priority, llama-server's slot: for requests that take one)
-            body = backend.prepare(body, cls.rank, job.slot)
         on_streaming: Callable[[], None] | None = None
         if splice is not None:
             sp = splice
 
             def on_streaming() -> None:  # its first token went out: from now on it may be cut
-                self.scheduler.allow_suspend(job, sp.suspend, lambda: sp.tokens)
-        if collect and ex.held is None:  # (the answers assembled at once share a budget: answer.py)
+                self.scheduler.allow_suspend(job, sp)
+        req = upstream_request(api, route, backend, stream=ex.rec.stream, rank=job.cls.rank, slot=job.slot,
+                               splice=splice, content_type=(header(ex.scope, b"content-type") or "").encode("latin-1"),
+                               cfg=self.cfg, on_streaming=on_streaming)
+        if req.collect and ex.held is None:  # (the answers assembled at once share a budget: answer.py)
             ex.held = self.answers.hold()
             ex.held.check()
         try:
-            answer = await fetch(ex, api, backend, body, ctype, deadline, self.cfg, collect=collect,
-                                 strip_usage=strip_usage, splice=splice, dialect=dialect, on_streaming=on_streaming,
-                                 hold=ex.held)
+            answer = await fetch(ex, req, backend, deadline)
         finally:
             if splice is not None:
                 self.scheduler.forbid_suspend(job)
@@ -438,28 +425,7 @@ class Gateway:
         if rec.trace is not None:
             rec.trace.end(rec)
             rec.trace = None
-        m = self.metrics
-        model = rec.model if self.catalogue.serves(rec.model) else "unknown"
-        m.count_request(model, rec.priority, rec.cause.value, rec.tenant)  # type: ignore[union-attr]
-        if rec.t_queued and m.enabled:
-            if m.tenant_label:
-                m.queue_wait.labels(model, rec.priority, m.tenant(rec.tenant)).observe(rec.queue_wait)
-            else:
-                m.queue_wait.labels(model, rec.priority).observe(rec.queue_wait)
-        if rec.backend:
-            ttft, itl, tpot, e2e, ptok, gtok = m.request_children(rec.backend, model, rec.priority, rec.tenant)
-            if rec.cause is Cause.OK and m.enabled:  # [metrics] enabled = false: no histograms
-                e2e.observe(rec.duration)
-                if rec.ttft is not None:
-                    ttft.observe(rec.ttft)
-                observe_many(itl, rec.gaps)  # one bucket update per bucket, not per token
-                n = rec.output_tokens
-                if rec.stream and n > 1 and rec.ttft is not None:
-                    tpot.observe((rec.t_end - rec.t_first) / (n - 1))
-            if rec.prompt_tokens:
-                ptok.inc(rec.prompt_tokens)
-            if rec.completion_tokens:
-                gtok.inc(rec.completion_tokens)
+        self.metrics.observe(rec)
         self.access_log.write(rec)
         for listener in self.listeners:
             listener(rec)

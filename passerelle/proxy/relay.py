@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -127,20 +128,39 @@ def parse_usage(obj: Any) -> tuple[int | None, int | None]:
     return token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
 
 
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+class Client(Protocol):
+    """The client's response, as the relay sees it (``Exchange``)."""
+
+    started: bool
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    def mark_finishing(self) -> None: ...
+
+
 class StreamRelay:
-    """Relay one upstream SSE response to an ASGI client, timing it into ``rec``."""
+    """Relay one upstream SSE response to an ASGI client, timing it into ``rec``.
+
+    ``client``: the response whose head goes out with the first bytes (unless it went already),
+    and that is marked finishing once ``[DONE]`` is about to go out; None when ``send`` is not a
+    client's (an answer assembled from a stream)."""
 
     def __init__(self, rec: RequestRecord, send: Send, timeouts: TimeoutConfig, *, strip_usage: bool,
-                 before_first: Callable[[], Awaitable[None]] | None = None,
-                 on_done: Callable[[], None] | None = None, grammar: Grammar | None = None,
-                 max_event: int = 1 << 20) -> None:
+                 client: Client | None = None, grammar: Grammar | None = None, max_event: int = 1 << 20) -> None:
         self.rec = rec
         self.grammar = grammar  # None: OpenAI chat/completions chunks, scanned here
         # Called once [DONE] is about to go out: a client that hangs up right after reading it
         # (the openai SDK does) has its answer, and must not count as a disconnect.
-        self.on_done = on_done
+        self.on_done: Callable[[], None] | None = client.mark_finishing if client is not None else None
         self.send = send
-        self.before_first = before_first  # e.g. send the response headers with the first bytes
+        # sends the response head with the first bytes
+        self.before_first: Callable[[], Awaitable[None]] | None = None
+        if client is not None and not client.started:
+            self.before_first = functools.partial(client.start, 200, SSE_HEADERS)
         self.timeouts = timeouts
         self.strip_usage = strip_usage
         self.max_event = max_event

@@ -74,10 +74,14 @@ class Catalogue:
     def __init__(self, models: tuple[ModelConfig, ...], registry: Registry, *,
                  supervisor: Supervisor | None = None,
                  eta: Callable[[list[Backend]], float | None] | None = None) -> None:
-        self.models = models
         self.registry = registry
         self.supervisor = supervisor
         self.eta = eta
+        self.configure(models)
+
+    def configure(self, models: tuple[ModelConfig, ...]) -> None:
+        """Serve ``models`` from now on (a reload): every holder of the catalogue sees them."""
+        self.models = models
         self._by_name = {m.name: m for m in models}
         self._exact = {a: m for m in models for a in m.aliases if not _is_glob(a)}
         self._globs = [(a, m) for m in models for a in m.aliases if _is_glob(a)]

@@ -11,7 +11,7 @@ from passerelle.runtimes.prom import parse_samples
 
 # (endpoint, path, a body refused before any work): llama-server checks that it can serve the
 # route before it reads the body (tools/server/server-context.cpp)
-_PROBES = (("embeddings", "/v1/embeddings", b"{}"), ("rerank", "/v1/rerank", b"{}"),
+PROBES = (("embeddings", "/v1/embeddings", b"{}"), ("rerank", "/v1/rerank", b"{}"),
            ("infill", "/infill", b'{"input_extra": 0}'))
 
 
@@ -54,7 +54,7 @@ class LlamaServerBackend(Backend):
             modalities = props.get("modalities") if isinstance(props, dict) else None
             if isinstance(modalities, dict) and modalities.get("audio") is False:
                 gone.add("transcriptions")
-        for endpoint, path, probe in _PROBES:
+        for endpoint, path, probe in PROBES:
             if endpoint in declared and await self._probe(path, probe) == 501:
                 gone.add(endpoint)
         return gone

@@ -22,28 +22,34 @@ The rules, applied by the scheduler with its own clock:
 A suspended stream queues again with its place in its tenant's order and the time it already
 waited, so it ages like any queued request and cannot starve.
 
-The rules are the functions below; :class:`Preempting` applies them with the scheduler's books
-(the scheduler is one): which streams may be suspended now, a timer for the next due request, the
-suspension itself. The gateway marks a stream suspendable while its relay runs
-(``allow_suspend(job, splice.suspend)``), and ``splice.suspend`` cuts it upstream.
+The rules are the functions below; :class:`Preemptor` applies them beside the scheduler, which it
+sees through the narrow :class:`Books` protocol (the queue, a request's rank, whether a backend is
+full, and ``suspend``). The gateway hands it each stream that may be cut now, a
+:class:`~passerelle.scheduling.job.Suspendable` (``scheduler.allow_suspend(job, splice)``), and
+takes it back when the stream ends. A suspension, top to bottom:
+
+    Preemptor.check()                   a due waiting request, a full backend, a victim (pick_victim)
+      └► stream.suspend()               the gateway's splice cuts the upstream stream (resume.py)
+      └► Books.suspend(job)             the scheduler frees the slot, queues the job SUSPENDED, dispatches
+    Gateway._dispatch                   the cut attempt ends; the job waits to resume; the next attempt
+                                        continues the stream (proxy/gateway.py)
 
 Example::
 
     policy = PreemptionPolicy(after_s=0.05, min_run_s=2.0)
-    victim = pick_victim(running_on_backend, rank=0, now=clock(), policy=policy)
+    victim = pick_victim({job: stream}, rank=0, now=clock(), policy=policy)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from passerelle.config import ClassConfig
 from passerelle.runtimes.kinds import Backend
-from passerelle.scheduling.job import Job
+from passerelle.scheduling.job import Job, JobState, Suspendable
 
 
 @dataclass(frozen=True)
@@ -58,107 +64,88 @@ def is_due(job: Job, now: float, policy: PreemptionPolicy) -> bool:
 
 
 def may_suspend(victim: Job, rank: float, now: float, policy: PreemptionPolicy) -> bool:
-    """May ``victim`` be suspended now for a request of effective rank ``rank``?"""
-    return (victim.cls.preemptible and victim.cls.rank > rank and victim.suspend is not None
+    """May ``victim`` (a stream that may be cut) be suspended now for a request of effective rank ``rank``?"""
+    return (victim.cls.preemptible and victim.cls.rank > rank
             and now - victim.suspended_at >= policy.min_run_s)
 
 
-def pick_victim(running: Iterable[Job], rank: float, now: float, policy: PreemptionPolicy) -> Job | None:
-    """The stream to suspend among ``running`` (one backend's), or None."""
+def pick_victim(streams: Mapping[Job, Suspendable], rank: float, now: float,
+                policy: PreemptionPolicy) -> Job | None:
+    """The stream to suspend among ``streams`` (one backend's, that may be cut), or None."""
     def order(v: Job) -> tuple[int, int, float]:
-        return (v.cls.rank, -(v.progress() if v.progress is not None else 0), v.started_at)
+        return (v.cls.rank, -streams[v].tokens, v.started_at)
 
-    eligible = [v for v in running if may_suspend(v, rank, now, policy)]
+    eligible = [v for v in streams if may_suspend(v, rank, now, policy)]
     return max(eligible, key=order) if eligible else None
 
 
-def next_eligible(running: Iterable[Job], policy: PreemptionPolicy) -> float:
-    """The earliest time one of ``running`` that was suspended recently may be suspended again."""
-    return min((v.suspended_at + policy.min_run_s for v in running if v.suspend is not None
-                and v.suspended_at > -math.inf), default=math.inf)
+def next_eligible(streams: Mapping[Job, Suspendable], policy: PreemptionPolicy) -> float:
+    """The earliest time one of ``streams`` that was suspended recently may be suspended again."""
+    return min((v.suspended_at + policy.min_run_s for v in streams if v.suspended_at > -math.inf),
+               default=math.inf)
 
 
-class Preempting:
-    """Preemption's side of the scheduler (a base of ``Scheduler``, which provides the books)."""
+class Books(Protocol):
+    """What the preemptor reads of the scheduler, and the one thing it asks of it."""
 
     clock: Callable[[], float]
     waiting: list[Job]
-    running: dict[tuple[str, str], int]
-    on_change: Callable[[], None] | None
-    preemption: PreemptionPolicy | None
-    suspendable: set[Job]  # running jobs whose stream may be suspended now
-    preempt_counts: dict[str, int]
-    _preempt_timer: asyncio.Handle | None
-    _preempt_at: float  # when it fires, on the loop's clock (uvloop's call_at with a time already
-    # past gives a plain Handle, without when())
 
-    # -- the scheduler's ----------------------------------------------------------------------
-    def _key(self, job: Job, now: float) -> tuple[float, float, int]:
-        raise NotImplementedError
+    def place(self, job: Job, now: float) -> tuple[float, float, int]:
+        """``job``'s place in the order now: (effective rank, tenant's counter, arrival)."""
+        ...
 
-    def _limit(self, backend: Backend, cls: ClassConfig) -> int:
-        raise NotImplementedError
+    def only_slots_busy(self, backend: Backend, job: Job, now: float) -> bool:
+        """Could ``job`` start on ``backend`` but for every slot being busy (not its class's share)?"""
+        ...
 
-    def _free(self, job: Job, b: Backend) -> None:
-        raise NotImplementedError
+    def suspend(self, job: Job) -> None:
+        """Free ``job``'s slot now and queue it again, suspended (its stream is being cut)."""
+        ...
 
-    def _requeue(self, job: Job, now: float) -> None:
-        raise NotImplementedError
 
-    def dispatch(self) -> None:
-        raise NotImplementedError
+class Preemptor:
+    """Suspends a stream for every due waiting request that can only start that way."""
 
-    # -- preemption ---------------------------------------------------------------------------
-    def allow_suspend(self, job: Job, suspend: Callable[[], bool],
-                      progress: Callable[[], int] | None = None) -> None:
-        """From now on ``job``'s stream may be suspended by calling ``suspend`` (which says
-        False when it cannot be after all): its relay runs and its request can be continued.
-        ``progress``: the tokens it has sent, what resuming it costs."""
-        if self.preemption is None or job.backend is None or not job.cls.preemptible:
+    def __init__(self, books: Books, policy: PreemptionPolicy) -> None:
+        self.books = books
+        self.policy = policy
+        self.suspendable: dict[Job, Suspendable] = {}  # running jobs whose stream may be cut now
+        self.suspensions = 0  # streams suspended, since start (/metrics, /admin/stats)
+        self.resumes = 0  # suspended jobs started again
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0  # when it fires, on the loop's clock (uvloop's call_at with a time already
+        # past gives a plain Handle, without when())
+
+    def allow(self, job: Job, stream: Suspendable) -> None:
+        """From now on ``job``'s stream may be cut: its relay runs and its request can be continued."""
+        if job.state is not JobState.RUNNING or not job.cls.preemptible:
             return
-        job.suspend, job.progress = suspend, progress
-        self.suspendable.add(job)
-        self._arm_preemption()
+        self.suspendable[job] = stream
+        self.arm()
 
-    def forbid_suspend(self, job: Job) -> None:
-        job.suspend = None
-        self.suspendable.discard(job)
+    def forbid(self, job: Job) -> None:
+        self.suspendable.pop(job, None)
 
-    def _arm_preemption(self) -> None:
+    def arm(self) -> None:
         """Check again when the earliest waiting request that could preempt becomes due."""
-        policy = self.preemption
-        if policy is None or not self.suspendable:
+        if not self.suspendable:
             return
         worst = max(v.cls.rank for v in self.suspendable)
-        due = min((j.queued_at + policy.after_s for j in self.waiting if j.cls.rank < worst), default=math.inf)
-        if due == math.inf:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a synchronous caller): preempt_due() does it
-            return
-        when = loop.time() + max(0.0, due - self.clock())
-        if self._preempt_timer is not None:
-            if self._preempt_at <= when + 1e-4:
-                return
-            self._preempt_timer.cancel()
-        self._preempt_timer, self._preempt_at = loop.call_at(when, self._preempt_fired), when
+        due = min((j.queued_at + self.policy.after_s for j in self.books.waiting if j.cls.rank < worst),
+                  default=math.inf)
+        if due < math.inf:
+            self._call_at(due, replace=True)
 
-    def _preempt_fired(self) -> None:
-        self._preempt_timer = None
-        self.preempt_due()
-
-    def preempt_due(self) -> None:
+    def check(self) -> None:
         """Suspend a stream for every due waiting request that can only start that way."""
-        policy = self.preemption
-        if policy is None:
-            return
-        now = self.clock()
+        books, policy = self.books, self.policy
+        now = books.clock()
         retry = math.inf
-        for job in sorted(self.waiting, key=lambda j: self._key(j, now)):
+        for job in sorted(books.waiting, key=lambda j: books.place(j, now)):
             if not self.suspendable:
                 break
-            rank = self._key(job, now)[0]
+            rank = books.place(job, now)[0]
             if ((job.future is not None and job.future.done()) or job.backend is not None
                     or rank >= max(v.cls.rank for v in self.suspendable)):
                 continue  # (no stream it could preempt)
@@ -167,35 +154,39 @@ class Preempting:
                 retry = min(retry, job.queued_at + policy.after_s)
                 continue
             for b in job.pool:
-                if (b.name in job.exclude or not b.routable(now) or b.in_flight < b.capacity
-                        or self.running.get((b.name, job.cls.name), 0) >= self._limit(b, job.cls)):
+                if not books.only_slots_busy(b, job, now):
                     continue  # a slot is free, or its own class's share is what stops it
-                on_b = [v for v in self.suspendable if v.backend is b]
-                victim = pick_victim(on_b, rank, now, policy)
-                while victim is not None and not (victim.suspend is not None and victim.suspend()):
-                    self.forbid_suspend(victim)  # it cannot after all (finishing, unsafe output)
-                    on_b.remove(victim)
-                    victim = pick_victim(on_b, rank, now, policy)
+                on_b = {v: s for v, s in self.suspendable.items() if v.backend is b}
+                victim = self._cut(on_b, rank, now)
                 if victim is not None:
-                    self._suspend(victim, b, now)
+                    self.suspensions += 1
+                    books.suspend(victim)
                     break
                 retry = min(retry, next_eligible(on_b, policy))
         if retry < math.inf:
-            with contextlib.suppress(RuntimeError):
-                loop = asyncio.get_running_loop()
-                if self._preempt_timer is None:
-                    when = loop.time() + max(0.001, retry - now)
-                    self._preempt_timer, self._preempt_at = loop.call_at(when, self._preempt_fired), when
+            self._call_at(max(retry, now + 0.001), replace=False)
 
-    def _suspend(self, job: Job, b: Backend, now: float) -> None:
-        """Free ``job``'s slot now and queue it again (its stream is being cut upstream)."""
-        job.resume_slot = job.slot
-        job.resuming = True
-        self._free(job, b)
-        job.suspensions += 1
-        job.suspended_at = now
-        self._requeue(job, now)
-        self.preempt_counts["suspended"] += 1
-        self.dispatch()
-        if self.on_change:
-            self.on_change()
+    def _cut(self, on_b: dict[Job, Suspendable], rank: float, now: float) -> Job | None:
+        """Cut the best victim's stream among ``on_b``; the job whose stream was cut, or None."""
+        while (victim := pick_victim(on_b, rank, now, self.policy)) is not None:
+            if on_b.pop(victim).suspend():
+                return victim
+            self.forbid(victim)  # it cannot after all (finishing, unsafe output)
+        return None
+
+    def _call_at(self, due: float, *, replace: bool) -> None:
+        """Run :meth:`check` at ``due`` (the scheduler's clock); an earlier pending check stays."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): it calls check() itself
+            return
+        when = loop.time() + max(0.0, due - self.books.clock())
+        if self._timer is not None:
+            if not replace or self._timer_at <= when + 1e-4:
+                return
+            self._timer.cancel()
+        self._timer, self._timer_at = loop.call_at(when, self._fired), when
+
+    def _fired(self) -> None:
+        self._timer = None
+        self.check()

@@ -54,11 +54,11 @@ from dataclasses import dataclass, field
 from passerelle.config import DEFAULT_CLASSES, ClassConfig
 from passerelle.errors import NoBackend, QueueFull, QueueTimeout, TenantQueueFull
 from passerelle.runtimes.kinds import Backend
-from passerelle.scheduling.job import OUTPUT_WEIGHT, PROMPT_WEIGHT, Job
-from passerelle.scheduling.preemption import Preempting, PreemptionPolicy
+from passerelle.scheduling.job import OUTPUT_WEIGHT, PROMPT_WEIGHT, Job, JobState, Suspendable
+from passerelle.scheduling.preemption import PreemptionPolicy, Preemptor
 from passerelle.scheduling.slots import SlotMap
 
-__all__ = ["Job", "PreemptionPolicy", "Scheduler"]
+__all__ = ["Job", "JobState", "PreemptionPolicy", "Scheduler"]
 
 # Memory of one entry of the affinity map, its key a hashed 26-character string (the gateway's
 # affinity_key); measured in tests/unit/test_client_edges.py. [routing] affinity_max_bytes / this
@@ -109,7 +109,7 @@ class _DrainRate:
         return len(self.times) / span
 
 
-class Scheduler(Preempting):
+class Scheduler:
     def __init__(self, classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, aging_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
@@ -139,10 +139,8 @@ class Scheduler(Preempting):
         self.holds: list[_Hold] = []
         self.hold_counts = {"kept": 0, "lapsed": 0}  # holds used by their tenant / given up
         self.preemption = preemption
-        self.suspendable: set[Job] = set()  # running jobs whose stream may be suspended now
-        self.preempt_counts = {"suspended": 0, "resumed": 0}
-        self._preempt_timer: asyncio.Handle | None = None
-        self._preempt_at = 0.0
+        # Suspends a running stream for a better class (preemption.py); None: preemption is off.
+        self.preemptor = Preemptor(self, preemption) if preemption is not None else None
         self._slots: dict[str, SlotMap] = {}  # backend -> its named slots (runtimes with slot ids)
         self._wake_at = math.inf  # the earliest open breaker seen by the last dispatch
         self._wake_timer: asyncio.TimerHandle | None = None
@@ -172,6 +170,7 @@ class Scheduler(Preempting):
             raise NoBackend("No backend serving this model is up right now.", retry_after=self.retry_after())
         self._admit(job)
         now = self.clock()
+        job.to(JobState.WAITING)
         job.seq, job.enqueued_at, job.queued_at = next(self._seq), now, now
         t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
         self.tenants.move_to_end(job.tenant)
@@ -191,7 +190,8 @@ class Scheduler(Preempting):
         self.waiting.append(job)
         self.dispatch()
         if job.backend is None:
-            self._arm_preemption()
+            if self.preemptor is not None:
+                self.preemptor.arm()
             if self.on_change:
                 self.on_change()
             if self.on_need:
@@ -217,7 +217,7 @@ class Scheduler(Preempting):
                 for j in same:
                     counts[j.tenant] = counts.get(j.tenant, 0) + 1
                 hog = max(counts, key=counts.__getitem__)
-                victims = [j for j in same if j.tenant == hog and not j.resuming and j.starts == 0
+                victims = [j for j in same if j.tenant == hog and j.state is JobState.WAITING and j.starts == 0
                            and j.future is not None and not j.future.done()]
                 if counts[hog] > share and victims:
                     victim = max(victims, key=lambda j: j.seq)
@@ -240,7 +240,7 @@ class Scheduler(Preempting):
         loop = asyncio.get_running_loop()
         if job.backend is not None:  # suspended, and resumed before its caller came back for it
             return job.backend
-        if job.resuming and job.future is not None:
+        if job.state is JobState.SUSPENDED and job.future is not None:
             if job.future.done():
                 return job.future.result()
         else:
@@ -269,11 +269,11 @@ class Scheduler(Preempting):
             self._charge(job.tenant, (actual - job.charged) / job.weight, actual - job.charged)
             job.charged = actual
         if b is None:
-            if job.resuming:  # suspended and never resumed (the client left, the wait ran out)
-                job.resuming = False
+            if job.state is JobState.SUSPENDED:  # never resumed (the client left)
                 self._remove(job)
             return
         self._free(job, b)
+        job.to(JobState.DONE)
         t = self.tenants[job.tenant]
         t.running -= 1
         now = t.released_at = self.clock()
@@ -285,7 +285,7 @@ class Scheduler(Preempting):
 
     def key(self, job: Job) -> tuple[float, float, int]:
         """``job``'s place in the order now (smaller goes first): see the module docstring."""
-        return self._key(job, self.clock())
+        return self.place(job, self.clock())
 
     def fail_waiting(self, which: Callable[[Job], bool], error: Callable[[], Exception]) -> int:
         """End every waiting job for which ``which(job)`` is true with a new ``error()`` (e.g. the
@@ -304,10 +304,37 @@ class Scheduler(Preempting):
         b.in_flight -= 1
         b.last_used = time.monotonic()  # idle time counts from the end of the last request
         self.running[(b.name, job.cls.name)] -= 1
-        self.suspendable.discard(job)
-        job.suspend = None
+        if self.preemptor is not None:
+            self.preemptor.forbid(job)
         if job.slot is not None and b.name in self._slots:
             self._slots[b.name].give(job)
+
+    # -- preemption (preemption.py decides; these are the books it keeps) ----------------------
+    def allow_suspend(self, job: Job, stream: Suspendable) -> None:
+        """From now on ``job``'s stream may be cut for a better class (``stream.suspend()``)."""
+        if self.preemptor is not None:
+            self.preemptor.allow(job, stream)
+
+    def forbid_suspend(self, job: Job) -> None:
+        if self.preemptor is not None:
+            self.preemptor.forbid(job)
+
+    def suspend(self, job: Job) -> None:
+        """Free ``job``'s slot now and queue it again to resume (its stream is being cut upstream)."""
+        assert job.backend is not None
+        job.resume_slot, job.suspended_at = job.slot, self.clock()
+        self._free(job, job.backend)
+        job.to(JobState.SUSPENDED)
+        self._requeue(job, job.suspended_at)
+        self.dispatch()
+        if self.on_change:
+            self.on_change()
+
+    def only_slots_busy(self, b: Backend, job: Job, now: float) -> bool:
+        """Could ``job`` start on ``b`` now but for every slot of it being busy? (Not: its class
+        already holds its share, nor the replica is excluded or kept out by its breaker.)"""
+        return (b.name not in job.exclude and b.routable(now) and b.in_flight >= b.capacity
+                and self.running.get((b.name, job.cls.name), 0) < self._limit(b, job.cls))
 
     def _requeue(self, job: Job, now: float) -> None:
         """Queue a suspended job again: its place in its tenant's order (``seq``) stays, and its
@@ -331,7 +358,8 @@ class Scheduler(Preempting):
             self._expire(job)
         for hold in [h for h in self.holds if h.until <= now]:
             self._hold_expired(hold)
-        self.preempt_due()
+        if self.preemptor is not None:
+            self.preemptor.check()
 
     # -- internals -------------------------------------------------------------------------
     def _charge(self, tenant: str, virtual: float, tokens: float) -> None:
@@ -353,6 +381,7 @@ class Scheduler(Preempting):
     def _remove(self, job: Job) -> None:
         if job in self.waiting:
             self.waiting.remove(job)
+            job.to(JobState.DONE)
             self.tenants[job.tenant].waiting -= 1
             if self.on_change:
                 self.on_change()
@@ -372,7 +401,7 @@ class Scheduler(Preempting):
     # -- holds -----------------------------------------------------------------------------
     def _contested(self, b: Backend, cls: ClassConfig, t: _Tenant, now: float) -> bool:
         """Would a better-served tenant's queued request (not of a better class) take this slot?"""
-        return any(b in j.pool and self._key(j, now)[0] >= cls.rank and self.tenants[j.tenant].counter > t.counter
+        return any(b in j.pool and self.place(j, now)[0] >= cls.rank and self.tenants[j.tenant].counter > t.counter
                    for j in self.waiting)
 
     def _hold(self, hold: _Hold) -> None:
@@ -432,7 +461,7 @@ class Scheduler(Preempting):
             # replica held back, a runtime that failed is still better than a queue that waits for
             # nothing (its own error reaches the client, rather than a queue timeout).
             usable = held_back
-        rank = self._key(job, now)[0] if self.holds else 0.0
+        rank = self.place(job, now)[0] if self.holds else 0.0
         free = []
         for b in usable:
             total, same = self._held(b, job, rank) if self.holds else (0, 0)
@@ -462,7 +491,8 @@ class Scheduler(Preempting):
             return None
         return min(free, key=lambda b: b.in_flight / b.capacity)
 
-    def _key(self, job: Job, now: float) -> tuple[float, float, int]:
+    def place(self, job: Job, now: float) -> tuple[float, float, int]:
+        """``job``'s place in the order at ``now`` (smaller goes first): see the module docstring."""
         promoted = int((now - job.enqueued_at) // self.aging_s) if self.aging_s > 0 else 0
         return (job.cls.rank - promoted, self.tenants[job.tenant].counter, job.seq)
 
@@ -477,7 +507,7 @@ class Scheduler(Preempting):
             for job in self.waiting:
                 if job.future is not None and job.future.done():
                     continue
-                key = self._key(job, now)
+                key = self.place(job, now)
                 if best_key is not None and key >= best_key:
                     continue
                 backend = self._fit(job)
@@ -513,7 +543,8 @@ class Scheduler(Preempting):
         self.dispatch()
 
     def _start(self, job: Job, backend: Backend, now: float) -> None:
-        resumed, job.resuming = job.resuming, False
+        resumed = job.state is JobState.SUSPENDED
+        job.to(JobState.RUNNING)
         self.waiting.remove(job)
         t = self.tenants[job.tenant]
         t.waiting -= 1
@@ -555,8 +586,8 @@ class Scheduler(Preempting):
         if job.starts == 1:  # (a retry on another replica or a resume is not charged again)
             job.charged = job.estimate
             self._charge(job.tenant, job.estimate / job.weight, job.estimate)
-        if resumed:
-            self.preempt_counts["resumed"] += 1
+        if resumed and self.preemptor is not None:
+            self.preemptor.resumes += 1
         self._vtime = t.counter
         self._drain.add(now)
         if job.future is not None and not job.future.done():

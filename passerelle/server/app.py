@@ -24,30 +24,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from passerelle import __version__
 from passerelle.batches.api import BatchApi
-from passerelle.config import Config, RuntimesConfig, budget_share
+from passerelle.config import Config
 from passerelle.errors import ConfigError, GatewayError, InvalidRequest, Standby, Unauthorized, UnknownModel, clip
-from passerelle.observe.accesslog import AccessLog
-from passerelle.observe.livestats import LiveStats
-from passerelle.observe.metrics import Metrics
-from passerelle.observe.runtime_metrics import RuntimeMetrics
-from passerelle.observe.tracing import start_tracer
 from passerelle.proxy.exchange import Receive, Scope, Send, header
-from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
 from passerelle.runtimes import embedded
-from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.factory import expand
 from passerelle.runtimes.fleet import Fleet
 from passerelle.runtimes.kinds import Backend
-from passerelle.runtimes.memory import MemoryBook, machine_gib
-from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.reload_plan import effective, plan_reload
-from passerelle.runtimes.supervisor import RuntimeFailed, RuntimeProcess, Supervisor
-from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, PreemptionPolicy, Scheduler
-from passerelle.scheduling.swapper import Swapper
+from passerelle.runtimes.supervisor import RuntimeFailed, RuntimeProcess
+from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, PreemptionPolicy
 from passerelle.server import control
-from passerelle.server.active import ActiveLock
 from passerelle.server.admin import AdminGuard, AdminListener
+from passerelle.server.build import budget_gib, build
 from passerelle.server.connections import BodyBudget, BoundedReceive, ConnectionLimits
 from passerelle.server.forwarded import ForwardedTrust
 from passerelle.server.keys_api import KeysApi
@@ -56,14 +46,9 @@ from passerelle.server.responses import error_response, json_response, raw_respo
 from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
 from passerelle.server.sdnotify import Notifier
 from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_requests
-from passerelle.tenants.db import connect
-from passerelle.tenants.keys import KeyRing
-from passerelle.tenants.manage import KeyManager
-from passerelle.tenants.pgquota import PgQuotas
 from passerelle.tenants.pgstore import PgKeyStore
-from passerelle.tenants.pgusage import PgUsage, PgUsageReader
-from passerelle.tenants.store import open_key_store
-from passerelle.tenants.usage import UsageReader, UsageRecorder, UsageReports, UsageSink
+from passerelle.tenants.pgusage import PgUsage
+from passerelle.tenants.usage import UsageRecorder
 
 log = logging.getLogger("passerelle.server.app")
 _KEYLESS = frozenset({"/admin/login", "/admin/logout"})  # admin routes the admin key does not guard
@@ -76,18 +61,8 @@ class ReloadRefused(InvalidRequest):
 _REFUSED = "Reload refused, the running configuration stays"
 
 
-def budget_gib(rt: RuntimesConfig) -> float:
-    """The memory budget in GiB: ``max_loaded_gib``, or ``max_loaded`` (a share) of the machine."""
-    share = budget_share(rt.max_loaded) if rt.max_loaded else None
-    if share is None:
-        return rt.max_loaded_gib
-    total = machine_gib(rt.memory)
-    log.info("memory budget: %s of %.1f GiB (%s) = %.1f GiB", rt.max_loaded, total, rt.memory, share * total)
-    return share * total
-
-
 # The Batch API's routes: a standby takes no work either (batches stay where they were made)
-_BATCH_TARGETS = frozenset({"files", "file_item", "batches_route", "batch_item"})
+_BATCH_PATHS = ("/v1/files", "/v1/batches")
 
 
 class App:
@@ -105,73 +80,22 @@ class App:
         self.body_budget = BodyBudget(cfg.server.max_body_bytes_total)
         self.forwarded = ForwardedTrust(cfg.server.trusted_proxies)  # who the client is behind a proxy
         self._tasks: set[asyncio.Future[Any]] = set()
-        self.metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
-        self.registry = Registry(backends, self.metrics)
-        self.access_log = AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format)
-        sc = cfg.scheduler
-        self.scheduler = Scheduler(cfg.classes, aging_s=sc.aging_s, on_change=self._queue_changed,
-                                   policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack,
-                                   hold_s=sc.hold_s, max_tenants=sc.max_tenants,
-                                   tenant_queue_share=sc.tenant_queue_share,
-                                   affinity_max_entries=cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES,
-                                   preemption=PreemptionPolicy(sc.preempt_after_ms / 1000, sc.min_run_s)
-                                   if sc.preemption else None)
-        self.supervisor = Supervisor(processes or [], max_loaded_gib=budget_gib(cfg.runtimes),
-                                     memory_kind=cfg.runtimes.memory,
-                                     book=MemoryBook(cfg.state_path() / "runtime-memory.json"),
-                                     on_ready=self.scheduler.dispatch)
-        for proc in self.supervisor.processes.values():
-            proc.on_ready = self.scheduler.dispatch
-        # Loading and unloading models as the queue asks (scheduling/swapper.py)
-        self.runtime_metrics = RuntimeMetrics(self.metrics.registry)
-        self.swapper = Swapper(self.scheduler, self.supervisor, cfg.runtimes, self.runtime_metrics)
-        self.scheduler.on_need = self.supervisor.on_change = self.swapper.poke
-        # Keys, usage and the audit log: one SQLite file per instance (Config.db_path), a
-        # connection each for the keys, the usage writer and the reports (tenants/db.py).
-        self.keystore = open_key_store(cfg)  # or PostgreSQL, shared ([store] url, tenants/pgstore.py)
-        self.key_manager = KeyManager(self.keystore, [c.name for c in cfg.classes])
-        keyring = KeyRing(self.keystore)
-        self.gateway = Gateway(cfg, self.registry, self.metrics, self.access_log, self.scheduler, keyring)
-        if cfg.tracing.enabled:  # (off: OpenTelemetry is never imported)
-            self.gateway.tracer = start_tracer(cfg.tracing, cfg.source)
-        # A tenant label is a key's tenant or "other": a client's `user` never makes a series.
-        self.metrics.is_known_tenant = keyring.has_tenant
-        self.gateway.on_demand = self.swapper.poke
-        self.gateway.catalogue = self._catalogue(cfg)
-        self.usage: UsageSink
-        self.usage_reader: UsageReports
-        self.shared_quotas: PgQuotas | None = None
-        self.active_lock: ActiveLock | None = None
-        if cfg.store.url:  # usage rows and quotas' counters in PostgreSQL too (tenants/pgusage.py, pgquota.py)
-            st = cfg.store
-            self.usage = PgUsage(st.url, cfg.state_path() / "usage-spool.jsonl", timeout_s=st.timeout_s,
-                                 retry_s=st.poll_s, spool_max_bytes=st.spool_max_mib << 20)
-            self.usage_reader = PgUsageReader(st.url, timeout_s=st.timeout_s)
-            self.shared_quotas = PgQuotas(st.url, timeout_s=st.timeout_s, retry_s=st.poll_s)
-            self.gateway.keys.quotas.shared = self.shared_quotas
-            self.gateway.keys.quotas.load = self.shared_quotas.load
-            if st.active_passive:
-                self.active_lock = ActiveLock(st.url, poll_s=st.lock_poll_s, timeout_s=st.timeout_s,
-                                              offline_s=st.offline_s)
-        else:
-            self.usage = UsageRecorder(connect(cfg.db_path()),
-                                       refused_retention_s=cfg.auth.usage_refused_retention_days * 86400.0,
-                                       max_rows=cfg.auth.usage_max_rows)
-            self.usage_reader = UsageReader(cfg.db_path())
-            self.gateway.keys.quotas.load = self._usage_since
-        self.gateway.listeners.append(self.usage.record)
-        self.gateway.listeners.append(self.gateway.keys.activity.observe)
-        self.keys_api = KeysApi(cfg.admin.key, self.keystore, self.key_manager, self.gateway.keys, self.usage,
+        # Every long-lived part, built and wired in one place (build.py)
+        parts = build(cfg, backends, processes, on_queue_change=self._queue_changed)
+        self.metrics, self.registry, self.access_log = parts.metrics, parts.registry, parts.access_log
+        self.scheduler, self.supervisor, self.swapper = parts.scheduler, parts.supervisor, parts.swapper
+        self.runtime_metrics = parts.runtime_metrics
+        self.keystore, self.key_manager, self.keys = parts.keystore, parts.key_manager, parts.keys
+        self.catalogue, self.usage, self.usage_reader = parts.catalogue, parts.usage, parts.usage_reader
+        self.shared_quotas, self.active_lock = parts.shared_quotas, parts.active_lock
+        self.live, self.gateway, self.tracer = parts.live, parts.gateway, parts.tracer
+        self.keys_api = KeysApi(cfg.admin.key, self.keystore, self.key_manager, self.keys, self.usage,
                                 self.usage_reader)
         # The Batch API: its store beside the keys' database, its lines at the least urgent class.
         self.batches = BatchApi(cfg.batches, cfg.db_path().parent, self.gateway, self.metrics.registry,
                                 cfg.admin.key, max(cfg.classes, key=lambda c: c.rank).name)
         self.started_at = time.time()
         self._cors = {o.encode() for o in cfg.server.cors_origins}
-        # The dashboard's rolling window (/admin/stats, /ui), fed with every finished request.
-        self.live = LiveStats(window_s=cfg.metrics.window_s, classes=[c.name for c in cfg.classes])
-        if cfg.metrics.enabled:
-            self.gateway.listeners.append(self.live.observe)
         # Requests waiting in passerelle's queue by class (the scheduler may put its own counter here).
         self.waiting_by_class: Callable[[], Mapping[str, int]] = self.scheduler.waiting_by_class
         self.admin_guard = AdminGuard(cfg.admin, own_hosts=(cfg.server.host, cfg.admin.host))
@@ -192,9 +116,6 @@ class App:
         """The operator's added routes (``extra_routes``) of the current backends, by path."""
         self.extra_routes = {e: extra_route(e) for b in self.registry.backends for e in b.endpoints
                              if e.startswith("/")}
-
-    def _catalogue(self, cfg: Config) -> Catalogue:
-        return Catalogue(cfg.models, self.registry, supervisor=self.supervisor, eta=self.swapper.eta_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -235,7 +156,7 @@ class App:
                 raise err
             route = match(method, path, self.extra_routes)
             if self.active_lock is not None and not self.active_lock.active and (
-                    route.access is Access.INFERENCE or route.target in _BATCH_TARGETS):
+                    route.access is Access.INFERENCE or path.startswith(_BATCH_PATHS)):
                 raise Standby("This gateway is the standby of an active-passive pair; send requests to the "
                               "active one.", retry_after=self.cfg.store.lock_poll_s * 2)
             if route.access is Access.INFERENCE:
@@ -247,7 +168,8 @@ class App:
                 finally:
                     bounded.release()
                 return
-            await getattr(self, route.target)(scope, receive, send)
+            assert route.handler is not None  # (every route of the app's own names its handler)
+            await route.handler(self)(scope, receive, send)
         except GatewayError as err:
             found = find(path)
             if found is not None and found.access is Access.INFERENCE and api_for(found.target).errors == ANTHROPIC:
@@ -269,10 +191,12 @@ class App:
         snap["runtimes"] = self.supervisor.describe()  # loaded or not, memory estimated and measured
         snap["swaps"] = self.swapper.describe()  # budget, swaps and their cost, what waits for a load
         snap["batches"] = self.batches.snapshot()  # progress of the batches in progress
-        snap.update(self.gateway.keys.snapshot())  # auth_throttle, tenants, keys (tenants/policy.py)
+        snap.update(self.keys.snapshot())  # auth_throttle, tenants, keys (tenants/policy.py)
         # streams suspended for a better class, resumed, and the prompt tokens resuming cost
-        snap["preemption"] = {"enabled": self.scheduler.preemption is not None, **self.scheduler.preempt_counts,
-                              **self.gateway.preemption_stats}
+        preemptor = self.scheduler.preemptor
+        snap["preemption"] = {"enabled": preemptor is not None,
+                              "suspended": preemptor.suspensions if preemptor else 0,
+                              "resumed": preemptor.resumes if preemptor else 0, **self.gateway.preemption_stats}
         await raw_response(send, 200, orjson.dumps(snap), b"application/json", [(b"cache-control", b"no-store")])
 
     async def ui(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -338,18 +262,18 @@ class App:
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         # once keys are in use, only to a key, and only the models it may use
-        key = self.gateway.keys.authenticate(scope)
+        key = self.keys.authenticate(scope)
         # OpenAI's model list, each with the catalogue's metadata and whether it is loaded
-        data = [m for m in self.gateway.catalogue.listing(int(self.started_at)) if key is None or key.allows(m["id"])]
+        data = [m for m in self.catalogue.listing(int(self.started_at)) if key is None or key.allows(m["id"])]
         await json_response(send, 200, {"object": "list", "data": data})
 
     async def model(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /v1/models/{id}`` (an id may hold slashes, and an alias finds its model)."""
-        key = self.gateway.keys.authenticate(scope)
+        key = self.keys.authenticate(scope)
         name = unquote(scope["path"].removeprefix("/v1/models/"))
-        found = self.gateway.catalogue.describe(name, int(self.started_at))
+        found = self.catalogue.describe(name, int(self.started_at))
         if found is None or (key is not None and not key.allows(found["id"])):
-            raise UnknownModel(name, [m for m in self.gateway.catalogue.names if key is None or key.allows(m)])
+            raise UnknownModel(name, [m for m in self.catalogue.names if key is None or key.allows(m)])
         await json_response(send, 200, found)
 
     # -- keys: the key holder's /v1/me, the admin key API (keys_api.py) ---------------------
@@ -394,11 +318,6 @@ class App:
 
     async def batch_item(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._batch_route(self.batches.batch_item, scope, receive, send)
-
-    async def _usage_since(self, key_id: str, starts: list[float]) -> list[tuple[int, int]]:
-        """A key's tokens and requests since each of ``starts``, for its quotas (rows still buffered included)."""
-        await self.usage.flush()
-        return await self.usage_reader.used_since(key_id, starts)
 
     async def prom(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.swapper.refresh_metrics()
@@ -468,7 +387,7 @@ class App:
         counts: dict[tuple[str, str], int] = {}
         for job in self.scheduler.waiting:
             counts[(job.model, job.cls.name)] = counts.get((job.model, job.cls.name), 0) + 1
-        for model in self.gateway.catalogue.names:
+        for model in self.catalogue.names:
             for cls in self.cfg.classes:
                 self.metrics.waiting.labels(model, cls.name).set(counts.get((model, cls.name), 0))
 
@@ -497,9 +416,9 @@ class App:
             admin = f"http://{self.cfg.admin.host}:{self.admin_listener.port}"
         else:
             admin = f"http://{s.host}:{s.port}"
-        ring = self.gateway.keys.ring
+        ring = self.keys.ring
         n_keys = len(ring.active) if ring is not None else 0
-        auth = (f"{n_keys} active key{'s' if n_keys != 1 else ''}, a key is required" if self.gateway.keys.in_use
+        auth = (f"{n_keys} active key{'s' if n_keys != 1 else ''}, a key is required" if self.keys.in_use
                 else "no key yet, requests need none")
         lines = [f"passerelle serving on http://{s.host}:{s.port}/v1  (OpenAI-compatible; health at /health)",
                  f"  dashboard at {admin}/ui, metrics at {admin}/metrics",
@@ -585,7 +504,7 @@ class App:
             self.fleet.commit(staged, drain_timeout_s=running.runtimes.drain_timeout_s)
             self._apply_settings(running)
             self.backends_configured = not raw.uses_embedded
-            self.gateway.catalogue = self._catalogue(running)
+            self.catalogue.configure(running.models)
             self._extra_routes_changed()
         log.info("configuration reloaded: %s", plan.summary())
         if plan.restart:
@@ -656,8 +575,8 @@ class App:
         if self.supervisor is not None:
             await self.supervisor.stop_all()
         self.access_log.flush()  # (requests cut short after this are flushed at exit)
-        if self.gateway.tracer is not None:
-            await asyncio.to_thread(self.gateway.tracer.shutdown)  # the spans still buffered, sent
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # the spans still buffered, sent
         if self.cfg.store.url:
             await asyncio.to_thread(self.keystore.close)  # (its polling thread)
         if self.active_lock is not None:

@@ -35,3 +35,29 @@ def test_observe_many_equals_observe_one_by_one():
     assert one == bulk  # every bucket and the count
     assert abs(one_sum - bulk_sum) <= 1e-12 * one_sum  # the sum, to the order of additions
     assert f'gap_seconds_count{{backend="b1"}} {float(len(values))}' in texts[1]
+
+
+def test_observe_counts_one_record_under_the_catalogues_names_only():
+    """Metrics.observe(record): the cause, the queue wait, the latencies and the tokens of one
+    finished request; a model name the catalogue does not serve is never a label of its own."""
+    from passerelle.errors import Cause
+    from passerelle.observe.metrics import Metrics
+    from passerelle.observe.record import RequestRecord
+
+    m = Metrics(tenant_label=False)
+    m.is_known_model = lambda name: name == "served"
+    for model in ("served", "made-up-by-a-client"):
+        rec = RequestRecord(id="r", endpoint="chat", model=model, backend="b1", priority="batch", stream=True)
+        rec.t_queued = rec.t_arrival
+        rec.t_dispatch = rec.t_first = rec.t_arrival + 0.1
+        rec.gaps.extend([0.01, 0.02])
+        rec.prompt_tokens, rec.completion_tokens = 7, 3
+        rec.finish(Cause.OK, 200)
+        m.observe(rec)
+    text = generate_latest(m.registry).decode()
+    assert 'passerelle_requests_total{cause="ok",model="served",priority="batch"} 1.0' in text
+    assert 'passerelle_requests_total{cause="ok",model="unknown",priority="batch"} 1.0' in text
+    assert "made-up" not in text
+    assert 'passerelle_prompt_tokens_total{backend="b1",model="served",priority="batch"} 7.0' in text
+    assert 'passerelle_inter_token_latency_seconds_count{backend="b1",model="served",priority="batch"} 2.0' in text
+    assert 'passerelle_queue_wait_seconds_count{model="unknown",priority="batch"} 1.0' in text

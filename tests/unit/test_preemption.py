@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from passerelle.config import DEFAULT_CLASSES, ClassConfig
-from passerelle.scheduling.job import Job
+from passerelle.scheduling.job import Job, JobState
 from passerelle.scheduling.scheduler import PreemptionPolicy, Scheduler
 from tests.unit.test_scheduler import Clock, FakeBackend
 
@@ -32,13 +32,14 @@ def job(pool, cls="batch", tenant="t", **kw) -> Job:
 
 
 class Stream:
-    """A running stream's side of a suspension: counts the calls, may refuse."""
+    """A running stream's side of a suspension (a Suspendable): counts the calls, may refuse."""
 
-    def __init__(self, ok: bool = True) -> None:
+    def __init__(self, ok: bool = True, tokens: int = 0) -> None:
         self.ok = ok
         self.calls = 0
+        self.tokens = tokens
 
-    def __call__(self) -> bool:
+    def suspend(self) -> bool:
         self.calls += 1
         return self.ok
 
@@ -64,21 +65,21 @@ async def test_a_waiting_interactive_request_suspends_a_batch_stream_after_preem
     s.submit(chat)
     assert chat.backend is None  # every slot is busy (batch may hold them all with preemption on)
     clock.now += 0.049
-    s.preempt_due()
+    s.preemptor.check()
     assert chat.backend is None and s1.calls == s2.calls == 0  # a slot may still free by itself
     clock.now += 0.002
-    s.preempt_due()
+    s.preemptor.check()
     # the stream that started last is cut; its slot goes to the interactive request at once
     assert (s2.calls, s1.calls) == (1, 0)
     assert chat.backend is b and b.in_flight == 2
-    assert newer.backend is None and newer in s.waiting and newer.resuming
-    assert s.preempt_counts == {"suspended": 1, "resumed": 0}
+    assert newer.backend is None and newer in s.waiting and newer.state is JobState.SUSPENDED
+    assert (s.preemptor.suspensions, s.preemptor.resumes) == (1, 0)
     # it resumes when a slot frees, before batch work that came after it
     later = job([b], "batch", tenant="bulk")
     s.submit(later)
     s.release(chat)
     assert newer.backend is b and later.backend is None
-    assert s.preempt_counts == {"suspended": 1, "resumed": 1}
+    assert (s.preemptor.suspensions, s.preemptor.resumes) == (1, 1)
 
 
 async def test_nothing_is_suspended_while_a_slot_is_free_or_for_the_same_class(clock):
@@ -91,7 +92,7 @@ async def test_nothing_is_suspended_while_a_slot_is_free_or_for_the_same_class(c
     again = job([b], "batch", tenant="other")
     s.submit(again)
     clock.now += 1.0
-    s.preempt_due()
+    s.preemptor.check()
     assert again.backend is None and all(st.calls == 0 for _, st in streams)
 
 
@@ -102,7 +103,7 @@ async def test_a_stream_is_not_suspended_twice_within_min_run_s(clock):
     first = job([b], "interactive")
     s.submit(first)
     clock.now += 0.06
-    s.preempt_due()
+    s.preemptor.check()
     assert first.backend is b and stream.calls == 1
     s.release(first)
     assert bulk.backend is b  # resumed
@@ -110,10 +111,10 @@ async def test_a_stream_is_not_suspended_twice_within_min_run_s(clock):
     second = job([b], "interactive")
     s.submit(second)
     clock.now += 1.0
-    s.preempt_due()
+    s.preemptor.check()
     assert second.backend is None and stream.calls == 1  # 1.06 s after its suspension: not yet
     clock.now += 1.0
-    s.preempt_due()
+    s.preemptor.check()
     assert second.backend is b and stream.calls == 2
 
 
@@ -135,7 +136,7 @@ async def test_the_worst_class_is_cut_first_and_a_stream_that_cannot_be_is_passe
     chat = job([b], "interactive")
     s.submit(chat)
     clock.now += 0.1
-    s.preempt_due()
+    s.preemptor.check()
     # the worst class (bulk) was asked first and refused; then the batch stream started last
     assert (sc.calls, sd.calls, sa.calls) == (1, 1, 0)
     assert chat.backend is b and d.backend is None and c.backend is b
@@ -152,8 +153,8 @@ async def test_classes_that_are_not_preemptible_and_streams_not_marked_suspendab
     chat = job([b], "interactive")
     s.submit(chat)
     clock.now += 10
-    s.preempt_due()
-    assert chat.backend is None and st.calls == 0 and not s.suspendable
+    s.preemptor.check()
+    assert chat.backend is None and st.calls == 0 and not s.preemptor.suspendable
 
 
 async def test_preemption_off_suspends_nothing(clock):
@@ -165,7 +166,8 @@ async def test_preemption_off_suspends_nothing(clock):
     chat = job([b], "interactive")
     s.submit(chat)
     clock.now += 10
-    s.preempt_due()
+    assert s.preemptor is None
+    s.expire_due()  # (the synchronous callers' check of everything due)
     assert chat.backend is None and stream.calls == 0
 
 
@@ -179,7 +181,7 @@ async def test_a_class_over_its_own_share_does_not_preempt(clock):
     second = job([b], narrow)
     s.submit(second)
     clock.now += 1
-    s.preempt_due()
+    s.preemptor.check()
     assert second.backend is None and stream.calls == 0  # a free slot would not be its to take
 
 
@@ -195,13 +197,13 @@ async def test_a_suspended_stream_ages_like_a_queued_request_and_keeps_its_place
     chat = job([b], "interactive")
     s.submit(chat)
     clock.now += 0.1
-    s.preempt_due()
-    assert first.resuming and first.waited_s == 0.0
+    s.preemptor.check()
+    assert first.state is JobState.SUSPENDED and first.waited_s == 0.0
     # first is ahead of queued_before in its tenant's order (it arrived first)...
-    assert s._key(first, clock.now) < s._key(queued_before, clock.now)
+    assert s.place(first, clock.now) < s.place(queued_before, clock.now)
     # ...and its aging counts only the time it waited, not the 20 s it ran
     clock.now += 15
-    assert s._key(first, clock.now)[0] == 2 and s._key(queued_before, clock.now)[0] == 1
+    assert s.place(first, clock.now)[0] == 2 and s.place(queued_before, clock.now)[0] == 1
 
 
 async def test_a_suspended_job_whose_client_leaves_is_removed(clock):
@@ -211,7 +213,7 @@ async def test_a_suspended_job_whose_client_leaves_is_removed(clock):
     chat = job([b], "interactive")
     s.submit(chat)
     clock.now += 0.1
-    s.preempt_due()
+    s.preemptor.check()
     assert bulk in s.waiting
     s.release(bulk, prompt_tokens=10, completion_tokens=5)  # the gateway's finally, after the client left
     assert bulk not in s.waiting and s.tenants["bulk"].waiting == 0 and b.in_flight == 1
@@ -246,7 +248,7 @@ async def test_a_suspended_stream_resumes_in_the_slot_it_left(clock):
     chat = job([b], "interactive", slotted=True)
     s.submit(chat)
     clock.now += 0.1
-    s.preempt_due()
+    s.preemptor.check()
     assert chat.slot == left  # the freed slot, the only one
     s.release(chat)
     assert victim.backend is b and victim.slot == left  # back where its prompt cache is
@@ -277,11 +279,11 @@ async def test_a_check_that_comes_a_little_early_comes_back(clock):
     chat = job([b], "interactive")
     s.submit(chat)
     clock.now += 0.0497
-    s.preempt_due()
-    assert chat.backend is None and s._preempt_timer is not None
-    s._preempt_timer.cancel()
+    s.preemptor.check()
+    assert chat.backend is None and s.preemptor._timer is not None
+    s.preemptor._timer.cancel()
     clock.now += 0.001
-    s._preempt_fired()
+    s.preemptor._fired()
     assert chat.backend is b
 
 
@@ -313,13 +315,39 @@ async def test_of_one_class_the_stream_that_sent_least_is_cut(clock):
     s = make(clock)
     long_ago = job([b], "batch")
     s.submit(long_ago)
-    s.allow_suspend(long_ago, few := Stream(), lambda: 3)
+    s.allow_suspend(long_ago, few := Stream(tokens=3))
     clock.now += 1
     recent = job([b], "batch")
     s.submit(recent)
-    s.allow_suspend(recent, many := Stream(), lambda: 40)
+    s.allow_suspend(recent, many := Stream(tokens=40))
     chat = job([b], "interactive")
     s.submit(chat)
     clock.now += 0.1
-    s.preempt_due()
+    s.preemptor.check()
     assert (few.calls, many.calls) == (1, 0) and chat.backend is b
+
+
+def test_a_job_moves_only_along_its_diagram():
+    """waiting → running → suspended → running → done; a retry queues a done job again; any other
+    move is a bug caught where it happens."""
+    j = Job(pool=[], cls=CLS["batch"], tenant="t")
+    for state in (JobState.WAITING, JobState.RUNNING, JobState.SUSPENDED, JobState.RUNNING, JobState.DONE,
+                  JobState.WAITING, JobState.DONE):
+        j.to(state)
+        assert j.state is state
+    with pytest.raises(RuntimeError, match="illegal transition DONE -> SUSPENDED"):
+        j.to(JobState.SUSPENDED)
+    with pytest.raises(RuntimeError, match="WAITING -> SUSPENDED"):
+        Job(pool=[], cls=CLS["batch"], tenant="t", state=JobState.WAITING).to(JobState.SUSPENDED)
+
+
+async def test_a_suspended_job_the_client_left_is_done_and_gone_from_the_queue(clock):
+    b = FakeBackend(capacity=1)
+    s = make(clock)
+    (bulk, _), = running_batch(s, b, 1, clock)
+    s.submit(chat := job([b], "interactive"))
+    clock.now += 0.1
+    s.preemptor.check()
+    assert bulk.state is JobState.SUSPENDED and chat.state is JobState.RUNNING
+    s.release(bulk)  # its client left while it waited to resume
+    assert bulk.state is JobState.DONE and bulk not in s.waiting and s.tenants["bulk"].waiting == 0

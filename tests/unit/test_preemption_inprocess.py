@@ -13,6 +13,7 @@ import orjson
 
 from passerelle.config import AuthConfig, SchedulerConfig
 from passerelle.errors import Cause
+from passerelle.runtimes.breaker import CircuitBreaker, Outcome
 from tests.inprocess import fake_runtime, gateway
 
 BATCH = {"model": "fake-model", "messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 40}
@@ -41,7 +42,7 @@ async def run_flood(gw, batch_body: dict, *, leave: bool = False):
     """A batch request, then an interactive one once the batch stream is relaying."""
     batch = asyncio.create_task(gw.post("/v1/chat/completions", batch_body, headers={"X-Priority": "batch"},
                                         leave_after_chunks=12 if leave else None))
-    await until(lambda: gw.app.scheduler.suspendable or batch.done())
+    await until(lambda: bool((p := gw.app.scheduler.preemptor) and p.suspendable) or batch.done())
     chat = await gw.post("/v1/chat/completions", CHAT, headers={"X-Priority": "interactive"})
     return await batch, chat
 
@@ -68,9 +69,25 @@ async def test_a_batch_stream_cut_for_an_interactive_request_is_one_stream_with_
         assert recs["interactive"].queue_wait < 1.0 and recs["interactive"].t_end < rec.t_end
         # the continuation asked for the rest: the messages plus what was sent, continued
         assert fake.runtime.counters.requests == 3
-        stats = gw.app.scheduler.preempt_counts
-        assert stats == {"suspended": 1, "resumed": 1}
+        # one count of suspensions, in /admin/stats and in /metrics alike
+        stats = (await gw.get("/admin/stats")).json()["preemption"]
+        assert (stats["suspended"], stats["resumed"], stats["resumed_streams"]) == (1, 1, 1)
+        assert b"passerelle_suspensions_total 1.0" in (await gw.get("/metrics")).body
         assert settled(gw)
+
+
+async def test_a_cut_attempt_says_nothing_of_its_runtime_to_the_breaker(monkeypatch):
+    """The scheduler cut it: neither a success (which would close an open breaker and forgive
+    failures) nor a failure."""
+    async with fake_runtime(itl_ms=10, slots=1) as fake, gateway(one_slot(fake), auth=AUTH) as gw:
+        outcomes: list[Outcome] = []
+        record = CircuitBreaker.record
+        monkeypatch.setattr(CircuitBreaker, "record",
+                            lambda self, outcome, **kw: (outcomes.append(outcome), record(self, outcome, **kw))[1])
+        batch, chat = await run_flood(gw, {**BATCH, "stream": True})
+        assert batch.status == chat.status == 200 and gw.app.scheduler.preemptor.suspensions == 1
+        # the batch stream's cut attempt, the interactive request, the batch stream's continuation
+        assert sorted(o.value for o in outcomes) == ["neutral", "success", "success"]
 
 
 async def test_a_non_streaming_batch_request_is_cut_and_assembled_whole():
@@ -93,7 +110,7 @@ async def test_a_request_with_tools_is_never_suspended():
         chat = await gw.post("/v1/chat/completions", CHAT, headers={"X-Priority": "interactive"})
         await batch
         recs = {r.priority: r for r in gw.records}
-        assert recs["batch"].suspensions == 0 and gw.app.scheduler.preempt_counts["suspended"] == 0
+        assert recs["batch"].suspensions == 0 and gw.app.scheduler.preemptor.suspensions == 0
         assert recs["interactive"].t_dispatch > recs["batch"].t_end - 0.05  # it waited for the slot
         assert chat.status == 200 and settled(gw)
 
@@ -111,15 +128,15 @@ async def test_a_client_that_leaves_while_suspended_is_let_go():
         hang_up = asyncio.Event()
         batch = asyncio.create_task(gw.post("/v1/chat/completions", body, headers={"X-Priority": "batch"},
                                             disconnect=hang_up))
-        await until(lambda: gw.app.scheduler.suspendable)
+        await until(lambda: gw.app.scheduler.preemptor.suspendable)
         chat = asyncio.create_task(gw.post("/v1/chat/completions", {**CHAT, "max_tokens": 30},
                                            headers={"X-Priority": "interactive"}))
-        await until(lambda: gw.app.scheduler.preempt_counts["suspended"] == 1)
+        await until(lambda: gw.app.scheduler.preemptor.suspensions == 1)
         hang_up.set()  # the batch client goes away while its stream waits to resume
         await batch
         await chat
         await until(lambda: settled(gw))
-        assert gw.app.scheduler.preempt_counts == {"suspended": 1, "resumed": 0}
+        assert (gw.app.scheduler.preemptor.suspensions, gw.app.scheduler.preemptor.resumes) == (1, 0)
         assert {r.priority: r.cause for r in gw.records}["batch"] is Cause.CLIENT_DISCONNECT
 
 
@@ -130,7 +147,7 @@ async def test_a_stream_is_cut_only_once_its_first_token_went_out():
         batch = asyncio.create_task(gw.post("/v1/chat/completions", {**BATCH, "stream": True},
                                             headers={"X-Priority": "batch"}))
         await until(lambda: fake.runtime.counters.requests == 1)
-        assert not gw.app.scheduler.suspendable
+        assert not gw.app.scheduler.preemptor.suspendable
         chat = await gw.post("/v1/chat/completions", CHAT, headers={"X-Priority": "interactive"})
         await batch
         recs = {r.priority: r for r in gw.records}

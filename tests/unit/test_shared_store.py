@@ -63,7 +63,7 @@ async def test_usage_waits_in_the_spool_while_the_database_is_away_and_a_full_sp
     lines = (tmp_path / "usage-spool.jsonl").read_bytes().splitlines()
     rows = [orjson.loads(line) for line in lines]
     assert len(rows) == 3 and len({r[0] for r in rows}) == 3  # each row its own id
-    assert rows[0][2:] == ["t", "k1", "standard", "m", "ok", 5, 1]
+    assert rows[0][2:] == ["t", "k1", "standard", "m", "ok", 5, 1, "", ""]  # (no user, no session)
     assert usage.pending_bytes == sum(len(line) + 1 for line in lines)
     while usage.dropped == 0:
         usage.record(finished())
