@@ -23,10 +23,10 @@ def _setup_logging(fmt: str = "text") -> None:
 def _version_text() -> str:
     from passerelle.runtimes import embedded
 
-    info = embedded.build_info()
-    runtime = (f"llama.cpp from llama-cpp-python {info['llama_cpp_python']} ({info['flavour']}; "
-               f"{' / '.join(info['llama_server_version'])})" if info
-               else f"llama.cpp from llama-cpp-python {embedded.LLAMA_CPP_PYTHON_VERSION} (not built yet)")
+    built = embedded.built_flavours()
+    runtime = "; ".join(f"llama.cpp from llama-cpp-python {i['llama_cpp_python']} ({i['flavour']}; "
+                        f"{' / '.join(i['llama_server_version'])})" for i in built) if built \
+        else f"llama.cpp from llama-cpp-python {embedded.LLAMA_CPP_PYTHON_VERSION} (not built yet)"
     return f"passerelle {__version__}\nembedded runtime: {runtime}"
 
 
@@ -111,11 +111,23 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    from passerelle.runtimes import embedded
+    import subprocess
 
-    binary = embedded.find_or_build_llama_server()
+    from passerelle.runtimes import embedded
+    from passerelle.runtimes.prerequisites import MissingPrerequisites
+
+    try:
+        build = embedded.llama_server_build(backend=args.backend)
+    except MissingPrerequisites as exc:
+        print(f"passerelle: {exc}", file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as exc:  # CMake printed why; its work folder is kept to resume
+        print(f"passerelle: the llama-server build failed ({' '.join(exc.cmd[:2])}… exited {exc.returncode}); "
+              "CMake's output above says why", file=sys.stderr)
+        return 1
     model = embedded.ensure_default_model()
-    print(f"llama-server: {binary}\nmodel: {model}\n{_version_text()}")
+    detected = f" (detected: {build.detection.reason})" if build.detection and args.backend == "auto" else ""
+    print(f"llama-server: {build.binary}\nflavour: {build.flavour}{detected}\nmodel: {model}\n{_version_text()}")
     return 0
 
 
@@ -218,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     reload_.set_defaults(func=cmd_reload)
 
     setup = sub.add_parser("setup", help="build llama-server and assemble the default model (idempotent)")
+    setup.add_argument("--backend", choices=("auto", "cpu", "vulkan", "rocm", "cuda"), default="auto",
+                       help="the llama-server build: auto (this machine's GPU: CUDA, ROCm, a Vulkan GPU, else CPU), "
+                            "or one by name; builds are cached side by side (default auto)")
     setup.set_defaults(func=cmd_setup)
 
     from passerelle.bench.cli import add_parser as add_bench_parser

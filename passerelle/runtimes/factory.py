@@ -22,7 +22,14 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     """The embedded llama-server (built once): one chat instance, one for embeddings and one for
     reranking, since llama-server started with ``--embeddings`` or ``--reranking`` serves only that."""
     e = cfg.embedded
-    binary = embedded.find_or_build_llama_server(e.llama_server or None)
+    build = embedded.llama_server_build(e.llama_server or None, backend=e.backend)
+    binary = build.binary
+    flavour = build.flavour
+    # a GPU flavour offloads every layer unless extra_args says otherwise
+    offload = () if {"-ngl", "--n-gpu-layers", "--gpu-layers"} & set(e.extra_args) else build.launch_args
+
+    def env(cmd: tuple[str, ...]) -> tuple[str, ...]:  # e.g. lavapipe: GGML_VK_VISIBLE_DEVICES, via env(1)
+        return ("env", *build.launch_env, *cmd) if build.launch_env else cmd
     model = Path(e.model_path).expanduser() if e.model_path else embedded.ensure_default_model()
     if not model.is_file():
         raise ConfigError(f"model file {model} does not exist", file=cfg.source, key="embedded.model_path")
@@ -31,22 +38,25 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     fim = () if e.model_path else embedded.GEMMA_FIM_OVERRIDES
     # No max_concurrency: each llama-server reports its slots (/props total_slots), see capacity.py.
     out = [BackendConfig(name="local", kind="llama-server", models=(e.model_id,), endpoints=CHAT_ENDPOINTS,
-                         launch=embedded.launch_command(binary, model, alias=e.model_id, slots=e.slots,
+                         flavour=flavour,
+                         launch=env(embedded.launch_command(binary, model, alias=e.model_id, slots=e.slots,
                                                         ctx_per_slot=e.ctx_per_slot, threads=e.threads,
-                                                        extra=(*fim, *e.extra_args)))]
+                                                        extra=(*offload, *fim, *e.extra_args))))]
     if e.embeddings:
         out.append(BackendConfig(
             name="local-embed", kind="llama-server", models=(e.model_id,), endpoints=("embeddings",),
-            launch=embedded.launch_command(binary, model, alias=e.model_id, slots=1, ctx_per_slot=2048,
-                                           threads=e.threads, embeddings=True)))
+            flavour=flavour, launch=env(embedded.launch_command(binary, model, alias=e.model_id, slots=1,
+                                                                ctx_per_slot=2048, threads=e.threads,
+                                                                embeddings=True, extra=offload))))
     if e.rerank:
         ranker = Path(e.rerank_model_path).expanduser() if e.rerank_model_path else tiny_reranker.ensure_tiny_reranker()
         if not ranker.is_file():
             raise ConfigError(f"model file {ranker} does not exist", file=cfg.source, key="embedded.rerank_model_path")
         out.append(BackendConfig(
             name="local-rerank", kind="llama-server", models=(e.rerank_model_id,), endpoints=("rerank",),
-            launch=embedded.launch_command(binary, ranker, alias=e.rerank_model_id, slots=1, ctx_per_slot=2048,
-                                           threads=e.threads, reranking=True)))
+            flavour=flavour, launch=env(embedded.launch_command(binary, ranker, alias=e.rerank_model_id, slots=1,
+                                                                ctx_per_slot=2048, threads=e.threads,
+                                                                reranking=True, extra=offload))))
     return tuple(out)
 
 
