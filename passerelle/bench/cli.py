@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                             "port, when it runs here)")
     add_common(bench)
     bench.set_defaults(func=bench_main)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{compare}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{compare,backends}")
     compare = sub.add_parser("compare", help="run the same workload against several targets",
                              description="Run the same workload against each target, the targets taking "
                                          "turns level by level, and add a verdict.")
@@ -40,6 +40,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                               "at most 8)")
     add_common(compare)
     compare.set_defaults(func=compare_main)
+    from passerelle.bench.backends import add_parser as add_backends_parser
+
+    add_backends_parser(sub, add_common)
     return bench
 
 
