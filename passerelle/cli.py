@@ -131,6 +131,37 @@ def cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_backends(args: argparse.Namespace) -> int:
+    """``passerelle bench backends``: the builds and their launches come from the embedded runtime,
+    the measuring from the bench."""
+    from passerelle.bench import backends
+    from passerelle.bench.cli import _command, build_levels
+    from passerelle.runtimes import embedded
+
+    if args.out is None:
+        print("passerelle: bench backends: --out DIR is required", file=sys.stderr)
+        return 2
+    model = Path(args.model_file).expanduser() if args.model_file else embedded.ensure_default_model()
+    if not model.is_file():
+        print(f"passerelle: bench backends: model file {model} does not exist", file=sys.stderr)
+        return 2
+    args = backends.sized(args)
+    try:
+        launches = embedded.flavour_launches(model, alias=backends.MODEL_ALIAS, slots=args.slots,
+                                             ctx_per_slot=args.ctx_per_slot, threads=args.threads,
+                                             wanted=args.flavours.split(",") if args.flavours else None)
+    except ValueError as exc:
+        print(f"passerelle: bench backends: {exc}", file=sys.stderr)
+        return 2
+    if not launches:
+        print("passerelle: bench backends: no llama-server build cached; run `passerelle setup --backend …`",
+              file=sys.stderr)
+        return 2
+    flavours = [backends.Flavour(x["name"], x["command"], x["env"], x["info"], x["driver"]) for x in launches]
+    command = backends.command_line(args, _command(args, "bench backends"))
+    return backends.finish(backends.run(args, flavours, model, build_levels, command), args.out)
+
+
 def _admin_call(args: argparse.Namespace, method: str, path: str) -> tuple[int, bytes]:
     import os
     import urllib.error
@@ -238,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     from passerelle.bench.cli import add_parser as add_bench_parser
     from passerelle.testing.fake_runtime import add_parser as add_fake_parser
 
-    add_bench_parser(sub)
+    add_bench_parser(sub, cmd_bench_backends)
     add_fake_parser(sub)
     return parser
 

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,31 +42,7 @@ class Flavour:
     command: tuple[str, ...]
     env: tuple[str, ...] = ()  # NAME=VALUE added to the environment
     info: dict[str, Any] = field(default_factory=dict, hash=False)
-
-
-def built(model: Path, *, slots: int, ctx_per_slot: int, threads: int = 0,
-          wanted: list[str] | None = None) -> list[Flavour]:
-    """Every cached build (or those named), each launched the way the embedded runtime would."""
-    from passerelle.runtimes import embedded, flavours
-
-    found = embedded.built_flavours()
-    if wanted:
-        by = {i["flavour"]: i for i in found} | {i["key"]: i for i in found}
-        missing = [w for w in wanted if w not in by]
-        if missing:
-            names = ", ".join(sorted({i["flavour"] for i in found})) or "none"
-            raise ValueError(f"no build of {', '.join(missing)} (built: {names}); "
-                             f"build it with `passerelle setup --backend {missing[0]}`")
-        found = [by[w] for w in wanted]
-    devices = flavours.vulkan_devices()
-    out = []
-    for info in found:
-        kind = info.get("kind") or ("vulkan" if "GGML_VULKAN=ON" in info.get("flags", "") else "cpu")
-        offload = ("-ngl", flavours.GPU_LAYERS) if kind in flavours.GPU_FLAVOURS else ()
-        cmd = embedded.launch_command(Path(info["binary"]), model, alias=MODEL_ALIAS, slots=slots,
-                                      ctx_per_slot=ctx_per_slot, threads=threads, extra=offload)
-        out.append(Flavour(info["flavour"], cmd, flavours.launch_env(kind, devices), info))
-    return out
+    driver: str = "CPU (no GPU driver)"  # the device and driver it runs on, as the machine reports them
 
 
 class Server:
@@ -136,39 +113,28 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def driver_text(kind: str) -> str:
-    """The GPU driver the flavour runs on, as the machine reports it (best effort)."""
-    from passerelle.runtimes import flavours
-
-    if kind == "vulkan":
-        devices = flavours.vulkan_devices()
-        return "; ".join(f"{d.name} ({d.driver or d.type.lower()})" for d in devices) or "no Vulkan device listed"
-    if kind == "cuda":
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=False).stdout.strip()
-        return out or "nvidia-smi did not answer"
-    if kind == "rocm":
-        target = flavours.rocm_target()
-        return f"ROCm, {target}" if target else "ROCm (rocminfo listed no GPU)"
-    return "CPU (no GPU driver)"
-
-
 def environment(fl: Flavour, model: Path, model_sha: str) -> dict[str, Any]:
+    """What the report names of a flavour's build and of the machine it ran on."""
     info = fl.info
     kind = info.get("kind") or "cpu"
     return {"flavour": fl.name, "kind": kind, "cmake_flags": info.get("cmake_flags") or info.get("flags"),
             "runtime_version": " / ".join(info.get("llama_server_version") or []) or None,
             "llama_cpp_python": info.get("llama_cpp_python"),
             "vulkan_layer_settings_guard": info.get("vulkan_layer_settings_guard"),
-            "driver": driver_text(kind), "kernel": f"{platform.system()} {platform.release()}",
+            "driver": fl.driver, "kernel": f"{platform.system()} {platform.release()}",
             "launch_env": list(fl.env), "model_file": str(model), "model_sha256": model_sha}
 
 
-def run(args: argparse.Namespace, flavours: list[Flavour], model: Path) -> dict[str, Any]:
-    """Start, check and measure each flavour at each depth; returns the backends document."""
+Levels = Callable[[argparse.Namespace, Any], tuple[list[Any], dict[str, Any]]]
+
+
+def run(args: argparse.Namespace, flavours: list[Flavour], model: Path, build_levels: Levels,
+        command: str = "") -> dict[str, Any]:
+    """Start, check and measure each flavour at each depth; returns the backends document.
+
+    ``build_levels`` is the bench's own (``bench.cli.build_levels``): the sweep the options ask for."""
     from passerelle import __version__
     from passerelle.bench import report, runner, stats
-    from passerelle.bench.cli import build_levels
     from passerelle.bench.energy import EnergyMeter
     from passerelle.bench.measure import Plan, collect, measure_target
     from passerelle.bench.memory import GpuReader
@@ -238,7 +204,7 @@ def run(args: argparse.Namespace, flavours: list[Flavour], model: Path) -> dict[
         sub = out_dir if len(depths) == 1 else out_dir / f"depth-{depth}"
         if bucket["runs"]:
             report.write_all({"runs": bucket["runs"], "verdict": v, "schema": "passerelle-bench/1",
-                              "created": doc["created"], "command": command_line(args),
+                              "created": doc["created"], "command": command,
                               "passerelle_version": __version__, "machine": report.machine_info(),
                               "targets": bucket["targets"], "workload": bucket["workload"],
                               "load": {**bucket["load"], "rounds": 1},
@@ -251,11 +217,9 @@ def run(args: argparse.Namespace, flavours: list[Flavour], model: Path) -> dict[
     return doc
 
 
-def command_line(args: argparse.Namespace) -> str:
-    """The command that reproduces this run (``bench``'s own rendering, plus this command's options)."""
+def command_line(args: argparse.Namespace, base: str) -> str:
+    """The command that reproduces this run: ``bench``'s own rendering (``base``), plus this command's options."""
     import shlex
-
-    from passerelle.bench.cli import _command
 
     extra = ["--flavours", args.flavours] if args.flavours else []
     if args.context_depth:
@@ -263,50 +227,33 @@ def command_line(args: argparse.Namespace) -> str:
     if args.model_file:
         extra += ["--model-file", str(args.model_file)]
     extra += ["--slots", str(args.slots), "--ctx-per-slot", str(args.ctx_per_slot)]
-    return _command(args, "bench backends") + " " + shlex.join(extra)
+    return base + " " + shlex.join(extra)
 
 
 def replace_args(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **changes})
 
 
-def main(args: argparse.Namespace) -> int:
-    import sys
-
-    from passerelle.runtimes import embedded
-
-    if args.out is None:
-        print("passerelle: bench backends: --out DIR is required", file=sys.stderr)
-        return 2
-    model = Path(args.model_file).expanduser() if args.model_file else embedded.ensure_default_model()
-    if not model.is_file():
-        print(f"passerelle: bench backends: model file {model} does not exist", file=sys.stderr)
-        return 2
+def sized(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the slots (the most clients) and context per slot (the deepest prompt, the
+    answer and 256 tokens of template, rounded up to 256) every flavour gets, unless given."""
     depths = args.context_depth or [args.prompt_tokens]
-    top = max(args.concurrency or [1])
-    slots = args.slots or top
+    slots = args.slots or max(args.concurrency or [1])
     ctx = args.ctx_per_slot or (-(-(max(depths) + args.max_tokens + 256) // 256) * 256)
-    args = replace_args(args, slots=slots, ctx_per_slot=ctx)
-    try:
-        flavours = built(model, slots=slots, ctx_per_slot=ctx, threads=args.threads,
-                         wanted=args.flavours.split(",") if args.flavours else None)
-    except ValueError as exc:
-        print(f"passerelle: bench backends: {exc}", file=sys.stderr)
-        return 2
-    if not flavours:
-        print("passerelle: bench backends: no llama-server build cached; run `passerelle setup --backend …`",
-              file=sys.stderr)
-        return 2
-    doc = run(args, flavours, model)
-    paths = backends_report.write(doc, args.out)
+    return replace_args(args, slots=slots, ctx_per_slot=ctx)
+
+
+def finish(doc: dict[str, Any], out: Path) -> int:
+    """Write the report, print the verdict and the table; 1 when a flavour crashed or was not measured."""
+    paths = backends_report.write(doc, out)
     print(doc["verdict"])
     print(backends_report.table(doc))
-    print(f"wrote {', '.join(p.name for p in paths)} to {args.out}")
+    print(f"wrote {', '.join(p.name for p in paths)} to {out}")
     failed = [n for n, f in doc["flavours"].items() if f["not_measured"] or f["crashed"] is not None]
     return 1 if failed else 0
 
 
-def add_parser(sub: Any, add_common: Any) -> None:
+def add_parser(sub: Any, add_common: Any, func: Callable[[argparse.Namespace], int]) -> None:
     p = sub.add_parser("backends", help="the same GGUF on each built llama-server flavour, the same load, one verdict",
                        description="Start each llama-server build (cpu, vulkan, rocm, cuda: `passerelle setup "
                                    "--backend …`) in turn with the same GGUF, slots and context; check its greedy "
@@ -323,7 +270,7 @@ def add_parser(sub: Any, add_common: Any) -> None:
     p.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S, metavar="S",
                    help=f"seconds a build may take to load the model (default {READY_TIMEOUT_S:.0f})")
     add_common(p)
-    p.set_defaults(func=main)
+    p.set_defaults(func=func)
 
 
 def _depths(text: str) -> list[int]:

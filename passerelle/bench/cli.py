@@ -13,8 +13,9 @@ from passerelle.bench.options import add_common, positive_int
 from passerelle.bench.workload import ENDPOINTS, TrafficClass, Workload
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``bench`` (with its nested ``compare``) on the ``passerelle`` command line."""
+def add_parser(subparsers: Any, backends_main: Any = None) -> argparse.ArgumentParser:
+    """Register ``bench`` (with its nested ``compare``, and ``backends`` when the command line
+    gives the function that finds the builds) on the ``passerelle`` command line."""
     bench = subparsers.add_parser(
         "bench", help="benchmark an OpenAI-compatible endpoint (TTFT, TPOT, ITL, throughput)",
         description="Measure an OpenAI-compatible endpoint under concurrent load and write results.json, "
@@ -40,9 +41,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                               "at most 8)")
     add_common(compare)
     compare.set_defaults(func=compare_main)
-    from passerelle.bench.backends import add_parser as add_backends_parser
+    if backends_main is not None:
+        from passerelle.bench.backends import add_parser as add_backends_parser
 
-    add_backends_parser(sub, add_common)
+        add_backends_parser(sub, add_common, backends_main)
     return bench
 
 

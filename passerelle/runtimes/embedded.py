@@ -134,6 +134,31 @@ def built_flavours() -> list[dict[str, Any]]:
     return out
 
 
+def flavour_launches(model: Path, *, alias: str, slots: int, ctx_per_slot: int, threads: int = 0,
+                     wanted: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every cached build (or those named by flavour or cache key), each with the command and
+    environment that launch it as the embedded runtime would, and the device it runs on."""
+    found = built_flavours()
+    if wanted:
+        by = {i["flavour"]: i for i in found} | {i["key"]: i for i in found}
+        missing = [w for w in wanted if w not in by]
+        if missing:
+            names = ", ".join(sorted({i["flavour"] for i in found})) or "none"
+            raise ValueError(f"no build of {', '.join(missing)} (built: {names}); "
+                             f"build it with `passerelle setup --backend {missing[0]}`")
+        found = [by[w] for w in wanted]
+    devices = flavours.vulkan_devices()
+    out = []
+    for info in found:
+        kind = info.get("kind") or ("vulkan" if "GGML_VULKAN=ON" in info.get("flags", "") else "cpu")
+        offload = ("-ngl", flavours.GPU_LAYERS) if kind in flavours.GPU_FLAVOURS else ()
+        cmd = launch_command(Path(info["binary"]), model, alias=alias, slots=slots, ctx_per_slot=ctx_per_slot,
+                             threads=threads, extra=offload)
+        out.append({"name": info["flavour"], "command": cmd, "env": flavours.launch_env(kind, devices),
+                    "info": {**info, "kind": kind}, "driver": flavours.driver_description(kind)})
+    return out
+
+
 def llama_server_build(explicit: str | None = None, *, backend: str = "auto", log=print) -> Build:
     """The configured binary; with ``auto``, one on PATH; else the flavour's cached build or a new one."""
     if explicit:

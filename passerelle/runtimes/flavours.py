@@ -196,3 +196,18 @@ def launch_env(flavour: str, devices: tuple[VulkanDevice, ...]) -> tuple[str, ..
 
 def with_flavour(detection: Detection, flavour: str) -> Detection:
     return dataclasses.replace(detection, flavour=flavour)
+
+
+def driver_description(kind: str, *, which: Which = shutil.which, run: Run = _run) -> str:
+    """The device and driver a flavour runs on, as this machine reports them (for reports)."""
+    if kind == "vulkan":
+        devices = vulkan_devices(which=which, run=run)
+        return "; ".join(f"{d.name} ({d.driver or d.type.lower()})" for d in devices) or "no Vulkan device listed"
+    if kind == "cuda":
+        out = run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]) if which("nvidia-smi") \
+            else None
+        return (out or "").strip() or "nvidia-smi did not answer"
+    if kind == "rocm":
+        target = rocm_target(which=which, run=run)
+        return f"ROCm, {target}" if target else "ROCm (rocminfo lists no GPU)"
+    return "CPU (no GPU driver)"

@@ -7,6 +7,7 @@ import json
 import sys
 
 from passerelle.bench import backends, backends_report
+from passerelle.bench.cli import build_levels
 from passerelle.bench.energy import EnergyMeter
 from passerelle.cli import build_parser
 
@@ -29,7 +30,7 @@ def test_two_flavours_at_two_depths_one_that_dies_and_the_report(tmp_path, monke
     dead = backends.Flavour("broken", ("/bin/sh", "-c", "echo cannot open device >&2; exit 3"),
                             info={"flavour": "broken", "kind": "vulkan"})
     flaky = _fake("beta", "--fail-rate", "0.5", "--seed", "1")
-    doc = backends.run(args, [_fake("alpha"), flaky, dead, _fake("gamma")], model)
+    doc = backends.run(args, [_fake("alpha"), flaky, dead, _fake("gamma")], model, build_levels, "passerelle bench")
 
     assert [d["prompt_tokens"] for d in doc["depths"]] == [16, 64]
     assert doc["model_sha256"] == backends.sha256(model) and len(doc["model_sha256"]) == 64

@@ -385,3 +385,47 @@ def test_runtime_list_shows_the_flavour():
                                        "pid": 7, "up": True, "in_flight": 0, "restarts": 0, "url": "http://x"}]})
     header, row = render(body).splitlines()[:2]
     assert "FLAVOUR" in header and row.split()[:3] == ["local", "llama-server", "vulkan"]
+
+
+def _recorded(tmp_path: Path, key: str, info: dict) -> None:
+    _cached(tmp_path, key)
+    folder = tmp_path / "llama.cpp" / f"{embedded.LLAMA_CPP_PYTHON_VERSION}-{key}"
+    (folder / "build-info.json").write_text(json.dumps(info))
+
+
+def test_bench_backends_launches_each_build_as_the_embedded_runtime_would(tmp_path, monkeypatch):
+    monkeypatch.setenv("PASSERELLE_CACHE", str(tmp_path))
+    _tools(tmp_path, monkeypatch, vulkaninfo=_printing(LAVAPIPE_ONLY))
+    _recorded(tmp_path, "cpu-avx2", {"flavour": "cpu-avx2", "flags": " ".join(flavours.CPU_FLAGS)})  # an older record
+    _recorded(tmp_path, "vulkan", {"flavour": "vulkan", "kind": "vulkan", "flags": "-DGGML_VULKAN=ON"})
+    model = tmp_path / "m.gguf"
+    launches = {x["name"]: x for x in embedded.flavour_launches(model, alias="m", slots=2, ctx_per_slot=512)}
+    assert set(launches) == {"cpu-avx2", "vulkan"}
+    vk, cpu = launches["vulkan"], launches["cpu-avx2"]
+    assert vk["env"] == ("GGML_VK_VISIBLE_DEVICES=0",) and vk["command"][vk["command"].index("-ngl") + 1] == "99"
+    assert vk["driver"] == "llvmpipe (LLVM 15.0.6, 256 bits) (llvmpipe)"
+    assert cpu["env"] == () and "-ngl" not in cpu["command"] and cpu["info"]["kind"] == "cpu"
+    assert cpu["command"][cpu["command"].index("-c") + 1] == "1024"  # the same slots × context for each
+    assert [x["name"] for x in embedded.flavour_launches(model, alias="m", slots=1, ctx_per_slot=512,
+                                                         wanted=["vulkan"])] == ["vulkan"]
+    with pytest.raises(ValueError, match="passerelle setup --backend rocm"):
+        embedded.flavour_launches(model, alias="m", slots=1, ctx_per_slot=512, wanted=["rocm"])
+
+
+def test_bench_backends_without_a_build_says_how_to_make_one(tmp_path, monkeypatch, capsys):
+    from passerelle.cli import main
+
+    monkeypatch.setenv("PASSERELLE_CACHE", str(tmp_path))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert main(["bench", "backends", "--model-file", str(model), "--out", str(tmp_path / "out")]) == 2
+    assert "passerelle setup --backend" in capsys.readouterr().err
+
+
+def test_driver_descriptions_come_from_the_machines_tools(tmp_path, monkeypatch):
+    _tools(tmp_path, monkeypatch, rocminfo=_printing(ROCMINFO),
+           nvidia_smi='echo "NVIDIA H200, 570.124.06"')
+    assert flavours.driver_description("rocm") == "ROCm, gfx1151"
+    assert flavours.driver_description("cuda") == "NVIDIA H200, 570.124.06"
+    assert flavours.driver_description("vulkan") == "no Vulkan device listed"
+    assert flavours.driver_description("cpu") == "CPU (no GPU driver)"
