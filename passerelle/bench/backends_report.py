@@ -79,7 +79,9 @@ def sentence(doc: dict[str, Any]) -> str:
     if match is not None:
         parts.append("greedy answers match across flavours" if match else "greedy answers differ between flavours")
     text = "; ".join(parts) or "nothing was measured"
-    return text[0].upper() + text[1:] + "."
+    if text.startswith(("at ", "no ", "nothing ")):  # a flavour's name keeps its case
+        text = text[0].upper() + text[1:]
+    return text + "."
 
 
 def _gib(v: int | None) -> str:
