@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from pathlib import Path
 
 from passerelle.config import BackendConfig, Config, TimeoutConfig
 from passerelle.errors import ConfigError
 from passerelle.runtimes import embedded, tiny_reranker
 from passerelle.runtimes.kinds import Backend, make_backend
+from passerelle.runtimes.prerequisites import MissingPrerequisites
 from passerelle.runtimes.supervisor import RuntimeProcess
 
 # What the embedded chat instance serves: everything but embeddings and rerank, which need
@@ -22,7 +24,10 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     """The embedded llama-server (built once): one chat instance, one for embeddings and one for
     reranking, since llama-server started with ``--embeddings`` or ``--reranking`` serves only that."""
     e = cfg.embedded
-    build = embedded.llama_server_build(e.llama_server or None, backend=e.backend)
+    try:
+        build = embedded.llama_server_build(e.llama_server or None, backend=e.backend)
+    except (MissingPrerequisites, subprocess.CalledProcessError) as exc:  # a flavour that cannot be built here
+        raise ConfigError(f"backend {e.backend!r}: {exc}", file=cfg.source, key="embedded.backend") from None
     binary = build.binary
     flavour = build.flavour
     # a GPU flavour offloads every layer unless extra_args says otherwise

@@ -429,3 +429,12 @@ def test_driver_descriptions_come_from_the_machines_tools(tmp_path, monkeypatch)
     assert flavours.driver_description("cuda") == "NVIDIA H200, 570.124.06"
     assert flavours.driver_description("vulkan") == "no Vulkan device listed"
     assert flavours.driver_description("cpu") == "CPU (no GPU driver)"
+
+
+def test_serving_a_flavour_that_cannot_be_built_here_is_a_configuration_error(tmp_path, monkeypatch):
+    cfg = _embedded_cfg(tmp_path, monkeypatch, "cuda")
+    _tools(tmp_path, monkeypatch, cmake="exit 0", **{"g++": "exit 0"})
+    monkeypatch.setattr(prerequisites, "_CUDA_INCLUDES", (str(tmp_path / "none"),))
+    with pytest.raises(ConfigError, match=r"embedded\.backend") as err:
+        factory.embedded_backends(cfg)
+    assert "sudo apt-get install nvidia-cuda" in str(err.value)  # the toolkit, its cuBLAS, or both
