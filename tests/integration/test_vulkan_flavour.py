@@ -10,6 +10,8 @@ vulkan-tools; .ci/run installs them). Slow: lavapipe decodes about a token a sec
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -61,19 +63,23 @@ def test_the_vulkan_build_serves_through_the_gateway_and_answers_as_the_cpu_buil
     info = embedded.build_info(build.spec)
     assert info is not None and "-DGGML_VULKAN=ON" in info["cmake_flags"]
     model = _model()
+    # the build sees this machine's Vulkan device (the software one named, as the launch does)
+    devices = flavours.vulkan_devices()
+    env = dict(os.environ, **dict(e.split("=", 1) for e in flavours.launch_env("vulkan", devices)))
+    listed = subprocess.run([str(build.binary), "--list-devices"], capture_output=True, text=True, timeout=300, env=env)
+    assert devices and devices[0].name.split(" ")[0] in listed.stdout + listed.stderr, listed.stdout + listed.stderr
 
     cpu = gateway(_config("cpu", model), timeout=300)
     expected = _greedy(cpu.url)
     cpu.stop()
 
     gw = gateway(_config("vulkan", model), timeout=900)  # lavapipe compiles its pipelines at load
-    listed = httpx.get(gw.url + "/v1/models", timeout=10).json()["data"]
-    assert [m["flavours"] for m in listed if m["id"] == "smol"] == [["vulkan"]]
+    models = httpx.get(gw.url + "/v1/models", timeout=10).json()["data"]
+    assert [m["flavours"] for m in models if m["id"] == "smol"] == [["vulkan"]]
     rows = httpx.get(gw.url + "/admin/runtimes", timeout=10).json()["runtimes"]
     local = next(r for r in rows if r["name"] == "local")
     assert local["flavour"] == "vulkan" and "-ngl" in local["command"]
-    devices = flavours.vulkan_devices()
-    if devices and all(d.is_cpu for d in devices):  # no GPU here: the launch names the software device
+    if all(d.is_cpu for d in devices):  # no GPU here: the launch names the software device
         assert local["command"][:2] == ["env", "GGML_VK_VISIBLE_DEVICES=0"]
 
     answer = _greedy(gw.url)
