@@ -57,7 +57,7 @@ def _greedy(url: str) -> str:
 
 
 @pytest.mark.timeout(3600)  # a first build, then a software GPU
-def test_the_vulkan_build_serves_through_the_gateway_and_answers_as_the_cpu_build(gateway, tmp_path):
+def test_the_vulkan_build_serves_through_the_gateway_and_answers_as_the_cpu_build(gateway):
     build = embedded.llama_server_build(backend="vulkan")  # builds it when not cached (prerequisites first)
     assert build.spec is not None and build.spec.kind == "vulkan"
     info = embedded.build_info(build.spec)
@@ -83,7 +83,7 @@ def test_the_vulkan_build_serves_through_the_gateway_and_answers_as_the_cpu_buil
         assert local["command"][:2] == ["env", "GGML_VK_VISIBLE_DEVICES=0"]
 
     answer = _greedy(gw.url)
-    log = (tmp_path / "state" / "logs" / "local.log").read_text(errors="replace")
-    # llama-server offloaded to the Vulkan device (ggml names it in its log)
-    assert "ggml_vulkan" in log and "offloaded" in log, log[-3000:]
+    # the runtime runs on the Vulkan loader and its drivers (lavapipe's among them here)
+    maps = Path(f"/proc/{local['pid']}/maps").read_text()
+    assert "libvulkan.so" in maps and ("libvulkan_lvp.so" in maps or not all(d.is_cpu for d in devices))
     assert answer == expected, f"vulkan answered {answer!r}, the CPU build {expected!r}"
