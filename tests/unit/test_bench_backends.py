@@ -74,7 +74,11 @@ def test_the_table_says_energy_is_not_available_without_a_source():
 
 
 def test_answers_that_differ_are_said_to_differ():
-    assert backends_report.answers_match({"a": {"greedy_answer": "Paris."}, "b": {"greedy_answer": "Lyon."}}) is False
+    two = {"a": {"greedy_answer": "Paris.", "crashed": None, "not_measured": None},
+           "b": {"greedy_answer": "Lyon.", "crashed": None, "not_measured": None}}
+    assert backends_report.answers_match(two) is False
+    said = backends_report.sentence({"depths": [], "flavours": two, "answers_match": False})
+    assert "differ between flavours (a: 'Paris.', b: 'Lyon.')" in said
     assert backends_report.answers_match({"a": {"greedy_answer": "Paris."}, "b": {}}) is None
 
 
