@@ -29,10 +29,10 @@ def _setup_logging(fmt: str = "text") -> None:
 def _version_text() -> str:
     from passerelle.runtimes import embedded
 
-    info = embedded.build_info()
-    runtime = (f"llama.cpp from llama-cpp-python {info['llama_cpp_python']} ({info['flavour']}; "
-               f"{' / '.join(info['llama_server_version'])})" if info
-               else f"llama.cpp from llama-cpp-python {embedded.LLAMA_CPP_PYTHON_VERSION} (not built yet)")
+    built = embedded.built_flavours()
+    runtime = "; ".join(f"llama.cpp from llama-cpp-python {i['llama_cpp_python']} ({i['flavour']}; "
+                        f"{' / '.join(i['llama_server_version'])})" for i in built) if built \
+        else f"llama.cpp from llama-cpp-python {embedded.LLAMA_CPP_PYTHON_VERSION} (not built yet)"
     return f"passerelle {__version__}\nembedded runtime: {runtime}"
 
 
@@ -121,13 +121,57 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    from passerelle.runtimes import embedded
+    import subprocess
 
-    binary = embedded.find_or_build_llama_server()
+    from passerelle.runtimes import embedded
+    from passerelle.runtimes.prerequisites import MissingPrerequisites
+
+    try:
+        build = embedded.llama_server_build(backend=args.backend)
+    except MissingPrerequisites as exc:
+        print(f"passerelle: {exc}", file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as exc:  # CMake printed why; its work folder is kept to resume
+        print(f"passerelle: the llama-server build failed ({' '.join(exc.cmd[:2])}… exited {exc.returncode}); "
+              "CMake's output above says why", file=sys.stderr)
+        return 1
     model = embedded.ensure_default_model()
     gemma = embedded.ensure_gemma()  # the other built-in model ([embedded] model), which the tests use
-    print(f"llama-server: {binary}\nmodel: {model}\nalso: {gemma}\n{_version_text()}")
+    detected = f" (detected: {build.detection.reason})" if build.detection and args.backend == "auto" else ""
+    print(f"llama-server: {build.binary}\nflavour: {build.flavour}{detected}\nmodel: {model}\nalso: {gemma}\n"
+          f"{_version_text()}")
     return 0
+
+
+def cmd_bench_backends(args: argparse.Namespace) -> int:
+    """``passerelle bench backends``: the builds and their launches come from the embedded runtime,
+    the measuring from the bench."""
+    from passerelle.bench import backends
+    from passerelle.bench.cli import _command, build_levels
+    from passerelle.runtimes import embedded
+
+    if args.out is None:
+        print("passerelle: bench backends: --out DIR is required", file=sys.stderr)
+        return 2
+    model = Path(args.model_file).expanduser() if args.model_file else embedded.ensure_default_model()
+    if not model.is_file():
+        print(f"passerelle: bench backends: model file {model} does not exist", file=sys.stderr)
+        return 2
+    args = backends.sized(args)
+    try:
+        launches = embedded.flavour_launches(model, alias=backends.MODEL_ALIAS, slots=args.slots,
+                                             ctx_per_slot=args.ctx_per_slot, threads=args.threads,
+                                             wanted=args.flavours.split(",") if args.flavours else None)
+    except ValueError as exc:
+        print(f"passerelle: bench backends: {exc}", file=sys.stderr)
+        return 2
+    if not launches:
+        print("passerelle: bench backends: no llama-server build cached; run `passerelle setup --backend …`",
+              file=sys.stderr)
+        return 2
+    flavours = [backends.Flavour(x["name"], x["command"], x["env"], x["info"], x["driver"]) for x in launches]
+    command = backends.command_line(args, _command(args, "bench backends"))
+    return backends.finish(backends.run(args, flavours, model, build_levels, command), args.out)
 
 
 def admin_address(cfg: Config) -> str:
@@ -285,12 +329,15 @@ def build_parser() -> argparse.ArgumentParser:
     service.set_defaults(func=cmd_service)
 
     setup = sub.add_parser("setup", help="build llama-server and assemble the default model (idempotent)")
+    setup.add_argument("--backend", choices=("auto", "cpu", "vulkan", "rocm", "cuda"), default="auto",
+                       help="the llama-server build: auto (this machine's GPU: CUDA, ROCm, a Vulkan GPU, else CPU), "
+                            "or one by name; builds are cached side by side (default auto)")
     setup.set_defaults(func=cmd_setup)
 
     from passerelle.bench.cli import add_parser as add_bench_parser
     from passerelle.testing.fake_runtime import add_parser as add_fake_parser
 
-    add_bench_parser(sub)
+    add_bench_parser(sub, cmd_bench_backends)
     add_fake_parser(sub)
     return parser
 

@@ -128,10 +128,15 @@ class BackendConfig:
     api_key: str = ""  # sent upstream as Bearer, for remote OpenAI-compatible servers
     priority: bool = False  # vLLM started with --scheduling-policy priority: send the class
     log_file: str = ""
+    flavour: str = ""  # the build it runs (cpu, vulkan, rocm, cuda...), shown by /v1/models and runtime list
     on_demand: bool = False  # launched when its model is first asked for, not at start
     idle_ttl_s: float = 0.0  # stop a launched runtime after this long without requests (0: never)
     memory_gib: float = 0.0  # what it needs loaded; 0: measured once it ran, estimated from the GGUF before
     persistent: bool = False  # pinned: never stopped for the memory budget nor when idle
+
+
+# llama-server builds the embedded runtime can use (runtimes/flavours.py); auto: this machine's GPU
+EMBEDDED_BACKENDS = ("auto", "cpu", "vulkan", "rocm", "cuda")
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,7 @@ class EmbeddedConfig:
     """The default runtime: a llama-server built from source serving a small model."""
 
     llama_server: str = ""  # a binary to use instead of PATH / the cached build
+    backend: str = "auto"  # the llama-server build: auto (this machine's GPU), cpu, vulkan, rocm, cuda
     model: str = EMBEDDED_MODELS[0]  # the built-in model served when model_path is empty (EMBEDDED_MODELS)
     model_path: str = ""  # a GGUF to serve instead of the built-in model
     model_id: str = ""  # the id clients use; empty: the built-in model's, or model_path's file name without .gguf
@@ -630,6 +636,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
            key="metrics.window_s", text=text, header="metrics", field_name="window_s")
 
+    _check(sections["embedded"].backend in EMBEDDED_BACKENDS, f"expected one of {', '.join(EMBEDDED_BACKENDS)}",
+           file=file, key="embedded.backend", text=text, header="embedded", field_name="backend")
     classes = _load_classes(data.get("classes", []), sections["auth"], file=file, text=text,
                             preemption=sections["scheduler"].preemption)
     _check(sections["routing"].policy in ("least_loaded", "round_robin"), "expected 'least_loaded' or 'round_robin'",

