@@ -86,7 +86,9 @@ def test_a_database_away_leaves_requests_served_and_usage_spooled_then_written_b
     fake = fake_backend(ttft_ms=5, itl_ms=1)
     gw = gateway(shared(fake.url, url))
     secret, key_id = make_key(gw, "--quota", "1000 requests/day")
-    wait_until(lambda: chat(gw, secret) == 200, 10, what="the key served")
+    # (until the gateway has read the new key, keys are not in use there and any request passes)
+    wait_until(lambda: chat(gw, None) == 401, 10, what="keys in use")
+    assert chat(gw, secret) == 200  # the key served
     assert httpx.get(gw.url + "/health", timeout=10).json()["store"]["up"] is True
     assert metric(gw, "passerelle_store_up") == 1
     postgres.stop()
@@ -122,7 +124,9 @@ def test_past_offline_s_requests_are_refused_with_their_own_cause(postgres, gate
     fake = fake_backend(ttft_ms=5, itl_ms=1)
     gw = gateway(shared(fake.url, url, store="offline_s = 1"))
     secret, _ = make_key(gw)
-    wait_until(lambda: chat(gw, secret) == 200, 10, what="the key served")
+    # (until the gateway has read the new key, keys are not in use there and any request passes)
+    wait_until(lambda: chat(gw, None) == 401, 10, what="keys in use")
+    assert chat(gw, secret) == 200  # the key served
     postgres.stop()
     try:
         wait_until(lambda: chat(gw, secret) == 503, 30, what="the cached keys no longer trusted")
