@@ -157,7 +157,9 @@ def test_the_standby_takes_over_when_the_active_is_killed_and_no_accepted_usage_
     a = gateway(shared(fake.url, url, store=PAIR), env={"PASSERELLE_STATE": state_a})
     b = gateway(shared(fake.url, url, store=PAIR), env={"PASSERELLE_STATE": str(tmp_path / "state-b")})
     secret, key_id = make_key(a)
-    wait_until(lambda: chat(a, secret) == 200, 10, what="the key served by the active")
+    # (until the active has read the new key, keys are not in use there and any request passes)
+    wait_until(lambda: chat(a, None) == 401, 10, what="keys in use on the active")
+    assert chat(a, secret) == 200  # the key served by the active
     assert httpx.get(a.url + "/health", timeout=10).json()["active"]["active"] is True
     health = httpx.get(b.url + "/health", timeout=10)
     assert health.status_code == 503 and health.json()["status"] == "standby", health.text
@@ -193,7 +195,9 @@ def test_a_database_away_leaves_the_active_serving_and_one_active_when_it_return
     a = gateway(shared(fake.url, url, store=PAIR), env={"PASSERELLE_STATE": str(tmp_path / "state-a")})
     b = gateway(shared(fake.url, url, store=PAIR), env={"PASSERELLE_STATE": str(tmp_path / "state-b")})
     secret, _ = make_key(a)
-    wait_until(lambda: chat(a, secret) == 200, 10, what="the key served by the active")
+    # (until the active has read the new key, keys are not in use there and any request passes)
+    wait_until(lambda: chat(a, None) == 401, 10, what="keys in use on the active")
+    assert chat(a, secret) == 200  # the key served by the active
 
     def roles() -> list[int]:
         return [httpx.get(gw.url + "/health", timeout=10).status_code for gw in (a, b)]
