@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ import orjson
 from passerelle.errors import StoreUnavailable
 from passerelle.observe.record import RequestRecord, clip
 from passerelle.tenants.pgstore import _Conn, connect, first_line
-from passerelle.tenants.usage import billed_tokens, report, tokens_since, used_since
+from passerelle.tenants.usage import ThreadedReports, billed_tokens
 
 log = logging.getLogger("passerelle.tenants.pgusage")
 
@@ -202,7 +202,7 @@ class PgUsage:
         self.spool.close()
 
 
-class PgUsageReader:
+class PgUsageReader(ThreadedReports):
     """Reports on the shared usage table, in a worker thread, on a connection of their own
     (reconnected on the next report after a failure)."""
 
@@ -226,15 +226,6 @@ class PgUsageReader:
                 self._conn = None
                 raise StoreUnavailable(f"The usage store is out of reach ({first_line(exc)}); try again later.",
                                        retry_after=5) from None
-
-    async def report(self, **kw: Any) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self._run, report, **kw)
-
-    async def tokens_since(self, key_id: str, starts: Sequence[float]) -> list[int]:
-        return await asyncio.to_thread(self._run, tokens_since, key_id, starts)
-
-    async def used_since(self, key_id: str, starts: Sequence[float]) -> list[tuple[int, int]]:
-        return await asyncio.to_thread(self._run, used_since, key_id, starts)
 
     def close(self) -> None:
         with self._lock:

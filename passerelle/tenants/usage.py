@@ -255,7 +255,25 @@ def parse_since(text: str | None, now: float | None = None) -> float:
     return datetime.fromisoformat(text).timestamp()
 
 
-class UsageReader:
+class ThreadedReports:
+    """The reports, each run in a worker thread by ``_run`` (the reader's own connection, under its
+    lock): the event loop never waits on a scan of the usage table. SQLite's reader and
+    PostgreSQL's (pgusage.py) differ only in ``_run``."""
+
+    def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        raise NotImplementedError
+
+    async def report(self, **kw: Any) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self._run, report, **kw)
+
+    async def tokens_since(self, key_id: str, starts: Sequence[float]) -> list[int]:
+        return await asyncio.to_thread(self._run, tokens_since, key_id, starts)
+
+    async def used_since(self, key_id: str, starts: Sequence[float]) -> list[tuple[int, int]]:
+        return await asyncio.to_thread(self._run, used_since, key_id, starts)
+
+
+class UsageReader(ThreadedReports):
     """Reports for the running gateway, on a connection of their own, in a worker thread (the
     event loop never waits on a scan of the usage table)."""
 
@@ -266,15 +284,6 @@ class UsageReader:
     def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
         with self._lock:
             return fn(self.conn, *args, **kw)
-
-    async def report(self, **kw: Any) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self._run, report, **kw)
-
-    async def tokens_since(self, key_id: str, starts: Sequence[float]) -> list[int]:
-        return await asyncio.to_thread(self._run, tokens_since, key_id, starts)
-
-    async def used_since(self, key_id: str, starts: Sequence[float]) -> list[tuple[int, int]]:
-        return await asyncio.to_thread(self._run, used_since, key_id, starts)
 
     def close(self) -> None:
         with self._lock:
