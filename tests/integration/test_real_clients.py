@@ -337,13 +337,16 @@ def tool_gateway(gateway, scripted, key) -> Gateway:
 
 
 def round_trip(scripted: Scripted, path: str, tool: str) -> tuple[dict, dict]:
-    """The request answered with the tool call, and the next one, which carries its result."""
+    """The request answered with the tool call, and the agent's next turn, which carries its result."""
     reqs = [r for r in scripted.requests() if r["path"] == path]
     i = next((i for i, r in enumerate(reqs) if isinstance(r["answer"], dict)), None)
     assert i is not None, f"no request on {path} offered a tool the runtime knows: {[r['answer'] for r in reqs]}"
     assert reqs[i]["answer"]["tool"] == tool
-    assert i + 1 < len(reqs), "the client did not come back with the tool's result"
-    return reqs[i], reqs[i + 1]
+    # the agent loop's next turn offers its tools again; a side request made meanwhile (opencode
+    # asks for a title in parallel) offers none, so it is not the one that carries the result
+    after = next((r for r in reqs[i + 1:] if r["body"].get("tools")), None)
+    assert after is not None, "the client did not come back with the tool's result"
+    return reqs[i], after
 
 
 def check_file(box: Box) -> None:
