@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -91,6 +92,15 @@ def priority_class(classes: dict[str, ClassConfig], auth: AuthConfig, scope: Sco
 MAX_SESSION_CHARS = 512  # a longer session id is hashed whole all the same; nothing keeps it
 
 
+@functools.lru_cache(maxsize=16)
+def _session_sources(r: RoutingConfig, chat_header: str) -> tuple[tuple[tuple[str, bytes], ...],
+                                                                   tuple[tuple[str, tuple[str, ...]], ...]]:
+    """The headers (name, its lower-case bytes) and body paths a session is read from, in order:
+    worked out once per configuration, not on every request."""
+    names = tuple((n.lower(), n.lower().encode()) for n in (r.session_header, *r.session_headers, chat_header) if n)
+    return names, tuple((path, tuple(path.split("."))) for path in r.session_fields)
+
+
 def session_of(r: RoutingConfig, scope: Scope, data: dict[str, Any] | None,
                chat_header: str = "") -> tuple[str, str]:
     """``(where, id)``: the session a request names, first found among the [routing] session header,
@@ -98,14 +108,20 @@ def session_of(r: RoutingConfig, scope: Scope, data: dict[str, Any] | None,
     trusted front-end's chat header (``chat_header``: Open WebUI's ``X-OpenWebUI-Chat-Id``, given only
     for a key that trusts it), then the body's ``session_fields`` (``prompt_cache_key``, Anthropic's
     ``metadata.user_id``, OpenAI's ``user``); ``("", "")`` for none."""
-    for name in (r.session_header, *r.session_headers, chat_header):
-        if name and (value := header(scope, name.lower().encode())):
-            return name.lower(), value.strip()
+    names, fields = _session_sources(r, chat_header)
+    wanted = {raw for _, raw in names}
+    found: dict[bytes, str] = {}
+    for k, v in scope["headers"]:  # one pass over the headers; a header's first value counts
+        if k in wanted and k not in found:
+            found[k] = bytes(v).decode("latin-1")
+    for name, raw in names:
+        if value := found.get(raw):
+            return name, value.strip()
     if not isinstance(data, dict):
         return "", ""
-    for path in r.session_fields:
+    for path, parts in fields:
         node: Any = data
-        for part in path.split("."):
+        for part in parts:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, str) and node.strip():
             return path, node.strip()
