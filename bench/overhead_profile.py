@@ -30,7 +30,7 @@ GC = "garbage collector (cyclic GC passes, wherever they trigger)"
 LOOP = "event loop in C (uvloop: epoll, socket reads, callback dispatch)"
 SEND = "ASGI send to the client (uvicorn send -> transport.write -> write syscall)"
 SCAN = "relay.py: SSE split + byte scan (SSEScanner.feed, _scan, _scan_grammar)"
-RELAY = "relay.py: relay loop (StreamRelay.run: await/resume, per-chunk timeout reschedule)"
+RELAY = "relay.py: relay loop (StreamRelay.relay: await/resume, per-chunk timeout reschedule)"
 UP_READ = "upstream read (http1.py protocol, httptools parser, Response.readany)"
 UP_REQ = "upstream request (Backend.post: upstream/client.py pool, connect, write, response headers)"
 UVICORN = "uvicorn + httptools request side (HTTP parse, ASGI receive, task start, keep-alive)"
@@ -72,7 +72,7 @@ def categorise(frames: list[str]) -> str | None:
         return LIFECYCLE
     if has("Backend.post", "passerelle/upstream/client.py"):
         return UP_REQ
-    if has("StreamRelay.run"):
+    if has("StreamRelay.run", "StreamRelay.relay"):
         if has("SSEScanner.feed", "StreamRelay._scan"):
             return SCAN
         if has("passerelle/upstream/http1.py"):

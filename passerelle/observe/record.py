@@ -29,6 +29,10 @@ class State(enum.Enum):
     SUSPENDED = "suspended"  # its stream was cut upstream for a better class; queued to resume
     DONE = "done"
 
+    # Members are singletons compared by identity: hashed by identity too (Enum's own hash is a
+    # Python function hashing the name, run on every transition check of every request).
+    __hash__ = object.__hash__
+
 
 _ALLOWED = {
     State.RECEIVED: {State.QUEUED, State.DISPATCHED, State.DONE},

@@ -136,7 +136,7 @@ async def fetch(ex: Exchange, req: UpstreamRequest, backend: Backend,
             relay = StreamRelay(rec, send, req.timeouts, strip_usage=req.strip_usage,
                                 client=ex if sink is None else None, grammar=grammars.make(api.grammar),
                                 max_event=limits.max_event_bytes)
-            await relay.run(resp, deadline, budget)
+            await relay.relay(resp, deadline, budget)
             if splice is not None and splice.suspended:
                 return None
             if sink is None:

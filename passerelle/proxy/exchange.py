@@ -68,14 +68,37 @@ def _transport_of(send: Send) -> Any:
     return None
 
 
+class StreamGate:
+    """An ASGI ``send`` that can be closed: once ``closed``, what the app sends is dropped, and
+    only the shutdown path writes (through ``raw``: server/shutdown.py). An exchange given one
+    checks ``closed`` itself and writes through ``raw`` (a coroutine less on every write)."""
+
+    __slots__ = ("closed", "raw")
+
+    def __init__(self, raw: Send) -> None:
+        self.raw = raw
+        self.closed = False
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if not self.closed:
+            await self.raw(message)
+
+    @property
+    def __wrapped__(self) -> Send:
+        """What it wraps: the exchange finds the client's connection under it (to cut a client
+        that stopped reading)."""
+        return self.raw
+
+
 class Exchange:
-    __slots__ = ("_aborted", "_asgi_send", "_cancel_pending", "_cancelled", "_loop", "_watcher", "disconnected",
-                 "errors", "finishing", "grammar", "held", "rec", "receive", "scope", "stalled", "started", "task",
-                 "writing_since")
+    __slots__ = ("_aborted", "_asgi_send", "_cancel_pending", "_cancelled", "_gate", "_loop", "_watcher",
+                 "disconnected", "errors", "finishing", "grammar", "held", "rec", "receive", "scope", "stalled",
+                 "started", "task", "writing_since")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         client = scope.get("client")
         self.scope, self.receive, self._asgi_send = scope, receive, send
+        self._gate = send if type(send) is StreamGate else None
         self.rec = RequestRecord(id=new_request_id(), endpoint=endpoint, client=client[0] if client else "")
         self.started = False
         self.finishing = False
@@ -192,7 +215,11 @@ class Exchange:
         """The ASGI send, watched: while it waits for the client to take bytes, ``writing_since``
         says since when (the gateway's watchdog cuts a client stuck past ``client_write_s``)."""
         self.writing_since = self._loop.time()
-        await self._asgi_send(message)
+        gate = self._gate
+        if gate is None:
+            await self._asgi_send(message)
+        elif not gate.closed:
+            await gate.raw(message)
         self.writing_since = 0.0  # (left set when the send was cancelled or failed: the next one resets it)
 
     def mark_finishing(self) -> None:

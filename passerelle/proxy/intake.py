@@ -11,7 +11,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from typing import Any
 
@@ -92,13 +91,25 @@ def priority_class(classes: dict[str, ClassConfig], auth: AuthConfig, scope: Sco
 MAX_SESSION_CHARS = 512  # a longer session id is hashed whole all the same; nothing keeps it
 
 
-@functools.lru_cache(maxsize=16)
-def _session_sources(r: RoutingConfig, chat_header: str) -> tuple[tuple[tuple[str, bytes], ...],
-                                                                   tuple[tuple[str, tuple[str, ...]], ...]]:
-    """The headers (name, its lower-case bytes) and body paths a session is read from, in order:
-    worked out once per configuration, not on every request."""
+_Sources = tuple[tuple[tuple[str, bytes], ...], frozenset[bytes], tuple[tuple[str, tuple[str, ...]], ...]]
+# (id of the [routing] section, chat header) -> (that section, its sources). Keyed by identity, not
+# by the frozen section's hash (which hashes every field, on every request); the section is kept in
+# the entry so that its id is never reused while the entry stands.
+_SOURCES: dict[tuple[int, str], tuple[RoutingConfig, _Sources]] = {}
+
+
+def _session_sources(r: RoutingConfig, chat_header: str) -> _Sources:
+    """The headers (name, its lower-case bytes; the set of those bytes) and body paths a session
+    is read from, in order: worked out once per configuration, not on every request."""
+    entry = _SOURCES.get((id(r), chat_header))
+    if entry is not None and entry[0] is r:
+        return entry[1]
     names = tuple((n.lower(), n.lower().encode()) for n in (r.session_header, *r.session_headers, chat_header) if n)
-    return names, tuple((path, tuple(path.split("."))) for path in r.session_fields)
+    sources = names, frozenset(raw for _, raw in names), tuple((p, tuple(p.split("."))) for p in r.session_fields)
+    if len(_SOURCES) >= 16:  # (configurations reloaded many times: start again)
+        _SOURCES.clear()
+    _SOURCES[(id(r), chat_header)] = (r, sources)
+    return sources
 
 
 def session_of(r: RoutingConfig, scope: Scope, data: dict[str, Any] | None,
@@ -108,15 +119,15 @@ def session_of(r: RoutingConfig, scope: Scope, data: dict[str, Any] | None,
     trusted front-end's chat header (``chat_header``: Open WebUI's ``X-OpenWebUI-Chat-Id``, given only
     for a key that trusts it), then the body's ``session_fields`` (``prompt_cache_key``, Anthropic's
     ``metadata.user_id``, OpenAI's ``user``); ``("", "")`` for none."""
-    names, fields = _session_sources(r, chat_header)
-    wanted = {raw for _, raw in names}
+    names, wanted, fields = _session_sources(r, chat_header)
     found: dict[bytes, str] = {}
     for k, v in scope["headers"]:  # one pass over the headers; a header's first value counts
         if k in wanted and k not in found:
             found[k] = bytes(v).decode("latin-1")
-    for name, raw in names:
-        if value := found.get(raw):
-            return name, value.strip()
+    if found:
+        for name, raw in names:
+            if value := found.get(raw):
+                return name, value.strip()
     if not isinstance(data, dict):
         return "", ""
     for path, parts in fields:

@@ -257,11 +257,11 @@ class StreamRelay:
         that idles after it has still answered in full.
         """
         if budget is not None:
-            await self._relay(resp, deadline, budget)
+            await self.relay(resp, deadline, budget)
             return
         try:
             async with asyncio.timeout_at(deadline.first_at) as own:
-                await self._relay(resp, deadline, own)
+                await self.relay(resp, deadline, own)
         except TimeoutError:
             raise self.timed_out(deadline) from None
 
@@ -277,7 +277,9 @@ class StreamRelay:
             return UpstreamTimeout("between tokens", t.between_tokens_s)
         return UpstreamTimeout("first token", t.first_token_s)
 
-    async def _relay(self, resp: Response, deadline: Deadline, budget: asyncio.Timeout) -> None:
+    async def relay(self, resp: Response, deadline: Deadline, budget: asyncio.Timeout) -> None:
+        """:meth:`run` within the caller's ``budget`` (awaited directly by a caller that has one:
+        a coroutine less to pass through each time the stream's task resumes)."""
         rec, t = self.rec, self.timeouts
         scanner = SSEScanner(self.max_event)
         held: list[bytes] | None = []  # events before the first content chunk

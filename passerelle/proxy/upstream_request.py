@@ -39,9 +39,10 @@ from passerelle.runtimes.kinds import Backend
 JSON = b"application/json"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class UpstreamRequest:
-    """What one attempt sends to one runtime, and how its answer is taken."""
+    """What one attempt sends to one runtime, and how its answer is taken. (Built on every attempt:
+    not frozen, whose every field is set through ``object.__setattr__``.)"""
 
     api: Api
     body: bytes

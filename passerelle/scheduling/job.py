@@ -46,6 +46,10 @@ class JobState(enum.Enum):
     SUSPENDED = "suspended"
     DONE = "done"
 
+    # Members are singletons compared by identity: hashed by identity too (Enum's own hash is a
+    # Python function hashing the name, run on every transition check of every request).
+    __hash__ = object.__hash__
+
 
 _ALLOWED = {
     JobState.NEW: {JobState.WAITING},

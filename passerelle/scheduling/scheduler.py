@@ -200,9 +200,12 @@ class Scheduler:
     def _admit(self, job: Job) -> None:
         """Raise QueueFull or TenantQueueFull unless ``job`` may queue (the module docstring's fair
         admission); may displace another tenant's newest queued request to make room."""
+        bound = job.cls.max_queue
+        if not self.waiting and bound > 0:  # (most requests: nothing queued, nothing to count)
+            return
         # The limit is per model and class: one model's full queue must not refuse another's requests.
         same = [j for j in self.waiting if j.cls is job.cls and j.model == job.model]
-        queued, bound = len(same), job.cls.max_queue
+        queued = len(same)
         share = max(1, math.floor(self.tenant_queue_share * bound + 1e-9))
         if share < bound:
             mine = sum(1 for j in same if j.tenant == job.tenant)

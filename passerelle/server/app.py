@@ -26,7 +26,7 @@ from passerelle import __version__
 from passerelle.batches.api import BatchApi
 from passerelle.config import Config
 from passerelle.errors import ConfigError, GatewayError, InvalidRequest, Standby, Unauthorized, UnknownModel, clip
-from passerelle.proxy.exchange import Receive, Scope, Send, header
+from passerelle.proxy.exchange import Receive, Scope, Send, StreamGate, header
 from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
 from passerelle.runtimes import embedded
 from passerelle.runtimes.factory import expand
@@ -45,7 +45,7 @@ from passerelle.server.login import AdminLogin
 from passerelle.server.responses import error_response, json_response, raw_response
 from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
 from passerelle.server.sdnotify import Notifier
-from passerelle.server.shutdown import ShuttingDown, StreamGate, end_open_requests
+from passerelle.server.shutdown import ShuttingDown, end_open_requests
 from passerelle.tenants.pgstore import PgKeyStore
 from passerelle.tenants.pgusage import PgUsage
 from passerelle.tenants.usage import UsageRecorder
@@ -125,12 +125,11 @@ class App:
                 if scope["method"] == "OPTIONS":
                     await json_response(send, 204, None)
                     return
-            await self._http(scope, receive, send)
+            # (straight to the route: every coroutine between the server and the relay loop is
+            # passed through again each time a stream's task resumes, a few dozen times a request)
+            await self._route(scope, receive, send, on_admin_port=False)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
-
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._route(scope, receive, send, on_admin_port=False)
 
     async def admin_app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app of the separate admin port ([admin] port): admin routes only."""

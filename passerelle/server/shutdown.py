@@ -35,7 +35,7 @@ from typing import Any
 
 from passerelle.errors import Cause, GatewayError
 from passerelle.proxy import grammars
-from passerelle.proxy.exchange import Exchange
+from passerelle.proxy.exchange import Exchange, StreamGate
 from passerelle.proxy.protocols import OPENAI, error_body
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -51,27 +51,6 @@ class ShuttingDown(GatewayError):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [*super().headers(), (b"connection", b"close")]
-
-
-class StreamGate:
-    """An ASGI ``send`` that can be closed: once ``closed``, what the app sends is dropped, and
-    only the shutdown path writes (through ``raw``)."""
-
-    __slots__ = ("closed", "raw")
-
-    def __init__(self, raw: Send) -> None:
-        self.raw = raw
-        self.closed = False
-
-    async def __call__(self, message: dict[str, Any]) -> None:
-        if not self.closed:
-            await self.raw(message)
-
-    @property
-    def __wrapped__(self) -> Send:
-        """What it wraps: the exchange finds the client's connection under it (to cut a client
-        that stopped reading)."""
-        return self.raw
 
 
 def _last_bytes_out(ex: Exchange) -> bool:
