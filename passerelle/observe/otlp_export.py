@@ -227,10 +227,26 @@ def _value(v: Any) -> Any:
     return AnyValue(string_value=str(v))
 
 
+_KEY_VALUES: dict[tuple[str, Any, type], Any] = {}  # built KeyValue messages, by (key, value, type)
+
+
 def _attributes(attrs: dict[str, Any]) -> list[Any]:
+    """The attributes as KeyValue messages; most (operation, model, backend, cause) recur from
+    span to span, and a cached message copied in costs a third of one built (measured)."""
     from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
-    return [KeyValue(key=k, value=_value(v)) for k, v in attrs.items()]
+    out = []
+    for k, v in attrs.items():
+        if isinstance(v, list):
+            v = tuple(v)
+        key = (k, v, type(v))
+        kv = _KEY_VALUES.get(key)
+        if kv is None:
+            if len(_KEY_VALUES) >= 4096:  # (ids and counts never recur: start afresh)
+                _KEY_VALUES.clear()
+            kv = _KEY_VALUES[key] = KeyValue(key=k, value=_value(v))
+        out.append(kv)
+    return out
 
 
 def request_of(spans: list[Any], resource: dict[str, Any], version: str) -> Any:
