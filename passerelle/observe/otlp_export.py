@@ -28,9 +28,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from passerelle.config import TracingConfig
+if TYPE_CHECKING:  # (the exporter's process imports no more of passerelle than this module)
+    from passerelle.config import TracingConfig
 
 log = logging.getLogger("passerelle.tracing")
 
@@ -82,6 +83,7 @@ class SpanPipe:
         self._timer: asyncio.TimerHandle | None = None
         self._watching = False  # the loop waits for the pipe to take _out
         self._closed = False
+        self._stopping = False  # shutdown has begun: the loop is not asked to watch the pipe any more
 
     def submit(self, spans: list[Any]) -> None:
         if self._closed or len(self._pending) + len(spans) > self.max_spans:
@@ -132,7 +134,7 @@ class SpanPipe:
             self._unsent()
             return
         self._written(n)
-        if self._out and not self._watching and self._loop is not None:
+        if self._out and not self._watching and self._loop is not None and not self._stopping:
             self._loop.add_writer(self.fd, self._writable)
             self._watching = True
         elif not self._out and self._watching and self._loop is not None:
@@ -170,6 +172,7 @@ class SpanPipe:
         """Every waiting span written (within ``SHUTDOWN_S``), the pipe closed, the child waited for
         while it sends them; killed if it overstays."""
         deadline = time.monotonic() + SHUTDOWN_S
+        self._stopping = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
