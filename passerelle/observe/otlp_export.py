@@ -105,6 +105,8 @@ class SpanPipe:
         self.flush()
 
     def _drop(self, n: int) -> None:
+        if not n:
+            return
         if not self.dropped:
             log.warning("traces: %d spans dropped (the exporter is behind or gone); counting", n)
         self.dropped += n
@@ -354,13 +356,15 @@ def main(conf: dict[str, Any]) -> None:
             chunk = os.read(fd, 1 << 20)
             eof = not chunk
             buf += chunk
-            while len(buf) >= 4 and len(buf) >= 4 + (n := int.from_bytes(buf[:4], "big")):
-                spans = marshal.loads(bytes(buf[4:4 + n]))
-                del buf[:4 + n]
+            pos = 0  # (the frames read, then cut off at once: one move of the rest, not one a frame)
+            while len(buf) - pos >= 4 and len(buf) - pos >= 4 + (n := int.from_bytes(buf[pos:pos + 4], "big")):
+                spans = marshal.loads(buf[pos + 4:pos + 4 + n])
+                pos += 4 + n
                 if len(held) + len(spans) > max_spans:
                     dropped += len(spans)
                 else:
                     held += spans
+            del buf[:pos]
         now = time.monotonic()
         if was_empty:
             due = now + delay  # the first span held waits at most the schedule's delay
