@@ -182,3 +182,98 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PASSERELLE_STATE": str(tmp_path)})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def one_request(tracer, rid: str) -> None:
+    from passerelle.errors import Cause
+    from passerelle.observe.record import RequestRecord
+
+    rec = RequestRecord(id=rid, endpoint="chat", model=MODEL)
+    t = tracer.begin({"method": "POST", "path": "/v1/chat/completions", "headers": []}, rec)
+    t.queue_started(swap=False)
+    t.queue_ended("b1")
+    t.attempt_started("b1", MODEL)
+    t.attempt_ended(None)
+    rec.finish(Cause.OK, 200)
+    t.end(rec)
+
+
+def test_shutdown_sends_what_the_exporter_holds(receiver, monkeypatch):
+    """With a schedule delay of a minute nothing is sent before shutdown: shutdown (from a thread,
+    as the app calls it) writes what waits in the gateway and the child sends it before exiting."""
+    import asyncio
+
+    from passerelle.config import TracingConfig
+    from passerelle.observe.tracing import RequestTracer
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+    tracer = RequestTracer(TracingConfig(enabled=True, endpoint=receiver.url))
+
+    async def main() -> None:
+        for i in range(3):
+            one_request(tracer, f"req_{i}")  # on the loop: waits for the flush timer
+        await asyncio.to_thread(tracer.shutdown)
+
+    asyncio.run(main())
+    assert tracer.pipe is not None and tracer.pipe.proc.returncode == 0 and tracer.pipe.dropped == 0
+    with receiver.lock:
+        got = sorted(s["attrs"]["passerelle.request_id"] for s in receiver.spans if s["kind"] == 2)
+    assert got == ["req_0", "req_1", "req_2"]
+
+
+def test_spans_beyond_the_cap_or_with_the_child_gone_are_dropped_and_counted(receiver, monkeypatch):
+    import asyncio
+
+    from passerelle.config import TracingConfig
+    from passerelle.observe.tracing import RequestTracer
+
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "10")  # 3 spans a request: the 4th within one flush is over
+    tracer = RequestTracer(TracingConfig(enabled=True, endpoint=receiver.url))
+    pipe = tracer.pipe
+    assert pipe is not None
+
+    async def burst() -> None:
+        for i in range(4):
+            one_request(tracer, f"req_{i}")
+        assert pipe.dropped == 3
+        await asyncio.sleep(0.3)  # the flush timer
+
+    asyncio.run(burst())
+    pipe.proc.kill()
+    pipe.proc.wait()
+    one_request(tracer, "after")  # no loop: written at once, into a pipe with no reader
+    assert pipe.dropped == 6
+    tracer.shutdown()
+
+
+def test_the_exporter_process_ends_with_the_gateway(tmp_path, receiver):
+    """SIGKILL of the gateway's process: its exporter child sees the pipe close and exits."""
+    import signal
+    import subprocess
+    import sys
+
+    script = f"""
+import sys, time
+from passerelle.config import TracingConfig
+from passerelle.observe.tracing import RequestTracer
+tracer = RequestTracer(TracingConfig(enabled=True, endpoint={receiver.url!r}))
+print(tracer.pipe.proc.pid, flush=True)
+time.sleep(60)
+"""
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            child = int(proc.stdout.readline())
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+
+            def gone() -> bool:
+                try:
+                    with open(f"/proc/{child}/stat") as f:
+                        return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # (a zombie: its parent died first)
+                except FileNotFoundError:
+                    return True
+
+            wait_until(gone, 10, what="the exporter process to exit")
+        finally:
+            proc.kill()
