@@ -225,11 +225,13 @@ async def test_cancel_answers_each_line_once_done_or_cancelled(tmp_path):
 async def test_lines_not_done_by_the_completion_window_expire(tmp_path):
     rows = [line(f"x{i}") for i in range(40)]
     cfg = BatchesConfig(in_flight_per_batch=1)
-    async with fake_runtime(ttft_ms=60) as fake, gateway(fake.backend_config(), db=tmp_path / "k.db",
-                                                         batches=cfg) as gw:
+    # The window is counted in whole seconds from a whole-second created_at, so "3s" leaves between 2
+    # and 3 s: enough for the first line (150 ms) on a busy machine, never enough for all 40 (6 s).
+    async with fake_runtime(ttft_ms=150) as fake, gateway(fake.backend_config(), db=tmp_path / "k.db",
+                                                          batches=cfg) as gw:
         f = (await upload(gw, jsonl(rows))).json()
-        b = (await create(gw, f["id"], window="1s")).json()
-        assert b["expires_at"] - b["created_at"] == 1
+        b = (await create(gw, f["id"], window="3s")).json()
+        assert b["expires_at"] - b["created_at"] == 3
         done = await settle(gw, b["id"])
         assert done["status"] == "expired" and done["expired_at"]
         out = await lines_of(gw, done["output_file_id"])
