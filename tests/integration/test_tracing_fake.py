@@ -277,3 +277,23 @@ time.sleep(60)
             wait_until(gone, 10, what="the exporter process to exit")
         finally:
             proc.kill()
+
+
+def test_spans_the_exporter_could_not_take_are_counted_in_metrics(gateway, fake_backend, receiver):
+    """Spans dropped at the gateway's cap show in /metrics, not only in the log."""
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    # 3 spans a request, 4 waiting at most: the second request within one flush is over the cap
+    gw = gateway(traced(fake.url, receiver.url), env={**ENV, "OTEL_BSP_MAX_QUEUE_SIZE": "4"})
+
+    def dropped() -> float:
+        text = httpx.get(gw.url + "/metrics", timeout=10).text
+        line = next(x for x in text.splitlines() if x.startswith("passerelle_trace_spans_dropped_total "))
+        return float(line.split()[1])
+
+    assert dropped() == 0
+    with httpx.Client(timeout=30) as client:
+        for _ in range(20):  # back to back: several within one 0.1 s flush
+            r = client.post(gw.url + "/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+    assert wait_until(lambda: dropped() >= 3 or None, 30, what="dropped spans in /metrics")
