@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -236,7 +237,10 @@ def test_spans_beyond_the_cap_or_with_the_child_gone_are_dropped_and_counted(rec
         for i in range(4):
             one_request(tracer, f"req_{i}")
         assert pipe.dropped == 3
-        await asyncio.sleep(0.3)  # the flush timer
+        deadline = time.monotonic() + 10
+        while pipe._pending:  # until the flush timer has written them to the child
+            assert time.monotonic() < deadline, "the flush timer never wrote the waiting spans"
+            await asyncio.sleep(0.01)
 
     asyncio.run(burst())
     pipe.proc.kill()
