@@ -241,7 +241,7 @@ class LimitsConfig:
 class StoreConfig:
     """A store shared by several gateways: PostgreSQL (psycopg 3), for keys, the audit log, usage
     rows and quotas' counters (tenants/pgstore.py, pgusage.py, pgquota.py), and the lock of an
-    active-passive pair (server/active.py)."""
+    active-passive pair (tenants/active.py)."""
 
     url: str = ""  # postgresql://user:password@host/db; empty: everything in the instance's SQLite file
     poll_s: float = 1.0  # how often each gateway looks for changed keys (and retries a lost database)

@@ -46,9 +46,6 @@ from passerelle.server.responses import error_response, json_response, raw_respo
 from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
 from passerelle.server.sdnotify import Notifier
 from passerelle.server.shutdown import ShuttingDown, end_open_requests
-from passerelle.tenants.pgstore import PgKeyStore
-from passerelle.tenants.pgusage import PgUsage
-from passerelle.tenants.usage import UsageRecorder
 
 log = logging.getLogger("passerelle.server.app")
 _KEYLESS = frozenset({"/admin/login", "/admin/logout"})  # admin routes the admin key does not guard
@@ -85,12 +82,12 @@ class App:
         self.metrics, self.registry, self.access_log = parts.metrics, parts.registry, parts.access_log
         self.scheduler, self.supervisor, self.swapper = parts.scheduler, parts.supervisor, parts.swapper
         self.runtime_metrics = parts.runtime_metrics
-        self.keystore, self.key_manager, self.keys = parts.keystore, parts.key_manager, parts.keys
-        self.catalogue, self.usage, self.usage_reader = parts.catalogue, parts.usage, parts.usage_reader
-        self.shared_quotas, self.active_lock = parts.shared_quotas, parts.active_lock
+        self.stores, self.key_manager, self.keys = parts.stores, parts.key_manager, parts.keys
+        self.keystore, self.usage, self.active_lock = parts.stores.keys, parts.stores.usage, parts.stores.active
+        self.catalogue = parts.catalogue
         self.live, self.gateway, self.tracer = parts.live, parts.gateway, parts.tracer
         self.keys_api = KeysApi(cfg.admin.key, self.keystore, self.key_manager, self.keys, self.usage,
-                                self.usage_reader)
+                                self.stores.reports)
         # The Batch API: its store beside the keys' database, its lines at the least urgent class.
         self.batches = BatchApi(cfg.batches, cfg.db_path().parent, self.gateway, self.metrics.registry,
                                 cfg.admin.key, max(cfg.classes, key=lambda c: c.rank).name)
@@ -211,11 +208,12 @@ class App:
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         # what answers, and which version: a benchmark's report names it (bench/target.py)
         body: dict[str, Any] = {"status": "ok", "server": "passerelle", "version": __version__}
-        if not self.cfg.store.url:
+        store = self.stores.describe()
+        if store is None:
             await json_response(send, 200, body)
             return
         # a shared store: whether it answers (serving from cached keys is still 200), and the pair's role
-        body["store"] = self.store_state()
+        body["store"] = store
         if not body["store"]["serving_keys"]:  # away for longer than [store] offline_s: requests get 503 too
             body["status"] = "store_unavailable"
             await json_response(send, 503, body)
@@ -227,13 +225,6 @@ class App:
                 await json_response(send, 503, body)
                 return
         await json_response(send, 200, body)
-
-    def store_state(self) -> dict[str, Any]:
-        """The shared store as /health shows it: keys, usage written back, what waits on disk."""
-        assert isinstance(self.keystore, PgKeyStore) and isinstance(self.usage, PgUsage)
-        keys = self.keystore.describe()
-        return {**keys, "up": keys["up"] and self.usage.up, "usage_up": self.usage.up,
-                "usage_spooled_bytes": self.usage.pending_bytes, "usage_rows_dropped": self.usage.dropped}
 
     def readiness(self) -> tuple[list[str], list[str]]:
         """The backends up, and the on-demand ones that start when asked: ready if either."""
@@ -320,8 +311,7 @@ class App:
 
     async def prom(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.swapper.refresh_metrics()
-        if self.cfg.store.url:
-            state = self.store_state()
+        if (state := self.stores.describe()) is not None:
             self.metrics.store_up.set(1 if state["up"] else 0)
             self.metrics.usage_spooled.set(state["usage_spooled_bytes"])
             self.metrics.usage_dropped.set(state["usage_rows_dropped"])
@@ -395,11 +385,7 @@ class App:
             await self.supervisor.start_all()
         await self.registry.start()
         self.registry.on_up = self.scheduler.dispatch
-        self.usage.start()
-        if self.shared_quotas is not None:
-            self.shared_quotas.start()
-        if self.active_lock is not None:
-            await asyncio.to_thread(self.active_lock.start)
+        await self.stores.start()
         await self.batches.start()
         # What exists after start-up lives as long as the process: keep it out of every
         # collection, and collect less often (full collections paused the loop for 40-50 ms).
@@ -528,9 +514,7 @@ class App:
         self.admin_login_form.body_timeout_s = s.body_timeout_s
         self.keys_api.admin_key = self.batches.admin_key = cfg.admin.key
         self.key_manager.classes = tuple(c.name for c in cfg.classes)
-        if isinstance(self.usage, UsageRecorder):  # (SQLite's retention; PostgreSQL's table is not pruned)
-            self.usage.refused_retention_s = cfg.auth.usage_refused_retention_days * 86400.0
-            self.usage.max_rows = cfg.auth.usage_max_rows
+        self.stores.configure(cfg)
         g = self.gateway
         g.cfg = cfg
         g.classes = {c.name: c for c in cfg.classes}
@@ -564,11 +548,6 @@ class App:
         if self.admin_listener is not None:
             await self.admin_listener.stop()
         await self.batches.stop()  # (its lines' usage rows are written by the usage store's stop)
-        await self.usage.stop()
-        self.usage.close()
-        self.usage_reader.close()
-        if self.shared_quotas is not None:
-            await asyncio.to_thread(self.shared_quotas.close)
         await self.swapper.stop()
         await self.registry.stop()
         if self.supervisor is not None:
@@ -576,8 +555,5 @@ class App:
         self.access_log.flush()  # (requests cut short after this are flushed at exit)
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # the spans still buffered, sent
-        if self.cfg.store.url:
-            await asyncio.to_thread(self.keystore.close)  # (its polling thread)
-        if self.active_lock is not None:
-            await asyncio.to_thread(self.active_lock.close)  # (the lock freed for the standby at once)
+        await self.stores.close()  # usage still buffered written, the pair's lock freed for the standby at once
 

@@ -5,7 +5,7 @@
 to both, so that neither reaches into the other for it:
 
     metrics, registry, access log ─► scheduler (+ preemptor) ─► supervisor ─► swapper
-    key store ─► key ring ─► key policy (quotas read the usage store)
+    stores (keys, usage, quotas, the pair's lock) ─► key ring ─► key policy
     catalogue (registry, supervisor, swapper's load estimate)
     gateway (all of the above) ─► listeners: usage rows, key activity, the dashboard's window
 
@@ -36,15 +36,10 @@ from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
 from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, PreemptionPolicy, Scheduler
 from passerelle.scheduling.swapper import Swapper
-from passerelle.server.active import ActiveLock
-from passerelle.tenants.db import connect
-from passerelle.tenants.keys import KeyRing, KeyStore
+from passerelle.tenants.keys import KeyRing
 from passerelle.tenants.manage import KeyManager
-from passerelle.tenants.pgquota import PgQuotas
-from passerelle.tenants.pgusage import PgUsage, PgUsageReader
 from passerelle.tenants.policy import KeyPolicy
-from passerelle.tenants.store import open_key_store
-from passerelle.tenants.usage import UsageReader, UsageRecorder, UsageReports, UsageSink
+from passerelle.tenants.stores import Stores
 
 log = logging.getLogger("passerelle.server.build")
 
@@ -70,14 +65,10 @@ class Parts:
     supervisor: Supervisor
     runtime_metrics: RuntimeMetrics
     swapper: Swapper
-    keystore: KeyStore
+    stores: Stores
     key_manager: KeyManager
     keys: KeyPolicy
     catalogue: Catalogue
-    usage: UsageSink
-    usage_reader: UsageReports
-    shared_quotas: PgQuotas | None  # [store] url: quotas' counters in PostgreSQL
-    active_lock: ActiveLock | None  # [store] active_passive: the pair's lock
     live: LiveStats
     tracer: RequestTracer | None
     gateway: Gateway
@@ -105,46 +96,18 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
     runtime_metrics = RuntimeMetrics(metrics.registry)
     swapper = Swapper(scheduler, supervisor, cfg.runtimes, runtime_metrics)
     scheduler.on_need = supervisor.on_change = swapper.poke
-    # Keys, usage and the audit log: one SQLite file per instance (Config.db_path), a
-    # connection each for the keys, the usage writer and the reports (tenants/db.py); with
-    # [store] url, all of them in PostgreSQL, shared by several gateways (tenants/pg*.py).
-    keystore = open_key_store(cfg)
-    keyring = KeyRing(keystore)
-    usage: UsageSink
-    usage_reader: UsageReports
-    shared_quotas: PgQuotas | None = None
-    active_lock: ActiveLock | None = None
-    if cfg.store.url:  # usage rows and quotas' counters in PostgreSQL too (tenants/pgusage.py, pgquota.py)
-        st = cfg.store
-        usage = PgUsage(st.url, cfg.state_path() / "usage-spool.jsonl", timeout_s=st.timeout_s,
-                        retry_s=st.poll_s, spool_max_bytes=st.spool_max_mib << 20)
-        usage_reader = PgUsageReader(st.url, timeout_s=st.timeout_s)
-        shared_quotas = PgQuotas(st.url, timeout_s=st.timeout_s, retry_s=st.poll_s)
-        keys = KeyPolicy(cfg, keyring, load_usage=shared_quotas.load)
-        keys.quotas.shared = shared_quotas
-        if st.active_passive:
-            active_lock = ActiveLock(st.url, poll_s=st.lock_poll_s, timeout_s=st.timeout_s, offline_s=st.offline_s)
-    else:
-        recorder = UsageRecorder(connect(cfg.db_path()),
-                                 refused_retention_s=cfg.auth.usage_refused_retention_days * 86400.0,
-                                 max_rows=cfg.auth.usage_max_rows)
-        reader = UsageReader(cfg.db_path())
-
-        async def usage_since(key_id: str, starts: list[float]) -> list[tuple[int, int]]:
-            """A key's tokens and requests since each of ``starts``, for its quotas (rows still
-            buffered included)."""
-            await recorder.flush()
-            return await reader.used_since(key_id, starts)
-
-        usage, usage_reader = recorder, reader
-        keys = KeyPolicy(cfg, keyring, load_usage=usage_since)  # who, which models, quotas, limits
+    # Keys, usage, quotas' counters and the pair's lock: SQLite or PostgreSQL, chosen once (tenants/stores.py)
+    stores = Stores.open(cfg)
+    keyring = KeyRing(stores.keys)
+    keys = KeyPolicy(cfg, keyring, load_usage=stores.load_usage)  # who, which models, quotas, limits
+    keys.quotas.shared = stores.quotas
     # A tenant label is a key's tenant or "other": a client's `user` never makes a series.
     metrics.is_known_tenant = keyring.has_tenant
     catalogue = Catalogue(cfg.models, registry, supervisor=supervisor, eta=swapper.eta_s)
     metrics.is_known_model = catalogue.serves
     # The dashboard's rolling window (/admin/stats, /ui), fed with every finished request.
     live = LiveStats(window_s=cfg.metrics.window_s, classes=[c.name for c in cfg.classes])
-    listeners: list[Callable[[RequestRecord], None]] = [usage.record, keys.activity.observe]
+    listeners: list[Callable[[RequestRecord], None]] = [stores.usage.record, keys.activity.observe]
     if cfg.metrics.enabled:
         listeners.append(live.observe)
     tracer = start_tracer(cfg.tracing, cfg.source) if cfg.tracing.enabled else None  # (off: never imported)
@@ -153,7 +116,6 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
     gateway = Gateway(cfg, registry, metrics, AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format),
                       scheduler, keys, catalogue, on_demand=swapper.poke, listeners=listeners, tracer=tracer)
     return Parts(metrics=metrics, registry=registry, access_log=gateway.access_log, scheduler=scheduler,
-                 supervisor=supervisor, runtime_metrics=runtime_metrics, swapper=swapper, keystore=keystore,
-                 key_manager=KeyManager(keystore, [c.name for c in cfg.classes]), keys=keys, catalogue=catalogue,
-                 usage=usage, usage_reader=usage_reader, shared_quotas=shared_quotas, active_lock=active_lock,
+                 supervisor=supervisor, runtime_metrics=runtime_metrics, swapper=swapper, stores=stores,
+                 key_manager=KeyManager(stores.keys, [c.name for c in cfg.classes]), keys=keys, catalogue=catalogue,
                  live=live, tracer=tracer, gateway=gateway)

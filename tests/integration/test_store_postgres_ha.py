@@ -1,6 +1,6 @@
 """Usage and quotas shared through a real PostgreSQL (``[store] url``: tenants/pgusage.py,
 pgquota.py), a database that goes away and comes back, and an active-passive pair
-(server/active.py). One PostgreSQL for the module, a database per test (see
+(tenants/active.py). One PostgreSQL for the module, a database per test (see
 test_store_postgres.py for how it is started)."""
 
 from __future__ import annotations

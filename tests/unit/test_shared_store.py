@@ -11,7 +11,7 @@ import pytest
 from passerelle.errors import Cause, QuotaExceeded
 from passerelle.observe.record import RequestRecord
 from passerelle.runtimes.supervisor import free_port
-from passerelle.server.active import ActiveLock
+from passerelle.tenants.active import ActiveLock
 from passerelle.tenants.pgusage import PgUsage, Spool
 from passerelle.tenants.quota import Limit, Quota, QuotaBook, SharedDown
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from passerelle.tenants.pgstore import connect, first_line, redacted
 
-log = logging.getLogger("passerelle.server.active")
+log = logging.getLogger("passerelle.tenants.active")
 
 LOCK_ID = 0x70617373_61637476  # the advisory lock's key ("passactv"); one pair of gateways per database
 
