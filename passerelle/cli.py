@@ -288,7 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="show versions (passerelle, embedded llama.cpp)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="serve the gateway (default: an embedded llama-server with Gemma 3 270M)")
+    from passerelle.config import EMBEDDED_MODELS, EmbeddedConfig
+
+    default = EmbeddedConfig().model  # what a bare `serve` really serves
+    others = [m for m in EMBEDDED_MODELS if m != default]
+    serve = sub.add_parser("serve", help=f"serve the gateway (default: an embedded llama-server with {default}; "
+                                         f"[embedded] model also takes {', '.join(others)})")
     serve.add_argument("--config", type=Path, help="TOML configuration file (see passerelle.example.toml)")
     serve.add_argument("--upstream", action="append", metavar="[KIND=]URL",
                        help="serve an existing OpenAI-compatible server (repeatable; KIND one of "

@@ -1,10 +1,11 @@
 """The agent loop through the gateway, run by the real clients: Claude Code, Codex CLI and opencode
 (npm packages pinned in passerelle/testing/clients.py, installed by ``make test``).
 
-Each client runs headless as the README's recipes say (the recipes below are the README's), with
-its HOME in a temporary folder, a passerelle key, and every proxy variable pointing at a sinkhole
-that records any connection it is asked for: a client that tried anything but the gateway (its
-vendor's API, an update check, telemetry, a plugin download) fails the test.
+Each client runs headless as docs/clients.md's recipes say (tests/unit/test_docs.py holds that page
+to the recipes below), with its HOME in a temporary folder, a passerelle key, and every proxy
+variable pointing at a sinkhole that records any connection it is asked for: a client that tried
+anything but the gateway (its vendor's API, an update check, telemetry, a plugin download) fails
+the test.
 
 * A turn in front of the embedded llama-server (``llama``): ``passerelle serve`` with the default
   runtime and catalogue, only with a context per slot that holds an agent's prompt (Claude Code's
@@ -43,7 +44,7 @@ CLIENT_TIMEOUT_S = 600  # one client's whole run; a CPU runtime on a busy 2-core
 KEY_ENV = "PASSERELLE_API_KEY"  # where the Codex and opencode recipes read the key from
 
 
-# -- the README's recipes ----------------------------------------------------------------------
+# -- docs/clients.md's recipes -----------------------------------------------------------------
 def claude_env(url: str, key: str) -> dict[str, str]:
     """Claude Code: the gateway's root URL, the key as a Bearer token, no telemetry."""
     return {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": key, "DISABLE_TELEMETRY": "1",
@@ -406,7 +407,7 @@ def test_opencode_runs_a_tool_and_sends_its_result_back_through_the_gateway(tool
 
 
 def test_the_pinned_clients_are_the_ones_installed(bins, box):
-    """What ran is what clients.py pins (and the README names)."""
+    """What ran is what clients.py pins (and docs/clients.md names)."""
     for c in CLIENTS:
         done = subprocess.run([bins[c.name], "--version"], capture_output=True, text=True, timeout=120,
                               env=box.env())

@@ -39,15 +39,15 @@ CHAT_LIKE = ("chat", "completions")  # OpenAI chunk streams, whose usage the gat
 
 def expected_upstream(recorded: dict[str, Any], api: str, kind: str, capped: bool = False) -> dict[str, Any]:
     """The body the runtime should receive for ``recorded``: the documented rewrites, and only
-    those, applied in the gateway's order. Each is documented in the README, section "The API,
+    those, applied in the gateway's order. Each is documented in docs/api.md, "The API,
     route by route" (the list of what is not forwarded untouched), and where it comes from:
 
-    1. ``model`` becomes the catalogue entry's ``served_name`` (README, "The catalogue"); with
+    1. ``model`` becomes the catalogue entry's ``served_name`` (docs/models.md, "The catalogue"); with
        ``cap = { max_tokens = N }`` the API's own output limit is bounded by N, and set to N when
        the client sent none, except on routes that generate nothing (the same section).
     2. llama-server: a non-streaming request of an API that streams is asked as a stream
        (``"stream": true``, chat/completions with ``stream_options.include_usage``) and assembled
-       by the gateway (README, "What it adds"; proxy/protocols.py ``collect``).
+       by the gateway (docs/api.md; proxy/protocols.py ``collect``).
     3. A streamed chat/completions request gets ``stream_options.include_usage = true`` (the usage
        chunk is removed again for a client that did not ask for it).
     4. llama-server: ``id_slot`` names the slot passerelle chose, for a request that takes one
