@@ -184,13 +184,8 @@ async def test_with_an_admin_key_the_dashboard_opens_in_a_browser_after_a_login(
         assert (await b.get("/admin/stats")).status_code == 401
 
 
-async def test_failed_logins_are_throttled_and_the_right_key_still_passes():
-    app = make_app(key=KEY)
-    async with browser(app) as b:
-        for _ in range(app.cfg.auth.failed_attempts_per_minute):
-            assert (await b.post("/admin/login", data={"key": "guess"})).status_code == 401
-        assert (await b.post("/admin/login", data={"key": "guess"})).status_code == 429
-        assert (await b.post("/admin/login", data={"key": KEY})).status_code == 303
+async def test_a_login_form_too_big_is_refused():
+    async with browser(make_app(key=KEY)) as b:
         big = await b.post("/admin/login", content=b"key=" + b"x" * 5000,
                            headers={"content-type": "application/x-www-form-urlencoded"})
         assert big.status_code == 413  # the body cap of every request (proxy/intake.py)
