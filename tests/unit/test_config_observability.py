@@ -46,7 +46,8 @@ def test_environment_overrides(tmp_path):
         "PASSERELLE_ADMIN_KEY": "env-4b7f0d3a9e16c25b", "PASSERELLE_ADMIN_ALLOW": "0.0.0.0/0,::/0",
         "PASSERELLE_ADMIN_PORT": "9092", "PASSERELLE_METRICS_TENANT_LABEL": "no",
         "PASSERELLE_METRICS_WINDOW_S": "120"})
-    assert cfg.admin.key == "env-4b7f0d3a9e16c25b" and cfg.admin.allow == ("0.0.0.0/0", "::/0") and cfg.admin.port == 9092
+    assert cfg.admin.key == "env-4b7f0d3a9e16c25b" and cfg.admin.allow == ("0.0.0.0/0", "::/0")
+    assert cfg.admin.port == 9092
     assert cfg.metrics.tenant_label is False and cfg.metrics.window_s == 120.0
 
 
