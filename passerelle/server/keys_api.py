@@ -170,10 +170,12 @@ class KeysApi:
                                  "back from now (90m, 24h, 7d).", param="since") from None
         limit, after = _users_page(query)
         await self.recorder.flush()  # what just finished counts
-        totals = await self.reader.report(since=since, by=("key",), key_id=key.id)
-        rows = await self.reader.report(since=since, by=("model",), key_id=key.id, limit=MAX_MODELS)
-        total = {n: totals[0][n] if totals else 0 for n in ("requests", "prompt_tokens", "completion_tokens",
-                                                             "total_tokens", "not_ok", "limited")}
+        rows = await self.reader.report(since=since, by=("model",), key_id=key.id, limit=MAX_MODELS + 1)
+        whole = rows  # every model's row: the total is their sum, else one more query sums them all
+        if len(rows) > MAX_MODELS:
+            rows, whole = rows[:MAX_MODELS], await self.reader.report(since=since, by=("key",), key_id=key.id)
+        total = {n: sum(r[n] for r in whole) for n in ("requests", "prompt_tokens", "completion_tokens",
+                                                       "total_tokens", "not_ok", "limited")}
         # one more than asked: whether another page follows (after "" leaves out rows without a user)
         users = await self.reader.report(since=since, by=("user",), key_id=key.id, after=after, limit=limit + 1)
         more = len(users) > limit

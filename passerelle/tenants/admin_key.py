@@ -109,15 +109,15 @@ class AdminKeyCheck:
         except RateLimited:
             self._count(route, "throttled")
             raise
-        # both compared, whichever came: the time taken says nothing about which one was right
+        # each one presented is compared, the first being right or not: no short cut to time
         ok_key = key is not None and hmac.compare_digest(key, self.key)
         ok_cookie = cookie is not None and hmac.compare_digest(cookie, self.token)
         if ok_key or ok_cookie:
             return True
         self.throttle.failed(client)
         self._count(route, "wrong_key")
-        log.warning("a wrong admin key from %s on %s %s (%s)", clip(client), clip(scope.get("method", "")),
-                    clip(scope.get("path", "")), "login cookie" if cookie is not None and key is None else "key")
+        log.warning("a wrong admin key from %s on %s %s (route %s, %s)", clip(client), clip(scope.get("method", "")),
+                    clip(scope.get("path", "")), route, "login cookie" if key is None else "key")
         return False
 
     def _count(self, route: str, reason: str) -> None:

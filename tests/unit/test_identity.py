@@ -17,6 +17,7 @@ from passerelle.cli import main
 from passerelle.config import AdminConfig, ClassConfig, load_config
 from passerelle.errors import Cause, ConfigError
 from passerelle.observe.accesslog import record_fields
+from passerelle.server import keys_api
 from passerelle.tenants.db import SCHEMA_VERSION
 from passerelle.tenants.keys import ApiKey, KeyStore
 from passerelle.tenants.limits import KeyLimiter
@@ -238,3 +239,19 @@ async def test_me_usage_pages_a_front_ends_people_with_bounded_answers(tmp_path)
             refused = await gw.get(f"/v1/me/usage?{bad}", headers=bearer(secret))
             message = refused.json()["error"]["message"]
             assert refused.status == 400 and f"'{bad.split('=')[0]}'" in message, bad
+
+
+async def test_me_usage_lists_the_largest_models_and_totals_them_all(tmp_path, monkeypatch):
+    monkeypatch.setattr(keys_api, "MAX_MODELS", 2)  # (1000 in use: model names are the clients' choice)
+    store = KeyStore(tmp_path / "k.db")
+    key, secret = store.create("team")
+    with store.conn:
+        store.conn.executemany(
+            "INSERT INTO usage (ts, tenant, key_id, class, model, cause, prompt_tokens, completion_tokens, user, "
+            "session) VALUES (?, 'team', ?, 'standard', ?, 'ok', ?, 0, '', '')",
+            [(time.time() - 60, key.id, model, tokens) for model, tokens in (("a", 30), ("b", 20), ("c", 10))])
+    store.close()
+    async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "k.db") as gw:
+        usage = (await gw.get("/v1/me/usage?since=1h", headers=bearer(secret))).json()
+        assert [r["model"] for r in usage["data"]] == ["a", "b"]
+        assert usage["total"]["requests"] == 3 and usage["total"]["prompt_tokens"] == 60
