@@ -912,7 +912,7 @@ def admin_key_weakness(key: str) -> str | None:
         if word in plain:
             return f"contains {word!r}, a placeholder of examples"
     if len(key) < MIN_ADMIN_KEY_CHARS:
-        return f"has {len(key)} characters, fewer than {MIN_ADMIN_KEY_CHARS}"
+        return f"is shorter than {MIN_ADMIN_KEY_CHARS} characters ({len(key)})"
     if key.startswith("psk_"):
         return "has the shape of an API key (psk_…), which the Batch API would take for one"
     if len(set(key)) < 5:
