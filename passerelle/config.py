@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import itertools
 import os
 import re
 import shutil
@@ -632,6 +633,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     _check(tracing.endpoint.startswith(("http://", "https://")), "expected an http(s) URL", file=file,
            key="tracing.endpoint", text=text, header="tracing", field_name="endpoint")
     _check_admin(sections["admin"], server, file=file, text=text)
+    _check_admin_key(sections["admin"].key, env, file=file, text=text)
     metrics: MetricsConfig = sections["metrics"]
     _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
            key="metrics.window_s", text=text, header="metrics", field_name="window_s")
@@ -889,6 +891,49 @@ def _check_admin(admin: AdminConfig, server: ServerConfig, *, file: str, text: s
         _check(bool(name) and (name == "*" or re.fullmatch(r"[A-Za-z0-9.\-_]+", name) is not None),
                f"expected a host name like gpu.example.org (no port, no scheme) or \"*\", got {name!r}",
                key="admin.hosts", field_name="hosts", **ck)
+
+
+MIN_ADMIN_KEY_CHARS = 16
+# Placeholders of examples and docs (lower case, letters and digits only): a key containing one is
+# a copied example, whatever its length.
+_EXAMPLE_KEYS = ("changeme", "replaceme", "yourkey", "youradminkey", "adminkey", "example", "placeholder",
+                 "password", "generateone", "opensslrand")
+
+
+def admin_key_weakness(key: str) -> str | None:
+    """Why ``key`` is too weak for ``[admin] key`` (None: it is not, or it is unset). The admin key
+    opens every tenant's traffic and batches, and a guesser may try it at the throttle's rate for
+    as long as they like: too short, too little variety (one character, a repeated unit, a run like
+    ``abcdef…``), an example's placeholder (``change-me-admin``), or the shape of an API key."""
+    if not key:
+        return None
+    plain = re.sub(r"[^a-z0-9]", "", key.lower())
+    for word in _EXAMPLE_KEYS:
+        if word in plain:
+            return f"contains {word!r}, a placeholder of examples"
+    if len(key) < MIN_ADMIN_KEY_CHARS:
+        return f"is shorter than {MIN_ADMIN_KEY_CHARS} characters ({len(key)})"
+    if key.startswith("psk_"):
+        return "has the shape of an API key (psk_…), which the Batch API would take for one"
+    if len(set(key)) < 5:
+        return f"uses only {len(set(key))} different characters"
+    if any(key == (key[:n] * (len(key) // n + 1))[:len(key)] for n in range(1, len(key) // 2 + 1)):
+        return "repeats a shorter part"
+    steps = sum(abs(ord(b) - ord(a)) <= 1 for a, b in itertools.pairwise(key))
+    if steps >= 0.75 * (len(key) - 1):
+        return "is mostly a run of neighbouring characters (like abcdef or 1234)"
+    return None
+
+
+def _check_admin_key(key: str, env: Mapping[str, str], *, file: str, text: str) -> None:
+    why = admin_key_weakness(key)
+    if why is None:
+        return
+    message = (f"the admin key {why}; it opens every tenant's traffic and batches, so it must be hard to guess. "
+               "Generate one with: openssl rand -hex 24")
+    if env.get("PASSERELLE_ADMIN_KEY") is not None:
+        raise ConfigError(message, file="environment", key="PASSERELLE_ADMIN_KEY")
+    raise ConfigError(message, file=file, key="admin.key", line=_line_of(text, "admin", "key"))
 
 
 def _load_classes(raw: Any, auth: AuthConfig, *, file: str, text: str, preemption: bool = True

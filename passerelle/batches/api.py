@@ -11,7 +11,9 @@
     POST   /v1/batches/{id}/cancel   cancel it
 
 Who sees what: a key sees its own files and batches only (another's answer 404, as if it did not
-exist); the admin key (``[admin] key``) sees all; without keys in use, everyone is one owner.
+exist); the admin key (``[admin] key``) sees all, but only from ``[admin] allow``'s networks and
+through the admin key's one check (tenants/admin_key.py: throttled before it is compared); from
+elsewhere it is the unknown key it is there. Without keys in use, everyone is one owner.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.intake import read_request_body
 from passerelle.proxy.protocols import form_parts
+from passerelle.tenants.admin_key import AdminKeyCheck
 from passerelle.tenants.keys import ApiKey
 from passerelle.tenants.policy import presented_key
 
@@ -101,8 +104,8 @@ class BatchApi:
     """The routes' handlers; ``start()`` opens the store in ``root`` and resumes the batches in it."""
 
     def __init__(self, cfg: BatchesConfig, root: Path, gateway: Gateway, registry: CollectorRegistry,
-                 admin_key: str, class_name: str) -> None:
-        self.cfg, self.root, self.gateway, self.admin_key = cfg, root, gateway, admin_key
+                 admin: AdminKeyCheck, class_name: str) -> None:
+        self.cfg, self.root, self.gateway, self.admin = cfg, root, gateway, admin
         self.class_name = class_name
         self.metrics = BatchMetrics(registry)
         self._store: BatchStore | None = None
@@ -141,7 +144,9 @@ class BatchApi:
     def caller(self, scope: Scope) -> Caller:
         if not self.cfg.enabled:
             raise NotFound("The Batch API is turned off on this gateway ([batches] enabled = false).")
-        if self.admin_key and secrets.compare_digest(presented_key(scope).encode(), self.admin_key.encode()):
+        presented = presented_key(scope)
+        # (only from [admin] allow, never an API key of ours; RateLimited while throttled, nothing compared)
+        if self.admin.candidate(scope, presented) and self.admin.verify(scope, "batches", key=presented.encode()):
             return Caller(None, None)
         key = self.gateway.keys.authenticate(scope)
         return Caller(key.id if key is not None else "", key)

@@ -104,6 +104,11 @@ class Metrics:
         self.requests = Counter("passerelle_requests", "Requests by termination cause.",
                                 ["model", "priority", "cause", *(["tenant"] if tenant_label else [])],
                                 registry=r)
+        # tenants/admin_key.py: route is login, admin or batches; reason wrong_key (compared, wrong)
+        # or throttled (refused before anything was compared)
+        self.admin_key_failures = Counter("passerelle_admin_key_failures", "Attempts at the admin key refused, by "
+                                          "route and reason (wrong_key, throttled).", ["route", "reason"],
+                                          registry=r)
         # a shared store ([store] url); set when /metrics is read
         self.store_up = Gauge("passerelle_store_up", "1 when the shared store (PostgreSQL) answers; 0 while the "
                               "gateway serves cached keys and spools usage to disk.", registry=r)

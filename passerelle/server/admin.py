@@ -7,8 +7,10 @@ error shape). ``[admin]`` in the configuration changes that:
 * ``allow = ["10.0.0.0/8"]``: the client networks served (replaces the loopback default);
 * ``key = "…"``: the admin routes also need ``Authorization: Bearer …`` or the dashboard's login
   cookie (401 without either). ``/admin/login`` is the form a browser opens ``/ui`` with: it
-  sets an HttpOnly, SameSite=Strict cookie whose value is an HMAC of the key (never the key),
-  compared in constant time;
+  sets an HttpOnly, SameSite=Strict cookie whose value is an HMAC of the key (never the key).
+  Key and cookie are checked by tenants/admin_key.py, as on every route that takes the admin key:
+  failed attempts are throttled per address and in all *before* anything is compared (429 with
+  ``Retry-After``), then compared in constant time, and each wrong one is logged and counted;
 * ``hosts = ["gpu.example.org"]``: host names the admin routes answer to besides loopback, IP
   literals and this machine's name (``"*"``: any);
 * ``port = 9090``: a second HTTP server in the same process and event loop serves the admin
@@ -29,8 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import ipaddress
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -40,34 +40,16 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from passerelle.config import AdminConfig
-from passerelle.errors import Forbidden, GatewayError, Unauthorized
+from passerelle.errors import Forbidden, GatewayError, RateLimited, Unauthorized
 from passerelle.server.connections import ConnectionLimits, guarded_protocol
+from passerelle.tenants.admin_key import AdminKeyCheck, client_ip, session_token
+
+__all__ = ["COOKIE", "AdminGuard", "AdminListener", "session_token"]
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
-
-
-def _client_ip(scope: Scope) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    client = scope.get("client")
-    if not client:  # a Unix socket: only local processes can connect
-        return ipaddress.ip_address("127.0.0.1")
-    try:
-        ip = ipaddress.ip_address(client[0])
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
 COOKIE = b"passerelle_admin"
 _UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-
-
-def session_token(key: str) -> bytes:
-    """The login cookie's value for the admin key ``key``: derived from it, never the key itself
-    (another key, another value: changing the key logs every browser out)."""
-    return hmac.new(key.encode(), b"passerelle admin session v1", hashlib.sha256).hexdigest().encode()
 
 
 def _headers(scope: Scope, *names: bytes) -> dict[bytes, bytes]:
@@ -95,16 +77,30 @@ def _host_name(netloc: str) -> str:
 
 
 class AdminGuard:
-    """Decides whether one request may see an admin route."""
+    """Decides whether one request may see an admin route; the admin key itself is checked by
+    ``key_check`` (tenants/admin_key.py: throttled before it is compared), shared with the login
+    form and the Batch API."""
 
-    def __init__(self, cfg: AdminConfig, *, own_hosts: tuple[str, ...] = ()) -> None:
-        self.networks = [ipaddress.ip_network(n, strict=False) for n in cfg.allow]
-        self.key = cfg.key.encode()
-        self.token = session_token(cfg.key) if cfg.key else b""
+    def __init__(self, cfg: AdminConfig, *, own_hosts: tuple[str, ...] = (),
+                 key_check: AdminKeyCheck | None = None) -> None:
+        self.key_check = key_check if key_check is not None else AdminKeyCheck(cfg)
+        self.configure(cfg, own_hosts=own_hosts)
+
+    def configure(self, cfg: AdminConfig, *, own_hosts: tuple[str, ...] = ()) -> None:
+        """``[admin]`` (a reload's too): a new key stops the old one and its cookies at once."""
+        self.key_check.configure(cfg)
         self.any_host = "*" in cfg.hosts
         self.named = {h.lower().rstrip(".") for h in cfg.hosts if h != "*"}  # the operator's names
         machine = socket.gethostname().lower()
         self.hosts = self.named | {h.lower().rstrip(".") for h in (*own_hosts, machine, machine.partition(".")[0]) if h}
+
+    @property
+    def key(self) -> bytes:
+        return self.key_check.key
+
+    @property
+    def token(self) -> bytes:
+        return self.key_check.token
 
     def own_host(self, name: str) -> bool:
         """Is ``name`` (a Host's or an Origin's host) one this gateway answers to? Loopback names and
@@ -120,9 +116,8 @@ class AdminGuard:
     def check(self, scope: Scope, *, need_key: bool = True) -> GatewayError | None:
         """None when allowed, else the error to answer with. ``need_key=False``: everything but the
         admin key (the login form, which is where a browser presents it)."""
-        ip = _client_ip(scope)
-        if ip is None or not any(ip.version == n.version and ip in n for n in self.networks):
-            return Forbidden(f"The admin routes are not served to {ip or 'this client'}; "
+        if not self.key_check.allowed(scope):
+            return Forbidden(f"The admin routes are not served to {client_ip(scope) or 'this client'}; "
                              "see [admin] allow in the configuration.")
         h = _headers(scope, b"host", b"origin", b"sec-fetch-site", b"authorization", b"cookie")
         host = h.get(b"host")
@@ -134,9 +129,8 @@ class AdminGuard:
             return Forbidden("The admin routes are not served to pages of another site (Origin).")
         if scope["method"] in _UNSAFE_METHODS and h.get(b"sec-fetch-site") in (b"cross-site", b"same-site"):
             return Forbidden("The admin routes are not served to pages of another site (Sec-Fetch-Site).")
-        if self.key and need_key and not self._has_key(h):
-            return Unauthorized("The admin routes need 'Authorization: Bearer <admin key>' ([admin] key), "
-                                "or a login at /admin/login in a browser.")
+        if self.key_check.enabled and need_key:
+            return self._key_error(scope, h)
         return None
 
     def _same_origin(self, origin: str, host: bytes | None) -> bool:
@@ -151,16 +145,20 @@ class AdminGuard:
         # a name the operator gave: the public name of a reverse proxy that rewrites the Host
         return _host_name(parts.netloc) in self.named
 
-    def _has_key(self, h: dict[bytes, bytes]) -> bool:
+    def _key_error(self, scope: Scope, h: dict[bytes, bytes]) -> GatewayError | None:
+        """The admin key (Bearer) or the login cookie: None when one is right; a 429 while failed
+        attempts are throttled (nothing compared), else 401."""
         scheme, _, token = h.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
-            return True
+        bearer = token.strip() if scheme.lower() == b"bearer" else None
         cookie = _cookie(h.get(b"cookie", b""), COOKIE)
-        return cookie is not None and hmac.compare_digest(cookie, self.token)
-
-    def matches_key(self, given: str) -> bool:
-        """``given`` (from the login form) is the admin key; constant time."""
-        return bool(self.key) and hmac.compare_digest(given.encode(), self.key)
+        if bearer is not None or cookie is not None:
+            try:
+                if self.key_check.verify(scope, "admin", key=bearer, cookie=cookie):
+                    return None
+            except RateLimited as err:
+                return err
+        return Unauthorized("The admin routes need 'Authorization: Bearer <admin key>' ([admin] key), "
+                            "or a login at /admin/login in a browser.")
 
 
 class _AdminServer(uvicorn.Server):

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from passerelle import __version__
 from passerelle.batches.api import BatchApi
 from passerelle.config import Config
-from passerelle.errors import ConfigError, GatewayError, InvalidRequest, Standby, Unauthorized, UnknownModel, clip
+from passerelle.errors import ConfigError, GatewayError, InvalidRequest, Standby, UnknownModel, clip
 from passerelle.proxy.exchange import Receive, Scope, Send, StreamGate, header
 from passerelle.proxy.protocols import ANTHROPIC, api_for, error_body
 from passerelle.runtimes import embedded
@@ -46,6 +46,7 @@ from passerelle.server.responses import error_response, json_response, raw_respo
 from passerelle.server.routes import Access, NotFound, Route, extra_route, find, is_admin_path, match
 from passerelle.server.sdnotify import Notifier
 from passerelle.server.shutdown import ShuttingDown, end_open_requests
+from passerelle.tenants.admin_key import AdminKeyCheck
 
 log = logging.getLogger("passerelle.server.app")
 _KEYLESS = frozenset({"/admin/login", "/admin/logout"})  # admin routes the admin key does not guard
@@ -86,18 +87,20 @@ class App:
         self.keystore, self.usage, self.active_lock = parts.stores.keys, parts.stores.usage, parts.stores.active
         self.catalogue = parts.catalogue
         self.live, self.gateway, self.tracer = parts.live, parts.gateway, parts.tracer
+        # the admin key's one check (throttled before compared), for the admin routes, login and batches
+        self.admin_key_check = AdminKeyCheck(cfg.admin, failures=self.metrics.admin_key_failures)
         self.keys_api = KeysApi(cfg.admin.key, self.keystore, self.key_manager, self.keys, self.usage,
                                 self.stores.reports)
         # The Batch API: its store beside the keys' database, its lines at the least urgent class.
         self.batches = BatchApi(cfg.batches, cfg.db_path().parent, self.gateway, self.metrics.registry,
-                                cfg.admin.key, max(cfg.classes, key=lambda c: c.rank).name)
+                                self.admin_key_check, max(cfg.classes, key=lambda c: c.rank).name)
         self.started_at = time.time()
         self._cors = {o.encode() for o in cfg.server.cors_origins}
         # Requests waiting in passerelle's queue by class (the scheduler may put its own counter here).
         self.waiting_by_class: Callable[[], Mapping[str, int]] = self.scheduler.waiting_by_class
-        self.admin_guard = AdminGuard(cfg.admin, own_hosts=(cfg.server.host, cfg.admin.host))
-        self.admin_login_form = AdminLogin(self.admin_guard, failed_per_minute=cfg.auth.failed_attempts_per_minute,
-                                           body_timeout_s=cfg.server.body_timeout_s)
+        self.admin_guard = AdminGuard(cfg.admin, own_hosts=(cfg.server.host, cfg.admin.host),
+                                      key_check=self.admin_key_check)
+        self.admin_login_form = AdminLogin(self.admin_guard, body_timeout_s=cfg.server.body_timeout_s)
         self.admin_listener = (AdminListener(self.admin_app, cfg.admin.host, cfg.admin.port,
                                              ConnectionLimits.of(cfg.server, max_connections=64))
                                if cfg.admin.port else None)
@@ -146,8 +149,8 @@ class App:
                 raise NotFound(f"No route for {clip(method)} {clip(path)} on this port.")
             # (the login form and the logout are where a browser has no key yet, or drops it)
             if admin and (err := self.admin_guard.check(scope, need_key=path not in _KEYLESS)) is not None:
-                if isinstance(err, Unauthorized) and path == "/ui" and method in ("GET", "HEAD"):
-                    await self.admin_login_form.page(send, 401)  # a browser: the login form, not JSON
+                # a browser: the login form (401, or 429 while throttled), not JSON
+                if path == "/ui" and method in ("GET", "HEAD") and await self.admin_login_form.answer(send, err):
                     return
                 raise err
             route = match(method, path, self.extra_routes)
@@ -188,6 +191,7 @@ class App:
         snap["swaps"] = self.swapper.describe()  # budget, swaps and their cost, what waits for a load
         snap["batches"] = self.batches.snapshot()  # progress of the batches in progress
         snap.update(self.keys.snapshot())  # auth_throttle, tenants, keys (tenants/policy.py)
+        snap["admin_key_throttle"] = self.admin_key_check.snapshot()
         # streams suspended for a better class, resumed, and the prompt tokens resuming cost
         preemptor = self.scheduler.preemptor
         snap["preemption"] = {"enabled": preemptor is not None,
@@ -510,9 +514,9 @@ class App:
         self.forwarded = ForwardedTrust(s.trusted_proxies)
         self._cors = {o.encode() for o in s.cors_origins}
         # a new admin key: the old one, and the login cookies made from it, stop working at once
-        self.admin_guard = self.admin_login_form.guard = AdminGuard(cfg.admin, own_hosts=(s.host, cfg.admin.host))
+        self.admin_guard.configure(cfg.admin, own_hosts=(s.host, cfg.admin.host))  # (its key check too)
         self.admin_login_form.body_timeout_s = s.body_timeout_s
-        self.keys_api.admin_key = self.batches.admin_key = cfg.admin.key
+        self.keys_api.admin_key = cfg.admin.key
         self.key_manager.classes = tuple(c.name for c in cfg.classes)
         self.stores.configure(cfg)
         g = self.gateway

@@ -10,7 +10,10 @@
 
     GET    /v1/me                   the calling key: its limits, quotas and what is left of them
     GET    /v1/me/usage?since=7d    its requests and tokens by model (since: 90m, 24h, 7d, a date), and
-                                    for a front-end's key (trust_forwarded_user) by person: "users"
+                                    for a front-end's key (trust_forwarded_user) by person: "users",
+                                    paged as OpenAI pages its lists: ``limit`` (100, at most 1000)
+                                    people by name after ``after`` (the last page's ``last_user``),
+                                    ``has_more`` when another page follows
 
 The admin routes sit behind the admin guard (loopback by default) and, since they hand out
 keys, also need ``[admin] key`` to be set: without it they answer 403 and say so (``passerelle
@@ -39,6 +42,9 @@ from passerelle.tenants.quota import iso_time
 from passerelle.tenants.usage import UsageReports, UsageSink, parse_since
 
 MAX_BODY = 64 * 1024
+USERS_PAGE, MAX_USERS_PAGE = 100, 1000  # people in one answer of /v1/me/usage: default, most
+MAX_MODELS = 1000  # model rows of /v1/me/usage (the largest), whatever model names requests gave
+MAX_CURSOR = 512  # characters of 'after' (a user name is cut to [auth] max_user_chars anyway)
 
 
 async def read_json(receive: Receive) -> dict[str, Any]:
@@ -156,19 +162,44 @@ class KeysApi:
 
     async def me_usage(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self._caller(scope)
+        query = _query(scope)
         try:
-            since = parse_since(_query(scope).get("since") or "30d")
+            since = parse_since(query.get("since") or "30d")
         except ValueError:
             raise InvalidRequest("'since' must be a date (2026-11-30), a time (2026-11-30T12:00) or a duration "
                                  "back from now (90m, 24h, 7d).", param="since") from None
+        limit, after = _users_page(query)
         await self.recorder.flush()  # what just finished counts
-        rows = await self.reader.report(since=since, by=("model",), key_id=key.id)
-        total = {n: sum(r[n] for r in rows) for n in ("requests", "prompt_tokens", "completion_tokens",
+        rows = await self.reader.report(since=since, by=("model",), key_id=key.id, limit=MAX_MODELS + 1)
+        whole = rows  # every model's row: the total is their sum, else one more query sums them all
+        if len(rows) > MAX_MODELS:
+            rows, whole = rows[:MAX_MODELS], await self.reader.report(since=since, by=("key",), key_id=key.id)
+        total = {n: sum(r[n] for r in whole) for n in ("requests", "prompt_tokens", "completion_tokens",
                                                        "total_tokens", "not_ok", "limited")}
-        users = [r for r in await self.reader.report(since=since, by=("user",), key_id=key.id) if r["user"]]
+        # one more than asked: whether another page follows (after "" leaves out rows without a user)
+        users = await self.reader.report(since=since, by=("user",), key_id=key.id, after=after, limit=limit + 1)
+        more = len(users) > limit
+        users = users[:limit]
+        paged = {"users": [{**r, "tenant": f"{key.tenant}/{r['user']}", "last_seen": iso_time(r["last_seen"])}
+                           for r in users],
+                 "has_more": more, "last_user": users[-1]["user"] if users else None}
         await json_response(send, 200, {
             "object": "usage", "key": key.id, "tenant": key.tenant, "since": iso_time(since),
             "until": iso_time(time.time()), "total": total,
             "data": [{**r, "last_seen": iso_time(r["last_seen"])} for r in rows],
-            **({"users": [{**r, "tenant": f"{key.tenant}/{r['user']}", "last_seen": iso_time(r["last_seen"])}
-                          for r in users]} if users or key.trust_forwarded_user else {})})
+            **(paged if users or after or key.trust_forwarded_user else {})})
+
+
+def _users_page(query: dict[str, str]) -> tuple[int, str]:
+    """``limit`` and ``after`` of /v1/me/usage's people ("" : from the first)."""
+    try:
+        limit = int(query.get("limit", USERS_PAGE))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_USERS_PAGE:
+        raise InvalidRequest(f"'limit' must be an integer between 1 and {MAX_USERS_PAGE}.", param="limit")
+    after = query.get("after", "")
+    if len(after) > MAX_CURSOR:
+        raise InvalidRequest(f"'after' must be a user name of at most {MAX_CURSOR} characters (the last "
+                             "page's last_user).", param="after")
+    return limit, after

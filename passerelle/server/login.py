@@ -5,8 +5,12 @@ answers this form (401) instead of a JSON error. ``POST /admin/login`` with the 
 cookie (server/admin.py's :func:`~passerelle.server.admin.session_token`: an HMAC of the key,
 never the key) that is ``HttpOnly`` (no script reads it), ``SameSite=Strict`` (no other site's
 page sends it) and ``Secure`` over HTTPS, then sends the browser back to ``/ui``; the dashboard's
-polls of ``/admin/stats`` carry it. ``POST /admin/logout`` clears it. Failed attempts are
-throttled per client address like failed API keys (``[auth] failed_attempts_per_minute``).
+polls of ``/admin/stats`` carry it. ``POST /admin/logout`` clears it.
+
+The key is checked by tenants/admin_key.py, as on every route that takes it: throttled per
+address and in all before it is compared, so while failed attempts are throttled even the right
+key gets this form again with 429 and ``Retry-After`` (nothing was compared: a guesser learns
+nothing from it).
 """
 
 from __future__ import annotations
@@ -16,14 +20,12 @@ import html
 from importlib import resources
 from urllib.parse import parse_qs
 
-from passerelle.errors import ClientDisconnect, InvalidRequest
+from passerelle.errors import ClientDisconnect, GatewayError, InvalidRequest, RateLimited, Unauthorized
 from passerelle.proxy.exchange import Receive, Scope, Send
 from passerelle.proxy.intake import read_request_body
 from passerelle.server.admin import COOKIE, AdminGuard
 from passerelle.server.connections import RequestTimeout
 from passerelle.server.responses import raw_response
-from passerelle.tenants.limits import FailedAuthThrottle
-from passerelle.tenants.policy import client_address
 
 MAX_FORM_BYTES = 4096
 _CSP = (b"default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; base-uri 'none'; "
@@ -44,20 +46,36 @@ async def read_form(scope: Scope, receive: Receive, timeout_s: float) -> dict[st
 
 
 class AdminLogin:
-    def __init__(self, guard: AdminGuard, *, failed_per_minute: int, body_timeout_s: float) -> None:
+    def __init__(self, guard: AdminGuard, *, body_timeout_s: float) -> None:
         self.guard = guard
-        self.throttle = FailedAuthThrottle(failed_per_minute)
         self.body_timeout_s = body_timeout_s
         self._page: str | None = None
 
-    async def page(self, send: Send, status: int, message: str = "") -> None:
+    async def page(self, send: Send, status: int, message: str = "", *, retry_after: bytes | None = None) -> None:
         """The login form (``/ui`` without the key answers it, 401)."""
         if self._page is None:
             self._page = (resources.files("passerelle") / "static" / "login.html").read_text()
         note = f'<p class="error">{html.escape(message)}</p>' if message else ""
         body = self._page.replace("<!--message-->", note).encode()
-        await raw_response(send, status, body, b"text/html; charset=utf-8",
-                           [(b"cache-control", b"no-store"), (b"content-security-policy", _CSP)])
+        extra = [(b"cache-control", b"no-store"), (b"content-security-policy", _CSP)]
+        if retry_after is not None:
+            extra.append((b"retry-after", retry_after))
+        await raw_response(send, status, body, b"text/html; charset=utf-8", extra)
+
+    async def throttled(self, send: Send, err: RateLimited) -> None:
+        """The form again, 429 with ``Retry-After``: the route's own shape for a browser."""
+        await self.page(send, 429, err.message, retry_after=dict(err.headers()).get(b"retry-after", b"1"))
+
+    async def answer(self, send: Send, err: GatewayError) -> bool:
+        """A browser's navigation to ``/ui`` refused for want of the key: the form (401), or the form
+        with 429 while failed attempts are throttled. False: ``err`` is another refusal (JSON)."""
+        if isinstance(err, Unauthorized):
+            await self.page(send, 401)
+        elif isinstance(err, RateLimited):
+            await self.throttled(send, err)
+        else:
+            return False
+        return True
 
     async def login(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.guard.key:
@@ -67,10 +85,12 @@ class AdminLogin:
             await self.page(send, 200)
             return
         form = await read_form(scope, receive, self.body_timeout_s)
-        if not self.guard.matches_key(form.get("key", "")):
-            client = client_address(scope)
-            self.throttle.check(client, "admin")  # raises RateLimited (the right key always passes)
-            self.throttle.failed(client, "admin")
+        try:  # (throttled: 429, the key not compared)
+            right = self.guard.key_check.verify(scope, "login", key=form.get("key", "").encode())
+        except RateLimited as err:
+            await self.throttled(send, err)
+            return
+        if not right:
             await self.page(send, 401, "That is not the admin key.")
             return
         await _see_other(send, b"/ui", _cookie(scope, self.guard.token))

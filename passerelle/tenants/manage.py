@@ -5,7 +5,7 @@ Input comes as a mapping of field names to values, from JSON or from command-lin
 value is checked here, and a wrong one raises :class:`~passerelle.errors.InvalidRequest` naming
 the field. Accepted forms:
 
-    tenant, label, owner        strings
+    tenant, label, owner        strings (a tenant without "/": those name a front-end's people)
     priority, max_priority      a class name ("" or null: the default)
     rpm, tpm, max_concurrency   a non-negative integer (0: unlimited)
     weight                      a positive number
@@ -35,6 +35,7 @@ from typing import Any
 
 from passerelle.errors import InvalidRequest, KeyNotFound, clip
 from passerelle.tenants.keys import EDITABLE, ApiKey, KeyStore
+from passerelle.tenants.names import key_tenant_problem
 from passerelle.tenants.quota import PERIODS, Quota, parse_quota
 
 _DURATION = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -93,6 +94,8 @@ class KeyManager:
         for name, value in spec.items():
             if name == "tenant":
                 out[name] = _text(name, value, empty=False, limit=100)
+                if (problem := key_tenant_problem(out[name])) is not None:
+                    raise InvalidRequest(f"'tenant' {problem}.", param=name)
             elif name in ("label", "owner"):
                 out[name] = _text(name, "" if value is None else value)
             elif name in ("priority", "max_priority"):

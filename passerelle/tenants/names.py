@@ -1,4 +1,5 @@
-"""The tenant a request without a key is accounted to: its OpenAI ``user`` field, bounded.
+"""Tenant names: the one a request without a key is accounted to (its OpenAI ``user`` field,
+bounded), a trusted front-end's person (``"<key's tenant>/<user>"``), and those a key may be given.
 
 ``user`` is any string a client chooses; it names a tenant in fair share, usage and logs, so its
 length is bounded here (the number of tenants is bounded where they are kept: the scheduler
@@ -41,3 +42,20 @@ def forwarded_user(value: str, max_chars: int = 64) -> str:
     '8f1c2a_.._admin'
     """
     return user_tenant(_UNSAFE.sub("_", value.strip()), max_chars)
+
+
+PERSON_SEPARATOR = "/"
+
+
+def key_tenant_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a key's tenant (None: it can). A name with ``/`` is the tenant of a
+    trusted front-end's person (``webui/alice``, :func:`forwarded_user`): a key given it would
+    share that person's fair share, limits and usage rows.
+
+    >>> key_tenant_problem("webui"), key_tenant_problem("webui/alice") is not None
+    (None, True)
+    """
+    if PERSON_SEPARATOR in name:
+        return (f"must not contain '{PERSON_SEPARATOR}': names like 'webui/alice' are the people behind a front-end's "
+                "key (--trust-forwarded-user)")
+    return None

@@ -180,17 +180,24 @@ class UsageRecorder:
 
 
 def report(conn: sqlite3.Connection, *, since: float = 0.0, until: float | None = None,
-           by: Sequence[str] = ("tenant", "class"), key_id: str | None = None) -> list[dict[str, Any]]:
+           by: Sequence[str] = ("tenant", "class"), key_id: str | None = None,
+           limit: int | None = None, after: str | None = None) -> list[dict[str, Any]]:
     """Requests and tokens grouped ``by`` any of key, tenant, model, class, user, session, largest first.
 
     Each row: the dimensions, ``requests``, ``prompt_tokens``, ``completion_tokens``,
     ``total_tokens``, ``not_ok`` (requests that ended with another cause than ``ok``),
     ``limited`` (refused by a key's limits: rate_limited, quota_exceeded), ``last_seen`` (Unix time).
+
+    ``limit``: at most this many rows (in SQL). ``after``: a page of a report grouped by one
+    dimension, in that dimension's order (not the largest first), starting after this value: the
+    cursor of a paged list (``after=""`` leaves out the rows without a value).
     """
     unknown = [d for d in by if d not in DIMENSIONS]
     if unknown or not by:
         raise ValueError(f"cannot group by {', '.join(unknown) or 'nothing'}; expected some of "
                          f"{', '.join(DIMENSIONS)}")
+    if after is not None and len(by) != 1:
+        raise ValueError("a paged report ('after') groups by one dimension")
     cols = [DIMENSIONS[d] for d in by]
     where: list[str] = ["ts >= ?"]
     args: list[Any] = [since]
@@ -201,12 +208,20 @@ def report(conn: sqlite3.Connection, *, since: float = 0.0, until: float | None 
         where.append("key_id = ?")
         args.append(key_id)
     group = ", ".join(cols)
+    order = f"SUM(prompt_tokens + completion_tokens) DESC, COUNT(*) DESC, {group}"
+    if after is not None:
+        where.append(f"{group} > ?")
+        args.append(after)
+        order = group
+    bound = ""
+    if limit is not None:
+        bound = " LIMIT ?"
+        args.append(limit)
     rows = conn.execute(
         f"SELECT {group}, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), "
         "SUM(CASE WHEN cause = 'ok' THEN 0 ELSE 1 END), "
         "SUM(CASE WHEN cause IN ('rate_limited', 'quota_exceeded') THEN 1 ELSE 0 END), MAX(ts) "
-        f"FROM usage WHERE {' AND '.join(where)} GROUP BY {group} "
-        f"ORDER BY SUM(prompt_tokens + completion_tokens) DESC, COUNT(*) DESC, {group}", args).fetchall()
+        f"FROM usage WHERE {' AND '.join(where)} GROUP BY {group} ORDER BY {order}{bound}", args).fetchall()
     out = []
     for r in rows:
         n = len(cols)

@@ -10,10 +10,12 @@ import json
 from tests.conftest import upstream_config
 from tests.e2e.cdp import Chromium, until
 
+KEY = "e2e-6a1f9c3b0d8e27f4c1b5"  # strong enough for [admin] key
+
 
 async def test_the_dashboard_logs_in_with_the_admin_key_and_goes_live(gateway, fake_backend, tmp_path):
     fake = fake_backend(ttft_ms=5, itl_ms=1)
-    gw = gateway(upstream_config(fake.url, model="fake-model") + '\n[admin]\nkey = "adm1n-key"\n')
+    gw = gateway(upstream_config(fake.url, model="fake-model") + f'\n[admin]\nkey = "{KEY}"\n')
     async with Chromium(tmp_path / "chromium") as browser:
         async def page(expression: str) -> bool:  # False while a navigation replaces the page
             try:
@@ -27,7 +29,7 @@ async def test_the_dashboard_logs_in_with_the_admin_key_and_goes_live(gateway, f
                                "document.querySelector('form').submit(); true")
         await until(lambda: page("document.body.textContent.includes('not the admin key')"), 15,
                     "the login form to say the key is wrong")
-        await browser.evaluate(f"document.querySelector('input[name=key]').value = {json.dumps('adm1n-key')};"
+        await browser.evaluate(f"document.querySelector('input[name=key]').value = {json.dumps(KEY)};"
                                "document.querySelector('form').submit(); true")
         await until(lambda: page("location.pathname === '/ui' && !!document.getElementById('status')"), 15,
                     "the dashboard after the login")

@@ -20,7 +20,8 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_reload_and_runtime_take_the_port_and_the_admin_key_from_the_file(gateway, fake_backend):
     fake = fake_backend(ttft_ms=5, itl_ms=1)
-    gw = gateway(upstream_config(fake.url, model=MODEL, kind="openai") + '\n[admin]\nkey = "admin-s3cret"\n')
+    admin = '\n[admin]\nkey = "3e8b1f0c7a2d94e6b5c0f1a8"\n'
+    gw = gateway(upstream_config(fake.url, model=MODEL, kind="openai") + admin)
     cfg = gw.extra["config"]
     port = gw.url.rsplit(":", 1)[1]
     # the file now says where the gateway listens (the fixture gave the port on the command line)

@@ -95,17 +95,17 @@ def test_separate_admin_port_serves_only_admin_routes_and_stops_with_the_gateway
 def test_admin_key_tenant_label_off_and_metrics_off(gateway, fake_backend):
     fake = fake_backend(ttft_ms=5, itl_ms=1)
     gw = gateway(upstream_config(fake.url, model="fake-model")
-                 + '\n[admin]\nkey = "adm1n"\n[metrics]\ntenant_label = false\nenabled = false\n')
+                 + '\n[admin]\nkey = "a7c3e9f1d05b2846e8c1f0a3"\n[metrics]\ntenant_label = false\nenabled = false\n')
     for i in range(3):
         assert chat(gw.url, i).status_code == 200
     r = httpx.get(gw.url + "/metrics")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(gw.url + "/ui", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    auth = {"Authorization": "Bearer adm1n"}
+    auth = {"Authorization": "Bearer a7c3e9f1d05b2846e8c1f0a3"}
     assert httpx.get(gw.url + "/ui", headers=auth).status_code == 200
     with httpx.Client(base_url=gw.url) as browser:  # a browser: the login form, then its cookie
         assert browser.get("/ui").status_code == 401 and "<form" in browser.get("/ui").text
-        login = browser.post("/admin/login", data={"key": "adm1n"})
+        login = browser.post("/admin/login", data={"key": "a7c3e9f1d05b2846e8c1f0a3"})
         assert login.status_code == 303 and "HttpOnly" in login.headers["set-cookie"]
         assert browser.get("/ui").status_code == 200 and browser.get("/admin/stats").status_code == 200
         # a page of another site cannot use it to reload the configuration

@@ -22,7 +22,7 @@ import pytest
 from passerelle.tenants.quota import window
 from tests.conftest import wait_until
 
-ADMIN = {"Authorization": "Bearer adm1n"}
+ADMIN = {"Authorization": "Bearer a7c3e9f1d05b2846e8c1f0a3"}
 
 
 def config(url: str, *, models: tuple[str, ...] = ("fake-model",), slots: int = 32, extra: str = "") -> str:
@@ -83,7 +83,7 @@ def test_twenty_streams_on_a_key_of_four_all_complete_four_at_once_at_the_runtim
 
 def test_key_api_needs_the_admin_key_and_audits_every_change(gateway, fake_backend, tmp_path):
     fake = fake_backend(ttft_ms=5, itl_ms=1)
-    gw = gateway(config(fake.url, models=("fake-model", "fake-big")) + '\n[admin]\nkey = "adm1n"\n',
+    gw = gateway(config(fake.url, models=("fake-model", "fake-big")) + '\n[admin]\nkey = "a7c3e9f1d05b2846e8c1f0a3"\n',
                  env={"PASSERELLE_STATE": str(tmp_path / "state")})
     url = gw.url + "/admin/keys"
     spec = {"tenant": "ci", "label": "CI runners", "owner": "ops@example.org", "models": ["fake-model"],

@@ -122,10 +122,10 @@ def test_a_reload_of_an_emptied_file_is_refused_and_nothing_is_drained(gateway, 
 def test_sighup_rotates_the_admin_key_and_names_what_waits_for_a_restart(gateway, fake_backend):
     fake = fake_backend(ttft_ms=5, itl_ms=1)
     backend = upstream_config(fake.url, model=MODEL, kind="openai")
-    gw = gateway(backend + '[admin]\nkey = "old-admin-key"\n')
-    old, new = ({"authorization": f"Bearer {k}"} for k in ("old-admin-key", "new-admin-key"))
+    gw = gateway(backend + '[admin]\nkey = "old-4f1c8e2a9b0d73e6c5a1"\n')
+    old, new = ({"authorization": f"Bearer {k}"} for k in ("old-4f1c8e2a9b0d73e6c5a1", "new-9d2b7f0e3c1a84d6b2e5"))
     assert httpx.get(gw.url + "/admin/stats", headers=old, timeout=5).status_code == 200
-    gw.extra["config"].write_text(textwrap.dedent(backend) + '[admin]\nkey = "new-admin-key"\n'
+    gw.extra["config"].write_text(textwrap.dedent(backend) + '[admin]\nkey = "new-9d2b7f0e3c1a84d6b2e5"\n'
                                   "[batches]\nmax_lines = 10\n")
     gw.proc.send_signal(signal.SIGHUP)
     wait_until(lambda: "configuration reloaded" in gw.log_text(), 10, what="the reload in the log")
@@ -133,7 +133,7 @@ def test_sighup_rotates_the_admin_key_and_names_what_waits_for_a_restart(gateway
     assert httpx.get(gw.url + "/admin/stats", headers=new, timeout=5).status_code == 200
     log = gw.log_text()
     assert "applied admin.key" in log and "NOT applied until a restart: batches.max_lines" in log
-    assert "new-admin-key" not in log
+    assert "new-9d2b7f0e3c1a84d6b2e5" not in log
 
 
 def test_a_reload_to_a_runtime_that_fails_to_start_is_refused_and_the_old_one_serves(gateway, tmp_path):

@@ -28,7 +28,7 @@ def test_file_values(tmp_path):
     cfg = load_config(write(tmp_path, """
         [admin]
         allow = ["10.0.0.0/8", "192.0.2.7"]
-        key = "s3cret"
+        key = "9c41e07b2fd5a836e1c0b7d4"
         port = 9091
         host = "0.0.0.0"
         [metrics]
@@ -36,17 +36,18 @@ def test_file_values(tmp_path):
         tenant_label = false
         window_s = 600
     """), env={})
-    assert cfg.admin.allow == ("10.0.0.0/8", "192.0.2.7") and cfg.admin.key == "s3cret"
+    assert cfg.admin.allow == ("10.0.0.0/8", "192.0.2.7") and cfg.admin.key == "9c41e07b2fd5a836e1c0b7d4"
     assert (cfg.admin.port, cfg.admin.host) == (9091, "0.0.0.0")
     assert (cfg.metrics.enabled, cfg.metrics.tenant_label, cfg.metrics.window_s) == (False, False, 600.0)
 
 
 def test_environment_overrides(tmp_path):
-    cfg = load_config(write(tmp_path, "[admin]\nkey = \"from-file\"\n"), env={
-        "PASSERELLE_ADMIN_KEY": "from-env", "PASSERELLE_ADMIN_ALLOW": "0.0.0.0/0,::/0",
+    cfg = load_config(write(tmp_path, "[admin]\nkey = \"file-8d2e61c0a9f3b7e4\"\n"), env={
+        "PASSERELLE_ADMIN_KEY": "env-4b7f0d3a9e16c25b", "PASSERELLE_ADMIN_ALLOW": "0.0.0.0/0,::/0",
         "PASSERELLE_ADMIN_PORT": "9092", "PASSERELLE_METRICS_TENANT_LABEL": "no",
         "PASSERELLE_METRICS_WINDOW_S": "120"})
-    assert cfg.admin.key == "from-env" and cfg.admin.allow == ("0.0.0.0/0", "::/0") and cfg.admin.port == 9092
+    assert cfg.admin.key == "env-4b7f0d3a9e16c25b" and cfg.admin.allow == ("0.0.0.0/0", "::/0")
+    assert cfg.admin.port == 9092
     assert cfg.metrics.tenant_label is False and cfg.metrics.window_s == 120.0
 
 

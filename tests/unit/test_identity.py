@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 
 import pytest
 
 from passerelle.cli import main
-from passerelle.config import ClassConfig, load_config
+from passerelle.config import AdminConfig, ClassConfig, load_config
 from passerelle.errors import Cause, ConfigError
 from passerelle.observe.accesslog import record_fields
+from passerelle.server import keys_api
 from passerelle.tenants.db import SCHEMA_VERSION
 from passerelle.tenants.keys import ApiKey, KeyStore
 from passerelle.tenants.limits import KeyLimiter
@@ -177,3 +179,79 @@ def test_the_new_settings_are_read_and_checked_naming_file_key_and_line(tmp_path
         bad.write_text(text)
         with pytest.raises(ConfigError, match=rf"b\.toml:{line}: key '{key}'"):
             load_config(bad, env={})
+
+
+def test_a_keys_tenant_may_not_be_a_front_end_persons_name(tmp_path, capsys):
+    db = str(tmp_path / "k.db")
+    assert main(["keys", "create", "--db", db, "--tenant", "webui/alice"]) == 2
+    assert "'tenant' must not contain '/'" in capsys.readouterr().err
+    assert main(["keys", "create", "--db", db, "--tenant", "webui", "--trust-forwarded-user"]) == 0
+    store = KeyStore(db)
+    (webui,) = store.list()
+    assert main(["keys", "update", "--db", db, webui.id, "--tenant", "other/alice"]) == 2
+    assert [k.tenant for k in store.list()] == ["webui"]
+    store.close()
+
+
+async def test_the_key_api_refuses_a_tenant_with_a_slash(tmp_path):
+    admin = AdminConfig(key="0e7b3c91f2a54d68b9c0e1f7")
+    async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "k.db", admin=admin) as gw:
+        auth = bearer(admin.key)
+        bad = await gw.post("/admin/keys", {"tenant": "webui/alice"}, headers=auth)
+        assert bad.status == 400 and "'tenant' must not contain '/'" in bad.json()["error"]["message"]
+        made = await gw.post("/admin/keys", {"tenant": "webui", "trust_forwarded_user": True}, headers=auth)
+        assert made.status == 201
+        patched = await gw.request("PATCH", f"/admin/keys/{made.json()['id']}", b'{"tenant": "webui/bob"}',
+                                   headers=auth)
+        assert patched.status == 400 and "'tenant' must not contain '/'" in patched.json()["error"]["message"]
+
+
+async def test_me_usage_pages_a_front_ends_people_with_bounded_answers(tmp_path):
+    store = KeyStore(tmp_path / "k.db")
+    key, secret = store.create("webui", trust_forwarded_user=True)
+    people, now = 5_000, time.time()
+    with store.conn:  # one request each, and a few without a person (the front-end's own calls)
+        store.conn.executemany(
+            "INSERT INTO usage (ts, tenant, key_id, class, model, cause, prompt_tokens, completion_tokens, user, "
+            "session) VALUES (?, ?, ?, 'standard', 'fake-model', 'ok', 3, 2, ?, '')",
+            [(now - 60, f"webui/p{i:05d}" if i < people else "webui", key.id, f"p{i:05d}" if i < people else "")
+             for i in range(people + 5)])
+    store.close()
+    async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "k.db") as gw:
+        first = await gw.get("/v1/me/usage?since=1h", headers=bearer(secret))
+        assert first.status == 200
+        body = first.json()
+        assert len(body["users"]) == 100 and body["has_more"] is True and body["last_user"] == "p00099"
+        assert len(first.body) < 32 * 1024  # (the unpaged answer for 200,000 people was 36 MB)
+        assert body["total"]["requests"] == people + 5 and body["total"]["total_tokens"] == 5 * (people + 5)
+        assert body["users"][0] == {**body["users"][0], "user": "p00000", "tenant": "webui/p00000", "requests": 1}
+        seen, after, pages = [], "", 0
+        while True:
+            page = (await gw.get(f"/v1/me/usage?since=1h&limit=1000&after={after}", headers=bearer(secret))).json()
+            assert len(page["users"]) <= 1000
+            seen += [u["user"] for u in page["users"]]
+            pages += 1
+            if not page["has_more"]:
+                break
+            after = page["last_user"]
+        assert seen == [f"p{i:05d}" for i in range(people)] and pages == people // 1000
+        for bad in ("limit=0", "limit=1001", "limit=ten", "after=" + "x" * 600):
+            refused = await gw.get(f"/v1/me/usage?{bad}", headers=bearer(secret))
+            message = refused.json()["error"]["message"]
+            assert refused.status == 400 and f"'{bad.split('=')[0]}'" in message, bad
+
+
+async def test_me_usage_lists_the_largest_models_and_totals_them_all(tmp_path, monkeypatch):
+    monkeypatch.setattr(keys_api, "MAX_MODELS", 2)  # (1000 in use: model names are the clients' choice)
+    store = KeyStore(tmp_path / "k.db")
+    key, secret = store.create("team")
+    with store.conn:
+        store.conn.executemany(
+            "INSERT INTO usage (ts, tenant, key_id, class, model, cause, prompt_tokens, completion_tokens, user, "
+            "session) VALUES (?, 'team', ?, 'standard', ?, 'ok', ?, 0, '', '')",
+            [(time.time() - 60, key.id, model, tokens) for model, tokens in (("a", 30), ("b", 20), ("c", 10))])
+    store.close()
+    async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "k.db") as gw:
+        usage = (await gw.get("/v1/me/usage?since=1h", headers=bearer(secret))).json()
+        assert [r["model"] for r in usage["data"]] == ["a", "b"]
+        assert usage["total"]["requests"] == 3 and usage["total"]["prompt_tokens"] == 60
