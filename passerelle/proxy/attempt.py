@@ -111,7 +111,7 @@ async def fetch(ex: Exchange, req: UpstreamRequest, backend: Backend,
     try:
         async with asyncio.timeout_at(head_at) as budget:
             resp = await backend.post(api.upstream, req.body, request_id=rec.id, content_type=req.content_type,
-                                      traceparent=rec.trace.traceparent if rec.trace is not None else b"")
+                                      traceparent=rec.trace.traceparent() if rec.trace is not None else b"")
             check_head(resp, backend, streamed=streamed, json=not api.form)
             if resp.status != 200:
                 raw = await read_error(resp, rec, limit=limits.max_error_bytes)

@@ -186,17 +186,18 @@ print("ok")
 
 
 def one_request(tracer, rid: str) -> None:
+    """A finished request's record, as the gateway leaves it, to the tracer's listener: 3 spans
+    (the request, its wait in the queue, its attempt)."""
     from passerelle.errors import Cause
     from passerelle.observe.record import RequestRecord
 
     rec = RequestRecord(id=rid, endpoint="chat", model=MODEL)
-    t = tracer.begin({"method": "POST", "path": "/v1/chat/completions", "headers": []}, rec)
-    t.queue_started(swap=False)
-    t.queue_ended("b1")
-    t.attempt_started("b1", MODEL)
-    t.attempt_ended(None)
+    rec.trace = tracer.begin({"method": "POST", "path": "/v1/chat/completions", "headers": []})
+    rec.t_queued = rec.t_arrival
+    rec.trace.traceparent()
+    rec.backend, rec.t_sent = "b1", time.perf_counter()
     rec.finish(Cause.OK, 200)
-    t.end(rec)
+    tracer.observe(rec)
 
 
 def test_shutdown_sends_what_the_exporter_holds(receiver, monkeypatch):
