@@ -14,8 +14,8 @@ Every attempt's end is one :class:`Outcome` for the replica's circuit breaker (`
 
 Example::
 
-    req = upstream_request(api, route, backend, ...)   # upstream_request.py: the body as sent
-    answer = await fetch(ex, req, backend, deadline)
+    req = upstream_request(call, backend, cfg)   # upstream_request.py: the body as sent
+    answer = await fetch(ex, req, backend, call.deadline)
     if answer is not None:          # (None: streamed to the client already)
         raw, content_type = answer
 """
