@@ -125,7 +125,7 @@ class Metrics:
                                    "Requests waiting inside the runtime itself.", ["backend"], registry=r)
         # the scheduler's preemptor counts them (scheduling/preemption.py); read when scraped
         self.suspensions = ReadCounter("passerelle_suspensions", "Streams suspended for a better class.", r)
-        # [tracing]'s exporter counts them (observe/otlp_export.py); read when scraped
+        # [tracing]'s exporter counts them (observe/span_pipe.py); read when scraped
         self.trace_spans_dropped = ReadCounter(
             "passerelle_trace_spans_dropped", "Finished spans never sent: the exporter was behind or gone.", r)
         self.trace_exporter_restarts = ReadCounter(
