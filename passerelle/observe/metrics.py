@@ -130,9 +130,11 @@ class Metrics:
                                    "Requests waiting inside the runtime itself.", ["backend"], registry=r)
         # the scheduler's preemptor counts them (scheduling/preemption.py); read when scraped
         self.suspensions = ReadCounter("passerelle_suspensions", "Streams suspended for a better class.", r)
-        # [tracing]'s exporter counts them (observe/otlp_export.py); read when scraped
+        # [tracing]'s exporter counts them (observe/span_pipe.py); read when scraped
         self.trace_spans_dropped = ReadCounter(
             "passerelle_trace_spans_dropped", "Finished spans never sent: the exporter was behind or gone.", r)
+        self.trace_exporter_restarts = ReadCounter(
+            "passerelle_trace_exporter_restarts", "Times [tracing]'s exporter process died and was started again.", r)
         self._children: dict[tuple[str, ...], RequestChildren] = {}
         # Which tenants get a label of their own (the app answers: those of the API keys); every
         # other one, e.g. a client's `user` field without keys, is counted as "other".

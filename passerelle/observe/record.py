@@ -6,7 +6,9 @@
         └───────────┴─replica────┴──────────────┴───────► DONE   (with a cause other than ok)
 
 The record is created when the request arrives and written once, when it ends, to the access
-log and the metrics. Times are ``time.perf_counter()`` seconds.
+log, the metrics, the usage store and, with ``[tracing]``, the request's spans (observe/tracing.py
+builds them all from the record: its time stamps are the spans' ends). Times are
+``time.perf_counter()`` seconds.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from passerelle.errors import Cause
 
@@ -55,6 +57,18 @@ def clip(text: str, limit: int = 256) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+class Attempt(NamedTuple):
+    """An attempt that ended with another to follow: retried on another replica, or its stream
+    cut for a better class and resumed later (the last attempt is the record's own fields)."""
+
+    backend: str
+    t_sent: float
+    t_ended: float
+    error: str = ""  # its cause, when it failed
+    message: str = ""
+    cut: bool = False
+
+
 def new_request_id() -> str:
     return "req_" + os.urandom(12).hex()
 
@@ -81,6 +95,7 @@ class RequestRecord:
     error: str = ""
     t_queued: float = 0.0
     t_dispatch: float = 0.0
+    t_sent: float = 0.0  # the current attempt was sent to ``backend``; 0 between attempts
     t_first: float = 0.0  # first content chunk sent to the client
     t_last: float = 0.0  # last content chunk sent
     t_end: float = 0.0
@@ -96,7 +111,11 @@ class RequestRecord:
     suspensions: int = 0  # times its stream was cut for a better class and resumed
     suspended_s: float = 0.0  # time spent suspended, waiting to resume
     resume_prompt_tokens: int = 0  # prompt tokens the runtime processed again to resume (not cached)
-    trace: Any = None  # its spans (observe/tracing.py RequestTrace) when [tracing] is on, else None
+    earlier: list[Attempt] | None = None  # attempts before the current one (retries, cuts); None: none
+    cold: bool = False  # no replica of its pool was up when it came: its wait includes a start or a swap
+    # the body as read, until the record is accounted (held by the request anyway): [tracing] record_prompts
+    body: bytes = b""
+    trace: Any = None  # its trace context (observe/tracing.py TraceContext) when [tracing] is on, else None
 
     def to(self, state: State) -> None:
         if state not in _ALLOWED[self.state]:
@@ -109,6 +128,16 @@ class RequestRecord:
             self.cause, self.status, self.error = cause, status, error
             self.t_end = time.perf_counter()
             self.state = State.DONE
+
+    def attempt_ended(self, t: float, error: str = "", message: str = "", *, cut: bool = False) -> None:
+        """The current attempt ended at ``t`` and another may follow (a retry, a resume): kept as
+        plain data, for the trace. (Rare: most requests make one attempt and never come here.)"""
+        done = Attempt(self.backend, self.t_sent, t, error, message, cut)
+        if self.earlier is None:
+            self.earlier = [done]
+        else:
+            self.earlier.append(done)
+        self.t_sent = 0.0
 
     @property
     def ttft(self) -> float | None:

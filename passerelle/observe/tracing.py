@@ -1,19 +1,27 @@
 """OpenTelemetry traces of requests, after the GenAI semantic conventions, sent over OTLP/HTTP.
 
 One span per request (kind SERVER, named ``"{operation} {model}"``), its children for the wait in
-passerelle's queue (``queue``), a wait for a runtime to start or be swapped in (``swap``), each
-try on a runtime (``"{operation} {model}"``, kind CLIENT, one per attempt), and the time a
-stream spent suspended for a better class (``suspended``). A client's W3C ``traceparent`` makes
-the request's span its child (and its sampled flag is followed); each attempt sends its own
-``traceparent`` to the runtime, so a runtime that traces (vLLM) joins the trace.
+passerelle's queue (``queue``, one per attempt), a wait for a runtime to start or be swapped in
+(``swap``: no replica of the pool was up when the request came), each try on a runtime
+(``"{operation} {model}"``, kind CLIENT, one per attempt), and the time a stream spent suspended
+for a better class (``suspended``). A client's W3C ``traceparent`` makes the request's span its
+child (and its sampled flag is followed); each attempt sends its own ``traceparent`` to the
+runtime, so a runtime that traces (vLLM) joins the trace.
 
-The request path records only plain data: random ids, ``time.time_ns()`` stamps and a small dict
-of attributes per span; a finished request's spans are tuples (``SPAN_FIELDS``) handed to the
-exporter (observe/otlp_export.py), which encodes and sends them from a child process, so that
+The tracer takes no part in the request's flow. It is a listener of the finished
+:class:`~passerelle.observe.record.RequestRecord`, as the metrics, the access log and the usage
+store are: the record's time stamps (arrival, queued, each attempt sent and ended, first token,
+end) and its earlier attempts are plain data the gateway keeps anyway, and :meth:`RequestTracer.observe`
+makes every span from them, once the request is over. The request itself carries only its
+:class:`TraceContext` (``rec.trace``: the trace's ids, made by :meth:`RequestTracer.begin` from the
+client's headers), from which each attempt takes the ``traceparent`` it sends (proxy/attempt.py).
+
+Finished spans are tuples (``SPAN_FIELDS``) handed to the exporter (observe/span_pipe.py), whose
+child process (observe/otlp_export.py, started again when it dies) encodes and sends them, so that
 neither OpenTelemetry's span objects nor the protobuf encoding and the HTTP run on the event
-loop's interpreter. The sampler (parent-based, else by trace id ratio) and the W3C
-``traceparent`` are the few lines below: the SDK's propagator and sampler cost ~12 µs a request
-against ~1.3 µs.
+loop's interpreter. The sampler (parent-based,
+else by trace id ratio) and the W3C ``traceparent`` are the few lines below: the SDK's propagator
+and sampler cost ~12 µs a request against ~1.3 µs.
 
 Off (``[tracing] enabled = false``, the default) nothing here is built and nothing of
 OpenTelemetry is imported: the request path checks ``rec.trace is None`` and goes on. The
@@ -22,11 +30,9 @@ exporter's child needs the ``otel`` extra (opentelemetry-proto).
 Example::
 
     tracer = RequestTracer(cfg.tracing)        # starts the exporter's child process
-    trace = tracer.begin(scope, rec)           # in Gateway.handle
-    trace.queue_started(swap=False); trace.queue_ended(backend.name)
-    header = trace.attempt_started(backend.name, model)  # b"00-<trace>-<span>-01", sent upstream
-    trace.attempt_ended(error=None)
-    trace.end(rec)                             # in Gateway.account: the spans go to the exporter
+    gateway.listeners.append(tracer.observe)   # server/build.py: spans from each finished record
+    rec.trace = tracer.begin(scope)            # in Gateway.handle: the trace's ids
+    header = rec.trace.traceparent()           # b"00-<trace>-<span>-01": an attempt's, sent upstream
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ from collections.abc import Callable
 from typing import Any
 
 from passerelle.config import TracingConfig
+from passerelle.endpoints import BY_NAME
 from passerelle.errors import Cause, ConfigError
-from passerelle.observe.record import RequestRecord
+from passerelle.observe.record import Attempt, RequestRecord
 
 # GenAI operation names (gen_ai.operation.name) by the gateway's endpoint
 _OPERATIONS = {"chat": "chat", "responses": "chat", "messages": "chat", "completions": "text_completion",
@@ -94,7 +101,8 @@ def start_tracer(cfg: TracingConfig, source: str = "") -> RequestTracer:
 
 
 class RequestTracer:
-    """The sampler and the exporter for ``[tracing]``; :meth:`begin` opens a request's trace."""
+    """The sampler and the exporter for ``[tracing]``: :meth:`begin` opens a request's trace,
+    :meth:`observe` (a listener of finished records) makes its spans and hands them on."""
 
     def __init__(self, cfg: TracingConfig, exporter: Callable[[list[Span]], None] | None = None) -> None:
         """``exporter``: called with each request's finished spans, in place of the OTLP/HTTP child."""
@@ -102,13 +110,14 @@ class RequestTracer:
         self._bound = round(cfg.sample_ratio * (1 << 64))  # a new trace is kept when its low 64 bits are under it
         self.pipe = None
         if exporter is None:
-            from passerelle.observe.otlp_export import SpanPipe
+            from passerelle.observe.span_pipe import SpanPipe
 
             self.pipe = SpanPipe(cfg)
             exporter = self.pipe.submit
         self.export = exporter
 
-    def begin(self, scope: dict[str, Any], rec: RequestRecord) -> RequestTrace:
+    def begin(self, scope: dict[str, Any]) -> TraceContext:
+        """The trace of the request ``scope`` opens: the client's, or one of its own."""
         parent = None
         state = ""
         for k, v in scope.get("headers", ()):
@@ -121,8 +130,14 @@ class RequestTracer:
         else:
             n = _getrandbits(128) or 1
             trace_id, parent_id, sampled, state = n.to_bytes(16, "big"), b"", (n & _BITS64) < self._bound, ""
-        return RequestTrace(self, trace_id, parent_id, sampled, state, rec.id, rec.endpoint,
-                            scope.get("method", "POST"), scope.get("path", ""))
+        return TraceContext(trace_id, parent_id, sampled, state, scope.get("method", "POST"), scope.get("path", ""))
+
+    def observe(self, rec: RequestRecord) -> None:
+        """A finished request's spans, made from its record, to the exporter (sampled traces only)."""
+        ctx = rec.trace
+        if ctx is None or not ctx.sampled or rec.cause is None:
+            return
+        self.export(spans_of(rec, ctx, self.cfg.record_prompts))
 
     def shutdown(self) -> None:
         """Send what is buffered (within a deadline), then stop the exporter's child."""
@@ -134,120 +149,96 @@ def _span_id() -> bytes:
     return (_getrandbits(64) or 1).to_bytes(8, "big")
 
 
-class RequestTrace:
-    """One request's spans as plain data; every method is called from the request's own task.
-    An open span is a list ``[span_id, name, kind, start_ns, attributes]``; a sampled-out trace
-    records nothing but still sends ``traceparent`` (flag 00) to the runtime."""
+class TraceContext:
+    """One request's trace ids, all it carries through its life (``rec.trace``); a sampled-out
+    trace records nothing but still sends ``traceparent`` (flag 00) to the runtime."""
 
-    __slots__ = ("_attempt", "_attempts", "_queue", "_suspended", "_swap", "attributes", "events", "op", "parent_id",
-                 "sampled", "span_id", "spans", "start_ns", "state", "trace_id", "traceparent", "tracer")
+    __slots__ = ("attempts", "method", "parent_id", "path", "sampled", "state", "trace_id")
 
-    def __init__(self, tracer: RequestTracer, trace_id: bytes, parent_id: bytes, sampled: bool, state: str,
-                 request_id: str, endpoint: str, method: str, path: str) -> None:
-        self.tracer, self.trace_id, self.parent_id, self.sampled, self.state = (
-            tracer, trace_id, parent_id, sampled, state)
-        self.span_id = _span_id()
-        self.start_ns = time.time_ns()
-        self.op = op = operation_of(endpoint)
-        self.attributes: dict[str, Any] = {
-            "gen_ai.operation.name": op, "passerelle.request_id": request_id, "passerelle.endpoint": endpoint,
-            "http.request.method": method, "url.path": path} if sampled else {}
-        self.spans: list[Span] = []
-        self.events: list[Any] = []
-        self._queue: list[Any] | None = None
-        self._swap: list[Any] | None = None
-        self._attempt: list[Any] | None = None
-        self._suspended: list[Any] | None = None
-        self._attempts = 0
-        self.traceparent = b""  # the current attempt's, sent to the runtime
+    def __init__(self, trace_id: bytes, parent_id: bytes, sampled: bool, state: str, method: str, path: str) -> None:
+        self.trace_id, self.parent_id, self.sampled, self.state = trace_id, parent_id, sampled, state
+        self.method, self.path = method, path
+        self.attempts: list[bytes] = []  # each attempt's span id, in order
 
-    def _open(self, name: str, kind: int = INTERNAL, attributes: dict[str, Any] | None = None) -> list[Any] | None:
-        if not self.sampled:
-            return None
-        return [_span_id(), name, kind, time.time_ns(), attributes if attributes is not None else {}]
-
-    def _close(self, span: list[Any], status: int = 0, message: str = "") -> None:
-        self.spans.append((self.trace_id, span[0], self.span_id, span[1], span[2], span[3], time.time_ns(), span[4],
-                           status, message, [], self.state))
-
-    def prompt(self, body: bytes) -> None:
-        """The request body as a span event, when [tracing] record_prompts says so."""
-        if not self.tracer.cfg.record_prompts or not self.sampled:
-            return
-        text = body[: PROMPT_CHARS * 4].decode("utf-8", "replace")[:PROMPT_CHARS]
-        self.events.append(("gen_ai.content.prompt", time.time_ns(), {"gen_ai.prompt": text}))
-
-    def queue_started(self, *, swap: bool) -> None:
-        """Queued for a replica; ``swap``: none is up, the wait includes starting or swapping one in."""
-        self._queue = self._open("queue")
-        if swap:
-            self._swap = self._open("swap")
-
-    def queue_ended(self, backend: str) -> None:
-        if self._swap is not None:
-            self._swap[4]["passerelle.backend"] = backend
-            self._close(self._swap)
-            self._swap = None
-        if self._queue is not None:
-            self._queue[4]["passerelle.backend"] = backend
-            self._close(self._queue)
-            self._queue = None
-        if self._suspended is not None:
-            self._close(self._suspended)
-            self._suspended = None
-
-    def attempt_started(self, backend: str, model: str) -> bytes:
-        """A try on ``backend``: its span, and the ``traceparent`` header value to send with it."""
-        self._attempts += 1
+    def traceparent(self) -> bytes:
+        """A new attempt's span id, as the ``traceparent`` header value sent with it."""
         span_id = _span_id()
-        if self.sampled:
-            self._attempt = [span_id, f"{self.op} {model}", CLIENT, time.time_ns(), {
-                "gen_ai.operation.name": self.op, "gen_ai.request.model": model, "passerelle.backend": backend,
-                "passerelle.attempt": self._attempts}]
-        self.traceparent = b"00-%s-%s-%s" % (self.trace_id.hex().encode(), span_id.hex().encode(),
-                                              b"01" if self.sampled else b"00")
-        return self.traceparent
+        self.attempts.append(span_id)
+        return b"00-%s-%s-%s" % (self.trace_id.hex().encode(), span_id.hex().encode(), b"01" if self.sampled else b"00")
 
-    def attempt_ended(self, error: BaseException | None, *, suspended: bool = False) -> None:
-        span, self._attempt = self._attempt, None
-        if span is None:
-            return
-        if suspended:
-            span[4]["passerelle.suspended"] = True
-        elif error is not None:
-            span[4]["error.type"] = type(error).__name__
-            self._close(span, STATUS_ERROR, str(error)[:256])
-            return
-        self._close(span)
 
-    def suspended(self) -> None:
-        """Cut for a better class: waiting to resume (ends when a replica is granted again)."""
-        self._suspended = self._open("suspended")
+def spans_of(rec: RequestRecord, ctx: TraceContext, record_prompts: bool = False) -> list[Span]:
+    """The spans of the finished request ``rec`` (the module docstring's), children first.
 
-    def end(self, rec: RequestRecord) -> None:
-        if not self.sampled:
-            return
-        for span in (self._attempt, self._swap, self._queue, self._suspended):
-            if span is not None:
-                self._close(span)
-        model = rec.model
-        attrs = self.attributes
-        attrs.update({"gen_ai.request.model": model, "passerelle.priority": rec.priority,
-                      "passerelle.tenant": rec.tenant, "passerelle.cause": rec.cause.value if rec.cause else "",
-                      "http.response.status_code": rec.status, "gen_ai.response.finish_reasons": finish_reasons(rec)})
-        for name, value in (("gen_ai.request.max_tokens", rec.max_tokens),
-                            ("gen_ai.usage.input_tokens", rec.prompt_tokens),
-                            ("gen_ai.usage.output_tokens", rec.completion_tokens),
-                            ("passerelle.backend", rec.backend or None),
-                            ("passerelle.retries", rec.retries or None),
-                            ("passerelle.suspensions", rec.suspensions or None)):
-            if value is not None:
-                attrs[name] = value
+    Its attempts are the record's earlier ones (retried, or cut and resumed) and its last one, sent
+    at ``t_sent`` and ended with the request; each waited in the queue from the end of the one
+    before (the first from ``t_queued``), a cut one also suspended until the next was sent."""
+    now_ns, now = time.time_ns(), time.perf_counter()
+
+    def ns(t: float) -> int:  # the record's perf_counter() seconds, as the wall clock's nanoseconds
+        return now_ns - int((now - t) * 1e9)
+
+    tid, root_id, state, op, model = ctx.trace_id, _span_id(), ctx.state, operation_of(rec.endpoint), rec.model
+    spans: list[Span] = []
+
+    def child(name: str, start: float, end: float, attrs: dict[str, Any], kind: int = INTERNAL,
+              status: int = 0, message: str = "", span_id: bytes = b"") -> None:
+        spans.append((tid, span_id or _span_id(), root_id, name, kind, ns(start), ns(end), attrs, status, message,
+                      [], state))
+
+    t_end = rec.t_end
+    failed = rec.cause is not Cause.OK
+    attempts = list(rec.earlier or ())
+    if rec.t_sent:  # the last attempt: it ended with the request
+        attempts.append(Attempt(rec.backend, rec.t_sent, t_end, rec.cause.value if failed and rec.cause else "",
+                                rec.error))
+    endpoint = BY_NAME.get(rec.endpoint)
+    queued = endpoint is None or endpoint.scheduled  # (the others go to the least busy replica up)
+    waited_from = rec.t_queued
+    for i, a in enumerate(attempts):
+        if queued and waited_from:
+            child("queue", waited_from, a.t_sent, {"passerelle.backend": a.backend})
+        if i == 0 and rec.cold and rec.t_queued:
+            child("swap", rec.t_queued, a.t_sent, {"passerelle.backend": a.backend})
+        attrs: dict[str, Any] = {"gen_ai.operation.name": op, "gen_ai.request.model": model,
+                                 "passerelle.backend": a.backend, "passerelle.attempt": i + 1}
         status, message = 0, ""
-        if rec.cause is not Cause.OK:
-            status, message = STATUS_ERROR, rec.error[:256]
-            attrs["error.type"] = rec.cause.value if rec.cause else "error"
-        self.spans.append((self.trace_id, self.span_id, self.parent_id, f"{self.op} {model}" if model else self.op,
-                           SERVER, self.start_ns, time.time_ns(), attrs, status, message, self.events, self.state))
-        spans, self.spans = self.spans, []
-        self.tracer.export(spans)
+        if a.cut:
+            attrs["passerelle.suspended"] = True
+            # (a cut attempt is never the last: the next one resumed it, or the request ended suspended)
+            child("suspended", a.t_ended, attempts[i + 1].t_sent if i + 1 < len(attempts) else t_end, {})
+        elif a.error:
+            attrs["error.type"] = a.error
+            status, message = STATUS_ERROR, a.message[:256]
+        child(f"{op} {model}", a.t_sent, a.t_ended, attrs, CLIENT, status, message,
+              ctx.attempts[i] if i < len(ctx.attempts) else b"")
+        waited_from = a.t_ended
+    if not rec.t_sent and waited_from:  # it ended waiting for a replica (the first, or the next)
+        if queued:
+            child("queue", waited_from, t_end, {})
+        if not attempts and rec.cold:
+            child("swap", waited_from, t_end, {})
+    attrs = {"gen_ai.operation.name": op, "passerelle.request_id": rec.id, "passerelle.endpoint": rec.endpoint,
+             "http.request.method": ctx.method, "url.path": ctx.path, "gen_ai.request.model": model,
+             "passerelle.priority": rec.priority, "passerelle.tenant": rec.tenant,
+             "passerelle.cause": rec.cause.value if rec.cause else "", "http.response.status_code": rec.status,
+             "gen_ai.response.finish_reasons": finish_reasons(rec)}
+    for name, value in (("gen_ai.request.max_tokens", rec.max_tokens),
+                        ("gen_ai.usage.input_tokens", rec.prompt_tokens),
+                        ("gen_ai.usage.output_tokens", rec.completion_tokens),
+                        ("passerelle.backend", rec.backend or None),
+                        ("passerelle.retries", rec.retries or None),
+                        ("passerelle.suspensions", rec.suspensions or None)):
+        if value is not None:
+            attrs[name] = value
+    status, message = 0, ""
+    if failed:
+        status, message = STATUS_ERROR, rec.error[:256]
+        attrs["error.type"] = rec.cause.value if rec.cause else "error"
+    events: list[Any] = []
+    if record_prompts and rec.body:
+        text = rec.body[: PROMPT_CHARS * 4].decode("utf-8", "replace")[:PROMPT_CHARS]
+        events.append(("gen_ai.content.prompt", ns(rec.t_arrival), {"gen_ai.prompt": text}))
+    spans.append((tid, root_id, ctx.parent_id, f"{op} {model}" if model else op, SERVER, ns(rec.t_arrival),
+                  ns(t_end), attrs, status, message, events, state))
+    return spans

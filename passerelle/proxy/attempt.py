@@ -14,8 +14,8 @@ Every attempt's end is one :class:`Outcome` for the replica's circuit breaker (`
 
 Example::
 
-    req = upstream_request(api, route, backend, ...)   # upstream_request.py: the body as sent
-    answer = await fetch(ex, req, backend, deadline)
+    req = upstream_request(call, backend, cfg)   # upstream_request.py: the body as sent
+    answer = await fetch(ex, req, backend, call.deadline)
     if answer is not None:          # (None: streamed to the client already)
         raw, content_type = answer
 """
@@ -111,7 +111,7 @@ async def fetch(ex: Exchange, req: UpstreamRequest, backend: Backend,
     try:
         async with asyncio.timeout_at(head_at) as budget:
             resp = await backend.post(api.upstream, req.body, request_id=rec.id, content_type=req.content_type,
-                                      traceparent=rec.trace.traceparent if rec.trace is not None else b"")
+                                      traceparent=rec.trace.traceparent() if rec.trace is not None else b"")
             check_head(resp, backend, streamed=streamed, json=not api.form)
             if resp.status != 200:
                 raw = await read_error(resp, rec, limit=limits.max_error_bytes)

@@ -50,6 +50,7 @@ from passerelle.observe.record import RequestRecord, State
 from passerelle.observe.tracing import RequestTracer
 from passerelle.proxy.answer import AnswerBudget, size_of
 from passerelle.proxy.attempt import fetch, outcome_of
+from passerelle.proxy.call import Call
 from passerelle.proxy.capabilities import check_media
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
@@ -61,18 +62,18 @@ from passerelle.proxy.intake import (
     session_hash,
     session_of,
 )
-from passerelle.proxy.protocols import Api, Parsed, api_for
+from passerelle.proxy.protocols import Api, api_for
 from passerelle.proxy.resume import Splice, suspendable
 from passerelle.proxy.retry import RetryBudget, may_retry
 from passerelle.proxy.upstream_request import upstream_request
 from passerelle.runtimes.breaker import Outcome
-from passerelle.runtimes.catalogue import Catalogue, Route
+from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey
 from passerelle.tenants.names import forwarded_user, user_tenant
-from passerelle.tenants.policy import KeyPolicy, Ticket
+from passerelle.tenants.policy import KeyPolicy
 from passerelle.tenants.sessions import SessionGate
 
 log = logging.getLogger("passerelle.proxy.gateway")
@@ -136,27 +137,14 @@ class Gateway:
         return self.keys.authenticate(scope, rec)
 
     # -- the request's life ----------------------------------------------------------------
-    def _read(self, api: Api, body: bytes, scope: Scope) -> Parsed:
-        """The request's fields (protocols.py), its model filled in where a route may leave it out."""
-        req = api.parse(body, header(scope, b"content-type"))
-        if req.model is None:
-            served = self.registry.models_on(api.name)
-            if len(served) != 1:
-                raise InvalidRequest("Missing required parameter: 'model' (this gateway serves "
-                                     f"{', '.join(served) or 'no model'} on {scope['path']}).", param="model")
-            req.model = served[0]
-        return req
-
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         api = api_for(endpoint)
         ex = Exchange(scope, receive, send, endpoint)
         ex.errors, ex.grammar = api.errors, api.grammar
         rec = ex.rec
-        if self.tracer is not None:
-            rec.trace = self.tracer.begin(scope, rec)
-        job: Job | None = None
-        grant: Ticket | None = None
-        in_session: tuple[str, str] | None = None
+        if self.tracer is not None:  # (the trace's ids: its spans are made from the record, in account)
+            rec.trace = self.tracer.begin(scope)
+        call: Call | None = None
         failure: GatewayError | None = None
         self.open.add(ex)
         if self._watchdog is None:
@@ -165,61 +153,18 @@ class Gateway:
             try:
                 key = self.authenticate(scope, rec)  # before the body: a stranger's body is never read
                 limit = self.cfg.server.max_upload_bytes if api.form else self.cfg.server.max_body_bytes
-                body = await read_request_body(scope, receive, limit)
+                rec.body = body = await read_request_body(scope, receive, limit)
                 ex.watch()
-                if rec.trace is not None:
-                    rec.trace.prompt(body)
-                req = self._read(api, body, scope)
-                rec.model = model = req.model or ""
-                rec.stream = req.stream
-                rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
-                cls = priority_class(self.classes, self.cfg.auth, scope, key)
-                rec.priority = cls.name
-                trusted = key is not None and key.trust_forwarded_user
-                if key is not None:
-                    rec.tenant = key.tenant
-                    if trusted and (user := header(scope, self.cfg.auth.forwarded_user_header.lower().encode())):
-                        # a trusted front-end names the person: their own tenant within the key's
-                        rec.user = forwarded_user(user, self.cfg.auth.max_user_chars)
-                        rec.tenant = f"{key.tenant}/{rec.user}" if rec.user else key.tenant
-                elif req.user:
-                    rec.tenant = user_tenant(req.user, self.cfg.auth.max_user_chars)
-                session = session_of(self.cfg.routing, scope, req.data,
-                                     self.cfg.auth.forwarded_chat_header if trusted else "")
-                rec.session = session_hash(session[1])
-                # Model catalogue (runtimes/catalogue.py): name or alias -> public name, pool, served name;
-                # parameter defaults/overrides applied; a fallback model when the pool cannot serve in time.
-                route = self.catalogue.resolve(model, endpoint, req.data, body, wait_s=cls.max_queue_wait_s,
-                                               path=scope["path"], routes_of=self._routes_of)
-                rec.model = model = route.name
-                pool = route.pool
-                check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
-                if req.data is not None:  # (a form's model field is rewritten per attempt: upstream_request.py)
-                    req.data = route.data
-                    if route.rewritten and req.data is not None:
-                        capped = next((req.data[f] for f in api.budget if isinstance(req.data.get(f), int)), None)
-                        if isinstance(capped, int) and capped >= 0:
-                            rec.max_tokens = capped
-                # prompt: its text, media at a constant (corrected by usage); an upload is not text, and
-                # tokenizing or counting tokens is not the model's work
-                est_prompt = (self.keys.estimate_prompt(req.data, model)
-                              if api.scheduled and not api.form and req.data is not None else 0)
-                est_output = output_estimate(req.data, rec.max_tokens) if api.generates else 0
+                call = self._intake(ex, api, key, body)
                 if key is not None:  # allow-list, quota, rpm/tpm, then a turn among the key's concurrent slots
-                    grant = await self.keys.admit(key, rec, cls, est_prompt + est_output)
-                in_session = self.sessions.enter(rec.tenant, rec.session)  # 429 session_limit
-                job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
-                          est_prompt_tokens=est_prompt, est_output_tokens=est_output,
-                          can_wait_for_start=any(b.supervised for b in pool), slotted=api.scheduled and not api.form,
-                          affinity=affinity_key(self.cfg.routing, scope, req.data, endpoint, session)
-                          if len(pool) > 1 or any(b.slot_ids for b in pool) else "")
-                if self.on_demand is not None and not any(b.stats.up for b in pool):
-                    self.on_demand(pool)
-                # A stream of a preemptible class may be cut for a better one and continued (resume.py).
-                splice = (Splice(req.data, endpoint) if cls.preemptible and self.scheduler.preemption is not None
-                          and req.data is not None and any(b.continuation for b in pool)
-                          and suspendable(req.data, endpoint) else None)
-                await self._dispatch(ex, api, job, route, splice)
+                    call.grant = await self.keys.admit(key, rec, call.job.cls, call.estimate)
+                call.session = self.sessions.enter(rec.tenant, rec.session)  # 429 session_limit
+                pool = call.route.pool
+                if not any(b.stats.up for b in pool):  # none up: the wait includes a start or a swap
+                    rec.cold = True
+                    if self.on_demand is not None:
+                        self.on_demand(pool)
+                await self._dispatch(ex, call)
                 rec.finish(Cause.OK, 200)
             except asyncio.CancelledError:
                 if not ex.take_cancel():
@@ -242,10 +187,10 @@ class Gateway:
                     rec.finish(failure.cause, failure.status, failure.message)
                 elif rec.cause is None:  # cancelled by the server itself (shutdown)
                     rec.finish(Cause.INTERNAL_ERROR, 500, "cancelled by the gateway")
-                self._release(rec, job, grant)
+                if call is not None:
+                    self._release(rec, call)
                 if ex.held is not None:
                     ex.held.release()
-                self.sessions.leave(in_session)
             if failure is not None and not isinstance(failure, ClientDisconnect | ClientTimeout):
                 await ex.report(failure)  # watched: a client that takes nothing is cut (watchdog)
         except asyncio.CancelledError:
@@ -262,13 +207,72 @@ class Gateway:
             finally:
                 self.account(rec)  # one line, one cause, one usage row: whatever happened above
 
-    def _release(self, rec: RequestRecord, job: Job | None, grant: Ticket | None) -> None:
-        if rec.stream and rec.t_dispatch and rec.cause in _CUT_BY_CLIENT and job is not None:
+    def _intake(self, ex: Exchange, api: Api, key: ApiKey | None, body: bytes) -> Call:
+        """The request's fields (protocols.py), its class, tenant and session, its model resolved to
+        a route, its token estimates, its scheduler job: the :class:`Call` every later step takes.
+        Raises the 400s of a request the gateway cannot serve as asked."""
+        scope, rec, cfg = ex.scope, ex.rec, self.cfg
+        ctype = header(scope, b"content-type") or ""
+        req = api.parse(body, ctype)
+        if req.model is None:  # a route that may leave the model out, when one model serves it
+            served = self.registry.models_on(api.name)
+            if len(served) != 1:
+                raise InvalidRequest("Missing required parameter: 'model' (this gateway serves "
+                                     f"{', '.join(served) or 'no model'} on {scope['path']}).", param="model")
+            req.model = served[0]
+        rec.model = model = req.model
+        rec.stream = req.stream
+        rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
+        cls = priority_class(self.classes, cfg.auth, scope, key)
+        rec.priority = cls.name
+        trusted = key is not None and key.trust_forwarded_user
+        if key is not None:
+            rec.tenant = key.tenant
+            if trusted and (user := header(scope, cfg.auth.forwarded_user_header.lower().encode())):
+                # a trusted front-end names the person: their own tenant within the key's
+                rec.user = forwarded_user(user, cfg.auth.max_user_chars)
+                rec.tenant = f"{key.tenant}/{rec.user}" if rec.user else key.tenant
+        elif req.user:
+            rec.tenant = user_tenant(req.user, cfg.auth.max_user_chars)
+        session = session_of(cfg.routing, scope, req.data, cfg.auth.forwarded_chat_header if trusted else "")
+        rec.session = session_hash(session[1])
+        # Model catalogue (runtimes/catalogue.py): name or alias -> public name, pool, served name;
+        # parameter defaults/overrides applied; a fallback model when the pool cannot serve in time.
+        route = self.catalogue.resolve(model, api.name, req.data, body, wait_s=cls.max_queue_wait_s,
+                                       path=scope["path"], routes_of=self._routes_of)
+        rec.model = model = route.name
+        pool = route.pool
+        check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
+        data = req.data
+        if data is not None:  # (a form's model field is rewritten per attempt: upstream_request.py)
+            data = route.data
+            if route.rewritten and data is not None:
+                capped = next((data[f] for f in api.budget if isinstance(data.get(f), int)), None)
+                if isinstance(capped, int) and capped >= 0:
+                    rec.max_tokens = capped
+        # prompt: its text, media at a constant (corrected by usage); an upload is not text, and
+        # tokenizing or counting tokens is not the model's work
+        slotted = api.scheduled and not api.form
+        est_prompt = self.keys.estimate_prompt(data, model) if slotted and data is not None else 0
+        job = Job(pool=pool, cls=cls, tenant=rec.tenant, model=model, weight=key.weight if key else 1.0,
+                  est_prompt_tokens=est_prompt, est_output_tokens=output_estimate(data, rec.max_tokens)
+                  if api.generates else 0, can_wait_for_start=any(b.supervised for b in pool), slotted=slotted,
+                  affinity=affinity_key(cfg.routing, scope, data, api.name, session)
+                  if len(pool) > 1 or any(b.slot_ids for b in pool) else "")
+        # A stream of a preemptible class may be cut for a better one and continued (resume.py).
+        splice = (Splice(data, api.name) if cls.preemptible and self.scheduler.preemption is not None
+                  and data is not None and any(b.continuation for b in pool) and suspendable(data, api.name)
+                  else None)
+        return Call(api, rec.stream, ctype, route, job, Deadline(cfg.timeouts, rec.t_arrival), splice)
+
+    def _release(self, rec: RequestRecord, call: Call) -> None:
+        job = call.job
+        if rec.stream and rec.t_dispatch and rec.cause in _CUT_BY_CLIENT:
             charge_as_sent(rec, job.est_prompt_tokens)
-        if job is not None:
-            self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
-        if grant is not None:
-            self.keys.finish(grant, rec)
+        self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
+        if call.grant is not None:
+            self.keys.finish(call.grant, rec)
+        self.sessions.leave(call.session)
 
     def _watch_writes(self) -> None:
         """Once a second: cut every client that has taken no byte for ``client_write_s`` while a
@@ -295,26 +299,23 @@ class Gateway:
         usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
         return min(usable, key=lambda b: b.in_flight / b.capacity) if usable else None
 
-    async def _dispatch(self, ex: Exchange, api: Api, job: Job, route: Route, splice: Splice | None = None) -> None:
+    async def _dispatch(self, ex: Exchange, call: Call) -> None:
         """Run the request on a replica until its answer is whole. The resume loop: a stream
         suspended for a better class (the scheduler cut it, freed its slot and queued the job
         again, scheduling/preemption.py) waits here to resume, and its next attempt continues it
         where it was cut (resume.py), as often as it is suspended."""
-        rec = ex.rec
+        rec, splice = ex.rec, call.splice
         rec.t_queued = rec.t_queued or time.perf_counter()  # set already if it waited in its key's queue
         rec.to(State.QUEUED)
         self.retry_budget.deposit()
-        deadline = Deadline(self.cfg.timeouts, rec.t_arrival)
-        suspended_at = 0.0
-        while await self._retrying(ex, api, job, route, deadline, splice, suspended_at) and splice is not None:
+        while await self._retrying(ex, call) and splice is not None:
             # Cut: the scheduler has freed the slot and queued the job again, SUSPENDED.
             splice.resumed()
             rec.suspensions = splice.suspensions
-            suspended_at = time.perf_counter()
+            call.suspended_at = time.perf_counter()
+            rec.attempt_ended(call.suspended_at, cut=True)
             ex.finishing = False  # (the cut attempt may have seen its end, the client did not)
             rec.to(State.SUSPENDED)
-            if rec.trace is not None:
-                rec.trace.suspended()
         if splice is not None:
             rec.prompt_tokens, rec.completion_tokens = splice.totals(rec.prompt_tokens, rec.completion_tokens)
             rec.resume_prompt_tokens = splice.resume_prompt_processed
@@ -323,41 +324,35 @@ class Gateway:
                 self.preemption_stats["resume_prompt_tokens_processed"] += splice.resume_prompt_processed
                 self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
 
-    async def _retrying(self, ex: Exchange, api: Api, job: Job, route: Route, deadline: Deadline,
-                        splice: Splice | None, suspended_at: float) -> bool:
+    async def _retrying(self, ex: Exchange, call: Call) -> bool:
         """The retry loop: queue for a replica and try it; before the client got a byte, a replica
         that could not take the request is replaced by another (within the retry budget). Each
         attempt reports its outcome to its replica's circuit breaker exactly once, a cut one as
         neutral (it says nothing of the runtime). Returns once an attempt has ended: False, the
         answer is whole; True, the scheduler cut the stream (``splice.suspended``) to resume it later."""
-        rec = ex.rec
-        trace = rec.trace
+        rec, job, deadline, splice = ex.rec, call.job, call.deadline, call.splice
         while True:
             job.max_wait_s = deadline.left_s  # the queue wait is within the total time too
             if job.max_wait_s <= 0:  # never send a request with no time left (nor blame its replica)
                 raise QueueTimeout("The request's total timeout ran out before a replica was free.",
                                    retry_after=1.0)
-            backend = None if api.scheduled else self._direct(job)
+            backend = None if call.api.scheduled else self._direct(job)
             if backend is None:
-                if trace is not None:  # (no replica up: the wait includes a start or a swap)
-                    trace.queue_started(swap=not any(b.stats.up for b in job.pool))
                 backend = await self.scheduler.acquire(job)
-            if trace is not None:
-                trace.queue_ended(backend.name)
-                trace.attempt_started(backend.name, rec.model)
             rec.backend, rec.slot = backend.name, job.slot
-            if suspended_at:  # resumed
-                rec.suspended_s += time.perf_counter() - suspended_at
+            rec.t_sent = now = time.perf_counter()
+            if call.suspended_at:  # resumed
+                rec.suspended_s += now - call.suspended_at
                 rec.to(State.STREAMING if rec.content_chunks else State.DISPATCHED)
             else:
-                rec.t_dispatch = time.perf_counter()
+                rec.t_dispatch = now
                 rec.to(State.DISPATCHED)
             running = self.metrics.running.labels(backend.name, rec.model)
             running.inc()
             sent_with = backend.in_flight
             error: BaseException | None = None
             try:
-                await self._attempt(ex, api, backend, job, route, deadline, splice)
+                await self._attempt(ex, call, backend)
             except Exception as err:
                 if splice is None or not splice.suspended:  # (a cut attempt may end in an error: not this one's)
                     error = err
@@ -367,6 +362,7 @@ class Gateway:
                             time_left_s=deadline.left_s, budget=self.retry_budget):
                         raise
                     log.warning("request %s: %s; retrying on another replica", rec.id, err.message)
+                    rec.attempt_ended(time.perf_counter(), err.cause.value, err.message)
                     job.exclude.add(backend.name)
                     rec.retries += 1
                     self.scheduler.release(job)
@@ -378,40 +374,36 @@ class Gateway:
             finally:
                 running.dec()
                 cut = splice is not None and splice.suspended
-                if trace is not None:
-                    trace.attempt_ended(error, suspended=cut)
                 backend.breaker.record(Outcome.NEUTRAL if cut else outcome_of(error), probe=job.probe,
                                        now=self.scheduler.clock())
                 job.probe = False
                 error = None  # (no reference cycle through the exception's traceback: see handle)
-                if not suspended_at and rec.t_first > rec.t_dispatch and (rec.stream or backend.stream_always):
+                if not call.suspended_at and rec.t_first > rec.t_dispatch and (rec.stream or backend.stream_always):
                     # a streamed first token: the signal a runtime's learned capacity follows
                     backend.observe_first_token(rec.t_first - rec.t_dispatch, sent_with, job.est_prompt_tokens)
             return cut
 
-    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, route: Route, deadline: Deadline,
-                       splice: Splice | None = None) -> None:
+    async def _attempt(self, ex: Exchange, call: Call, backend: Backend) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing. With a
-        ``splice`` the stream may be cut by the scheduler (then this returns or raises with
+        splice the stream may be cut by the scheduler (then this returns or raises with
         ``splice.suspended`` set), and a later try continues it."""
         on_streaming: Callable[[], None] | None = None
+        splice = call.splice
         if splice is not None:
-            sp = splice
+            sp, job = splice, call.job
 
             def on_streaming() -> None:  # its first token went out: from now on it may be cut
                 self.scheduler.allow_suspend(job, sp)
-        req = upstream_request(api, route, backend, stream=ex.rec.stream, rank=job.cls.rank, slot=job.slot,
-                               splice=splice, content_type=(header(ex.scope, b"content-type") or "").encode("latin-1"),
-                               cfg=self.cfg, on_streaming=on_streaming)
+        req = upstream_request(call, backend, self.cfg, on_streaming)
         if req.collect and ex.held is None:  # (the answers assembled at once share a budget: answer.py)
             ex.held = self.answers.hold()
             ex.held.check()
         try:
-            answer = await fetch(ex, req, backend, deadline)
+            answer = await fetch(ex, req, backend, call.deadline)
         finally:
             if splice is not None:
-                self.scheduler.forbid_suspend(job)
+                self.scheduler.forbid_suspend(call.job)
                 splice.done()
         if answer is None:
             return  # streamed to the client, or suspended
@@ -422,10 +414,8 @@ class Gateway:
         await ex.send_whole(raw)
 
     def account(self, rec: RequestRecord) -> None:
-        if rec.trace is not None:
-            rec.trace.end(rec)
-            rec.trace = None
         self.metrics.observe(rec)
         self.access_log.write(rec)
-        for listener in self.listeners:
+        for listener in self.listeners:  # the usage store, the dashboard's window, the tracer...
             listener(rec)
+        rec.body = b""

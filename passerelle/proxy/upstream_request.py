@@ -18,9 +18,8 @@ timeouts of the attempt, so that ``fetch(ex, req, backend, deadline)`` needs not
 
 Example::
 
-    req = upstream_request(api, route, backend, stream=True, rank=cls.rank, slot=job.slot, splice=None,
-                           content_type=b"application/json", cfg=cfg)
-    answer = await fetch(ex, req, backend, deadline)
+    req = upstream_request(call, backend, cfg)    # call.py: what the client asked, the job's slot
+    answer = await fetch(ex, req, backend, call.deadline)
 """
 
 from __future__ import annotations
@@ -30,10 +29,10 @@ from dataclasses import dataclass
 
 from passerelle.config import Config, LimitsConfig, TimeoutConfig
 from passerelle.errors import encode_request
+from passerelle.proxy.call import Call
 from passerelle.proxy.intake import with_usage_requested
 from passerelle.proxy.protocols import Api, replace_form_field
 from passerelle.proxy.resume import Splice
-from passerelle.runtimes.catalogue import Route
 from passerelle.runtimes.kinds import Backend
 
 JSON = b"application/json"
@@ -62,15 +61,14 @@ class UpstreamRequest:
         return self.stream or self.collect
 
 
-def upstream_request(api: Api, route: Route, backend: Backend, *, stream: bool, rank: int, slot: int | None,
-                     splice: Splice | None, content_type: bytes, cfg: Config,
+def upstream_request(call: Call, backend: Backend, cfg: Config,
                      on_streaming: Callable[[], None] | None = None) -> UpstreamRequest:
-    """The request of one attempt of ``route`` on ``backend`` (the module docstring's steps).
-    ``content_type``: the client's (an upload's multipart boundary); ``rank``: the request's
-    class; ``slot``: the runtime slot the scheduler gave it."""
+    """The request of one attempt of ``call`` on ``backend`` (the module docstring's steps), with
+    the class's rank and the runtime slot the scheduler gave the call's job."""
+    api, route, splice, stream = call.api, call.route, call.splice, call.stream
     data, body = route.data, route.body
     if data is None and route.served != route.requested:  # a form (an upload): its model field alone,
-        body = replace_form_field(body, content_type.decode("latin-1"), "model", route.served)  # the file untouched
+        body = replace_form_field(body, call.content_type, "model", route.served)  # the file untouched
     dialect = backend.continuation if splice is not None else ""
     if dialect and splice is not None:
         data = splice.request_data(dialect)
@@ -85,8 +83,9 @@ def upstream_request(api: Api, route: Route, backend: Backend, *, stream: bool, 
     elif stream and chat_like and data is not None and not (data.get("stream_options") or {}).get("include_usage"):
         body, strip_usage = with_usage_requested(body, data), True
     if api.scheduled and not api.form:  # (vLLM's priority, llama-server's slot: for requests that take one)
-        body = backend.prepare(body, rank, slot)
-    return UpstreamRequest(api=api, body=body, content_type=content_type if api.form else JSON, stream=stream,
-                           collect=collect, strip_usage=strip_usage, limits=cfg.limits, timeouts=cfg.timeouts,
-                           splice=splice, dialect=dialect,
+        job = call.job
+        body = backend.prepare(body, job.cls.rank, job.slot)
+    return UpstreamRequest(api=api, body=body, content_type=call.content_type.encode("latin-1") if api.form else JSON,
+                           stream=stream, collect=collect, strip_usage=strip_usage, limits=cfg.limits,
+                           timeouts=cfg.timeouts, splice=splice, dialect=dialect,
                            on_streaming=on_streaming if splice is not None else None)

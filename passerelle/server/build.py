@@ -111,8 +111,11 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
     if cfg.metrics.enabled:
         listeners.append(live.observe)
     tracer = start_tracer(cfg.tracing, cfg.source) if cfg.tracing.enabled else None  # (off: never imported)
-    if tracer is not None and (pipe := tracer.pipe) is not None:
-        metrics.trace_spans_dropped.read = lambda: pipe.dropped
+    if tracer is not None:
+        listeners.append(tracer.observe)  # a finished record's spans (observe/tracing.py)
+        if (pipe := tracer.pipe) is not None:
+            metrics.trace_spans_dropped.read = lambda: pipe.dropped
+            metrics.trace_exporter_restarts.read = lambda: pipe.restarts
     gateway = Gateway(cfg, registry, metrics, AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format),
                       scheduler, keys, catalogue, on_demand=swapper.poke, listeners=listeners, tracer=tracer)
     return Parts(metrics=metrics, registry=registry, access_log=gateway.access_log, scheduler=scheduler,

@@ -186,17 +186,18 @@ print("ok")
 
 
 def one_request(tracer, rid: str) -> None:
+    """A finished request's record, as the gateway leaves it, to the tracer's listener: 3 spans
+    (the request, its wait in the queue, its attempt)."""
     from passerelle.errors import Cause
     from passerelle.observe.record import RequestRecord
 
     rec = RequestRecord(id=rid, endpoint="chat", model=MODEL)
-    t = tracer.begin({"method": "POST", "path": "/v1/chat/completions", "headers": []}, rec)
-    t.queue_started(swap=False)
-    t.queue_ended("b1")
-    t.attempt_started("b1", MODEL)
-    t.attempt_ended(None)
+    rec.trace = tracer.begin({"method": "POST", "path": "/v1/chat/completions", "headers": []})
+    rec.t_queued = rec.t_arrival
+    rec.trace.traceparent()
+    rec.backend, rec.t_sent = "b1", time.perf_counter()
     rec.finish(Cause.OK, 200)
-    t.end(rec)
+    tracer.observe(rec)
 
 
 def test_shutdown_sends_what_the_exporter_holds(receiver, monkeypatch):
@@ -222,7 +223,7 @@ def test_shutdown_sends_what_the_exporter_holds(receiver, monkeypatch):
     assert got == ["req_0", "req_1", "req_2"]
 
 
-def test_spans_beyond_the_cap_or_with_the_child_gone_are_dropped_and_counted(receiver, monkeypatch):
+def test_spans_beyond_the_cap_or_never_sent_are_dropped_and_counted(receiver, monkeypatch):
     import asyncio
 
     from passerelle.config import TracingConfig
@@ -245,9 +246,10 @@ def test_spans_beyond_the_cap_or_with_the_child_gone_are_dropped_and_counted(rec
     asyncio.run(burst())
     pipe.proc.kill()
     pipe.proc.wait()
-    one_request(tracer, "after")  # no loop: written at once, into a pipe with no reader
-    assert pipe.dropped == 6
-    tracer.shutdown()
+    one_request(tracer, "after")  # no loop: the dead child is noticed; the spans wait for the next one
+    assert pipe.dropped == 3 and len(pipe._pending) == 3
+    tracer.shutdown()  # stopping: no new child, so what waited for one is dropped and counted
+    assert pipe.dropped == 6 and pipe.restarts == 0
 
 
 def test_the_exporter_process_ends_with_the_gateway(tmp_path, receiver):
@@ -290,9 +292,7 @@ def test_spans_the_exporter_could_not_take_are_counted_in_metrics(gateway, fake_
     gw = gateway(traced(fake.url, receiver.url), env={**ENV, "OTEL_BSP_MAX_QUEUE_SIZE": "4"})
 
     def dropped() -> float:
-        text = httpx.get(gw.url + "/metrics", timeout=10).text
-        line = next(x for x in text.splitlines() if x.startswith("passerelle_trace_spans_dropped_total "))
-        return float(line.split()[1])
+        return counter(gw, "passerelle_trace_spans_dropped_total")
 
     assert dropped() == 0
     with httpx.Client(timeout=30) as client:
@@ -301,3 +301,99 @@ def test_spans_the_exporter_could_not_take_are_counted_in_metrics(gateway, fake_
                 "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200, r.text
     assert wait_until(lambda: dropped() >= 3 or None, 30, what="dropped spans in /metrics")
+
+
+def counter(gw, name: str) -> float:
+    text = httpx.get(gw.url + "/metrics", timeout=10).text
+    return float(next(x for x in text.splitlines() if x.startswith(name + " ")).split()[1])
+
+
+def children_of(pid: int) -> dict[int, tuple[str, str]]:
+    """The processes whose parent is ``pid``, from /proc: their state letter (Z: a zombie, dead but
+    never waited for) and their command line (empty for a zombie)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # (gone meanwhile)
+            continue
+        if int(fields[1]) == pid:
+            out[int(entry)] = (fields[0], cmdline)
+    return out
+
+
+def test_a_killed_exporter_is_reaped_and_started_again(gateway, fake_backend, receiver):
+    """kill -9 of the exporter's process while the gateway serves with tracing on: the gateway
+    reaps it at once (no zombie), starts a new one after its backoff (counted in /metrics), and
+    the spans of the requests made after that reach the collector."""
+    import signal
+
+    fake = fake_backend(ttft_ms=5, itl_ms=1)
+    gw = gateway(traced(fake.url, receiver.url), env=ENV)
+    pid = gw.proc.pid
+
+    def root_of(rid: str) -> dict | None:
+        with receiver.lock:
+            return next((s for s in receiver.spans if s["attrs"].get("passerelle.request_id") == rid), None)
+
+    before = chat(gw).headers["x-request-id"]
+    wait_until(lambda: root_of(before), 30, what="the first request's span")
+    (old,) = [p for p, (_, cmd) in children_of(pid).items() if "passerelle.observe.otlp_export" in cmd]
+    assert counter(gw, "passerelle_trace_exporter_restarts_total") == 0
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: old not in children_of(pid), 10, what="the killed exporter to be reaped")
+
+    def restarted() -> list[int] | None:
+        new = [p for p, (_, cmd) in children_of(pid).items() if "passerelle.observe.otlp_export" in cmd]
+        return new if new and counter(gw, "passerelle_trace_exporter_restarts_total") == 1 else None
+
+    (new,) = wait_until(restarted, 30, what="a new exporter process")
+    assert new != old
+    after = [chat(gw, stream=stream).headers["x-request-id"] for stream in (False, True)]
+    for rid in after:
+        wait_until(lambda rid=rid: root_of(rid), 30, what="the spans of a request made after the restart")
+    assert not [p for p, (state, _) in children_of(pid).items() if state == "Z"], children_of(pid)
+    assert "starting a new one in 1 s" in gw.log_text()
+
+
+def test_the_backoff_doubles_while_the_exporter_keeps_dying(receiver, monkeypatch):
+    """Each death in a row waits twice as long before the next start (a child that cannot run is
+    not started in a tight loop); every dead child is reaped."""
+    import asyncio
+    import signal
+
+    from passerelle.config import TracingConfig
+    from passerelle.observe import span_pipe
+    from passerelle.observe.tracing import RequestTracer
+
+    monkeypatch.setattr(span_pipe, "RESTART_MIN_S", 0.2)
+    tracer = RequestTracer(TracingConfig(enabled=True, endpoint=receiver.url))
+    pipe = tracer.pipe
+    assert pipe is not None
+    gaps: list[float] = []
+
+    async def main() -> None:
+        one_request(tracer, "req_0")  # (the pipe learns its loop)
+        for _ in range(3):
+            old = pipe.proc
+            os.kill(old.pid, signal.SIGKILL)
+            died = time.monotonic()
+            deadline = died + 10
+            while pipe.proc is old:  # until the new child is started
+                assert time.monotonic() < deadline, "the exporter was not started again"
+                await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - died)
+            assert old.returncode == -signal.SIGKILL and not os.path.exists(f"/proc/{old.pid}")  # reaped
+        one_request(tracer, "req_1")
+        await asyncio.to_thread(tracer.shutdown)
+
+    asyncio.run(main())
+    assert pipe.restarts == 3
+    assert 0.2 <= gaps[0] < gaps[1] < gaps[2] and gaps[1] >= 0.4 and gaps[2] >= 0.8, gaps
+    with receiver.lock:
+        assert "req_1" in {s["attrs"].get("passerelle.request_id") for s in receiver.spans}

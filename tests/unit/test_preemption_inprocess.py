@@ -99,6 +99,10 @@ async def test_a_non_streaming_batch_request_is_cut_and_assembled_whole():
         assert answer["usage"]["completion_tokens"] == 40
         assert [r.suspensions for r in gw.records if r.priority == "batch"] == [1]
         assert settled(gw)
+        (rec,) = [r for r in gw.records if r.priority == "batch"]
+        (cut,) = rec.earlier or ()  # (what a trace is made of: the cut attempt, then the one resumed)
+        assert cut.cut and not cut.error and cut.backend == rec.backend
+        assert rec.t_dispatch == cut.t_sent < cut.t_ended < rec.t_sent < rec.t_end
 
 
 async def test_a_request_with_tools_is_never_suspended():

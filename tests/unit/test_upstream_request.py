@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import orjson
 
-from passerelle.config import Config
+from passerelle.config import ClassConfig, Config
+from passerelle.proxy.call import Call
 from passerelle.proxy.protocols import api_for
 from passerelle.proxy.resume import Splice
 from passerelle.proxy.upstream_request import upstream_request
 from passerelle.runtimes.catalogue import Route
+from passerelle.scheduling.job import Job
 
 CFG = Config()
 CHAT = {"model": "served", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
@@ -33,9 +35,16 @@ def route(data: dict | None, body: bytes | None = None) -> Route:
                  body=body if body is not None else orjson.dumps(data), requested="public")
 
 
+def call(endpoint: str, rt: Route, *, stream: bool, slot: int | None, rank: int = 2, content_type: str = "",
+         splice: Splice | None = None) -> Call:
+    """A request after its intake (proxy/call.py): what it asked, its class's rank, its slot."""
+    job = Job(pool=[], cls=ClassConfig(name="c", rank=rank), tenant="t")
+    job.slot = slot
+    return Call(api_for(endpoint), stream, content_type, rt, job, deadline=None, splice=splice)  # type: ignore[arg-type]
+
+
 def build(data: dict, runtime: Runtime, *, stream: bool, splice: Splice | None = None, slot: int | None = 3):
-    return upstream_request(api_for("chat"), route(data), runtime, stream=stream, rank=2, slot=slot,  # type: ignore[arg-type]
-                            splice=splice, content_type=b"application/json", cfg=CFG)
+    return upstream_request(call("chat", route(data), stream=stream, slot=slot, splice=splice), runtime, CFG)  # type: ignore[arg-type]
 
 
 def test_a_plain_request_goes_as_the_catalogue_left_it_plus_the_runtimes_fields():
@@ -73,7 +82,7 @@ def test_an_upload_has_its_model_field_rewritten_and_its_file_untouched():
     body = (b'--XX\r\nContent-Disposition: form-data; name="model"\r\n\r\npublic\r\n'
             b'--XX\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n\x00\x01RIFF\r\n--XX--\r\n')
     rt = Runtime()
-    req = upstream_request(api_for("transcriptions"), route(None, body), rt, stream=False, rank=1, slot=None,  # type: ignore[arg-type]
-                           splice=None, content_type=ctype, cfg=CFG)
+    req = upstream_request(call("transcriptions", route(None, body), stream=False, slot=None, rank=1,  # type: ignore[arg-type]
+                                content_type=ctype.decode()), rt, CFG)
     assert b'name="model"\r\n\r\nserved\r\n' in req.body and b"\x00\x01RIFF" in req.body
     assert req.content_type == ctype and rt.prepared == []
