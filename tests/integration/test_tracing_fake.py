@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import os
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -18,6 +17,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from tests.conftest import upstream_config, wait_until
+from tests.waiting import until
 
 MODEL = "fake-model"
 
@@ -237,10 +237,7 @@ def test_spans_beyond_the_cap_or_with_the_child_gone_are_dropped_and_counted(rec
         for i in range(4):
             one_request(tracer, f"req_{i}")
         assert pipe.dropped == 3
-        deadline = time.monotonic() + 10
-        while pipe._pending:  # until the flush timer has written them to the child
-            assert time.monotonic() < deadline, "the flush timer never wrote the waiting spans"
-            await asyncio.sleep(0.01)
+        await until(lambda: not pipe._pending, 10, "the flush timer to write the waiting spans to the child")
 
     asyncio.run(burst())
     pipe.proc.kill()
