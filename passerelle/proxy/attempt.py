@@ -30,7 +30,7 @@ import orjson
 
 from passerelle.errors import UpstreamError, UpstreamStatus, UpstreamTooLarge
 from passerelle.proxy import grammars
-from passerelle.proxy.answer import Hold, Piece
+from passerelle.proxy.answer import AnswerShare, Piece
 from passerelle.proxy.assemble import ChatAssembler
 from passerelle.proxy.assemble_events import EventsAssembler
 from passerelle.proxy.deadline import Deadline
@@ -47,7 +47,7 @@ class _Collector:
     a stream): at most ``limit`` bytes of stream (``[limits] max_answer_bytes``), and what the
     answer holds counted against every answer's budget (``hold``: ``max_answer_bytes_total``)."""
 
-    def __init__(self, limit: int, builder: ChatAssembler | EventsAssembler, hold: Hold | None) -> None:
+    def __init__(self, limit: int, builder: ChatAssembler | EventsAssembler, hold: AnswerShare | None) -> None:
         self.size = 0
         self.limit = limit
         self.builder = builder

@@ -66,7 +66,7 @@ from passerelle.proxy.resume import Splice, suspendable
 from passerelle.proxy.retry import RetryBudget, may_retry
 from passerelle.proxy.upstream_request import upstream_request
 from passerelle.runtimes.breaker import Outcome
-from passerelle.runtimes.catalogue import Catalogue, Route
+from passerelle.runtimes.catalogue import Catalogue, ModelRoute
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
@@ -295,7 +295,8 @@ class Gateway:
         usable = [b for b in job.pool if b.name not in job.exclude and b.routable(now)]
         return min(usable, key=lambda b: b.in_flight / b.capacity) if usable else None
 
-    async def _dispatch(self, ex: Exchange, api: Api, job: Job, route: Route, splice: Splice | None = None) -> None:
+    async def _dispatch(self, ex: Exchange, api: Api, job: Job, route: ModelRoute,
+                        splice: Splice | None = None) -> None:
         """Run the request on a replica until its answer is whole. The resume loop: a stream
         suspended for a better class (the scheduler cut it, freed its slot and queued the job
         again, scheduling/preemption.py) waits here to resume, and its next attempt continues it
@@ -323,7 +324,7 @@ class Gateway:
                 self.preemption_stats["resume_prompt_tokens_processed"] += splice.resume_prompt_processed
                 self.preemption_stats["resume_prompt_tokens_cached"] += splice.resume_prompt_cached
 
-    async def _retrying(self, ex: Exchange, api: Api, job: Job, route: Route, deadline: Deadline,
+    async def _retrying(self, ex: Exchange, api: Api, job: Job, route: ModelRoute, deadline: Deadline,
                         splice: Splice | None, suspended_at: float) -> bool:
         """The retry loop: queue for a replica and try it; before the client got a byte, a replica
         that could not take the request is replaced by another (within the retry budget). Each
@@ -389,7 +390,7 @@ class Gateway:
                     backend.observe_first_token(rec.t_first - rec.t_dispatch, sent_with, job.est_prompt_tokens)
             return cut
 
-    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, route: Route, deadline: Deadline,
+    async def _attempt(self, ex: Exchange, api: Api, backend: Backend, job: Job, route: ModelRoute, deadline: Deadline,
                        splice: Splice | None = None) -> None:
         """One try on one replica. Response headers go out only when the first byte does, so a
         replica that fails before that can be replaced without the client noticing. With a

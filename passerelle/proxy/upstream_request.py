@@ -33,7 +33,7 @@ from passerelle.errors import encode_request
 from passerelle.proxy.intake import with_usage_requested
 from passerelle.proxy.protocols import Api, replace_form_field
 from passerelle.proxy.resume import Splice
-from passerelle.runtimes.catalogue import Route
+from passerelle.runtimes.catalogue import ModelRoute
 from passerelle.runtimes.kinds import Backend
 
 JSON = b"application/json"
@@ -62,7 +62,7 @@ class UpstreamRequest:
         return self.stream or self.collect
 
 
-def upstream_request(api: Api, route: Route, backend: Backend, *, stream: bool, rank: int, slot: int | None,
+def upstream_request(api: Api, route: ModelRoute, backend: Backend, *, stream: bool, rank: int, slot: int | None,
                      splice: Splice | None, content_type: bytes, cfg: Config,
                      on_streaming: Callable[[], None] | None = None) -> UpstreamRequest:
     """The request of one attempt of ``route`` on ``backend`` (the module docstring's steps).

@@ -9,7 +9,7 @@ from passerelle.config import Config
 from passerelle.proxy.protocols import api_for
 from passerelle.proxy.resume import Splice
 from passerelle.proxy.upstream_request import upstream_request
-from passerelle.runtimes.catalogue import Route
+from passerelle.runtimes.catalogue import ModelRoute
 
 CFG = Config()
 CHAT = {"model": "served", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
@@ -28,8 +28,8 @@ class Runtime:
         return body[:-1] + b',"id_slot":%d}' % slot if slot is not None else body
 
 
-def route(data: dict | None, body: bytes | None = None) -> Route:
-    return Route(name="public", served="served", pool=[], data=data,
+def route(data: dict | None, body: bytes | None = None) -> ModelRoute:
+    return ModelRoute(name="public", served="served", pool=[], data=data,
                  body=body if body is not None else orjson.dumps(data), requested="public")
 
 
