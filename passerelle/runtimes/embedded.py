@@ -426,9 +426,14 @@ def launch_command(binary: Path, model: Path, *, alias: str, slots: int, ctx_per
         cmd += ["-t", str(threads)]
     if embeddings:
         cmd += ["--embeddings", "--pooling", "mean"]
-    if reranking:  # a query and a document are scored in one batch: room for the whole context
-        cmd += ["--reranking", "-b", str(ctx_per_slot), "-ub", str(ctx_per_slot)]
-    elif not embeddings:
+    if reranking:
+        cmd += ["--reranking"]
+    if embeddings or reranking:
+        # An input is embedded (or a query and a document scored) in one physical batch: without
+        # room for the whole context there, llama-server refuses any input past its default of
+        # 512 tokens, though its context (what /v1/models advertises) is ctx_per_slot.
+        cmd += ["-b", str(ctx_per_slot), "-ub", str(ctx_per_slot)]
+    else:
         # Gemma 3 attends over a sliding window in most layers; by default llama-server keeps only
         # the window there, and can then reuse a slot's cache only up to a checkpoint near the end
         # of the last prompt. The full cache (about 18 KiB a token for the 270M model) lets a

@@ -59,10 +59,12 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
                                                         ctx_per_slot=e.ctx_per_slot, threads=e.threads,
                                                         extra=(*offload, *fim, *e.extra_args))))]
     if e.embeddings:
+        # The context /v1/models advertises for the model (the chat runtime's slot): an input to
+        # embed may be that long.
         out.append(BackendConfig(
             name="local-embed", kind="llama-server", models=(served,), endpoints=("embeddings",),
             flavour=flavour, launch=env(embedded.launch_command(binary, model, alias=served, slots=1,
-                                                                ctx_per_slot=2048, threads=e.threads,
+                                                                ctx_per_slot=e.ctx_per_slot, threads=e.threads,
                                                                 embeddings=True, extra=offload))))
     if e.rerank:
         ranker = Path(e.rerank_model_path).expanduser() if e.rerank_model_path else tiny_reranker.ensure_tiny_reranker()
