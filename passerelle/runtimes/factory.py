@@ -25,9 +25,9 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     reranking, since llama-server started with ``--embeddings`` or ``--reranking`` serves only that."""
     e = cfg.embedded
     try:
-        build = embedded.llama_server_build(e.llama_server or None, backend=e.backend)
+        build = embedded.llama_server_build(e.llama_server or None, flavour=e.flavour)
     except (MissingPrerequisites, subprocess.CalledProcessError) as exc:  # a flavour that cannot be built here
-        raise ConfigError(f"backend {e.backend!r}: {exc}", file=cfg.source, key="embedded.backend") from None
+        raise ConfigError(f"flavour {e.flavour!r}: {exc}", file=cfg.source, key="embedded.flavour") from None
     binary = build.binary
     flavour = build.flavour
     # a GPU flavour offloads every layer unless extra_args says otherwise
