@@ -153,8 +153,8 @@ class InputTooLong(InvalidRequest):
     code = "context_length_exceeded"
 
     def __init__(self, tokens: int, limit: int) -> None:
-        super().__init__(f"The input is {tokens} tokens, more than the {limit} tokens this model takes in one "
-                         "input (its context); shorten it or split it.", param="input")
+        super().__init__(f"The input is {tokens} tokens, more than the {limit} tokens this model's runtime takes "
+                         "in one input; shorten it or split it.", param="input")
         self.tokens, self.limit = tokens, limit
 
 
