@@ -127,7 +127,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
     from passerelle.runtimes.prerequisites import MissingPrerequisites
 
     try:
-        build = embedded.llama_server_build(backend=args.backend)
+        build = embedded.llama_server_build(flavour=args.flavour)
     except MissingPrerequisites as exc:
         print(f"passerelle: {exc}", file=sys.stderr)
         return 1
@@ -137,41 +137,43 @@ def cmd_setup(args: argparse.Namespace) -> int:
         return 1
     model = embedded.ensure_default_model()
     gemma = embedded.ensure_gemma()  # the other built-in model ([embedded] model), which the tests use
-    detected = f" (detected: {build.detection.reason})" if build.detection and args.backend == "auto" else ""
+    detected = f" (detected: {build.detection.reason})" if build.detection and args.flavour == "auto" else ""
     print(f"llama-server: {build.binary}\nflavour: {build.flavour}{detected}\nmodel: {model}\nalso: {gemma}\n"
           f"{_version_text()}")
     return 0
 
 
-def cmd_bench_backends(args: argparse.Namespace) -> int:
-    """``passerelle bench backends``: the builds and their launches come from the embedded runtime,
+def cmd_bench_flavours(args: argparse.Namespace) -> int:
+    """``passerelle bench flavours``: the builds and their launches come from the embedded runtime,
     the measuring from the bench."""
-    from passerelle.bench import backends
+    from passerelle.bench import flavours as bench
     from passerelle.bench.cli import _command, build_levels
     from passerelle.runtimes import embedded
 
+    if args.bench_command == "backends":
+        print("passerelle: `bench backends` is deprecated; it is called `bench flavours` now", file=sys.stderr)
     if args.out is None:
-        print("passerelle: bench backends: --out DIR is required", file=sys.stderr)
+        print("passerelle: bench flavours: --out DIR is required", file=sys.stderr)
         return 2
     model = Path(args.model_file).expanduser() if args.model_file else embedded.ensure_default_model()
     if not model.is_file():
-        print(f"passerelle: bench backends: model file {model} does not exist", file=sys.stderr)
+        print(f"passerelle: bench flavours: model file {model} does not exist", file=sys.stderr)
         return 2
-    args = backends.sized(args)
+    args = bench.sized(args)
     try:
-        launches = embedded.flavour_launches(model, alias=backends.MODEL_ALIAS, slots=args.slots,
+        launches = embedded.flavour_launches(model, alias=bench.MODEL_ALIAS, slots=args.slots,
                                              ctx_per_slot=args.ctx_per_slot, threads=args.threads,
                                              wanted=args.flavours.split(",") if args.flavours else None)
     except ValueError as exc:
-        print(f"passerelle: bench backends: {exc}", file=sys.stderr)
+        print(f"passerelle: bench flavours: {exc}", file=sys.stderr)
         return 2
     if not launches:
-        print("passerelle: bench backends: no llama-server build cached; run `passerelle setup --backend …`",
+        print("passerelle: bench flavours: no llama-server build cached; run `passerelle setup --flavour …`",
               file=sys.stderr)
         return 2
-    flavours = [backends.Flavour(x["name"], x["command"], x["env"], x["info"], x["driver"]) for x in launches]
-    command = backends.command_line(args, _command(args, "bench backends"))
-    return backends.finish(backends.run(args, flavours, model, build_levels, command), args.out)
+    flavours = [bench.Flavour(x["name"], x["command"], x["env"], x["info"], x["driver"]) for x in launches]
+    command = bench.command_line(args, _command(args, "bench flavours"))
+    return bench.finish(bench.run(args, flavours, model, build_levels, command), args.out)
 
 
 def admin_address(cfg: Config) -> str:
@@ -280,6 +282,15 @@ def _add_admin_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait (a start may take long)")
 
 
+class _Renamed(argparse.Action):
+    """An option's old name: still taken (a command line only grows), with a note naming the new one."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"passerelle: {option_string} is deprecated; it is called --{self.dest} now", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="passerelle",
@@ -333,16 +344,20 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "- prints it)")
     service.set_defaults(func=cmd_service)
 
+    from passerelle.config import EMBEDDED_FLAVOURS
+
     setup = sub.add_parser("setup", help="build llama-server and assemble the default model (idempotent)")
-    setup.add_argument("--backend", choices=("auto", "cpu", "vulkan", "rocm", "cuda"), default="auto",
+    setup.add_argument("--flavour", choices=EMBEDDED_FLAVOURS, default="auto",
                        help="the llama-server build: auto (this machine's GPU: CUDA, ROCm, a Vulkan GPU, else CPU), "
                             "or one by name; builds are cached side by side (default auto)")
+    setup.add_argument("--backend", dest="flavour", choices=EMBEDDED_FLAVOURS, default=argparse.SUPPRESS,
+                       action=_Renamed, help=argparse.SUPPRESS)  # --flavour's old name
     setup.set_defaults(func=cmd_setup)
 
     from passerelle.bench.cli import add_parser as add_bench_parser
     from passerelle.testing.fake_runtime import add_parser as add_fake_parser
 
-    add_bench_parser(sub, cmd_bench_backends)
+    add_bench_parser(sub, cmd_bench_flavours)
     add_fake_parser(sub)
     return parser
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import itertools
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ from typing import Any
 
 from passerelle import endpoints
 from passerelle.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 BACKEND_KINDS = ("llama-server", "vllm", "ollama", "sglang", "openai")
 # The models the embedded runtime serves with no model file given ([embedded] model), the default
@@ -136,8 +139,11 @@ class BackendConfig:
     persistent: bool = False  # pinned: never stopped for the memory budget nor when idle
 
 
-# llama-server builds the embedded runtime can use (runtimes/flavours.py); auto: this machine's GPU
-EMBEDDED_BACKENDS = ("auto", "cpu", "vulkan", "rocm", "cuda")
+# llama-server builds (flavours) the embedded runtime can use (runtimes/flavours.py); auto: this machine's GPU
+EMBEDDED_FLAVOURS = ("auto", "cpu", "vulkan", "rocm", "cuda")
+# Keys renamed, by table: the old name still loads, with a warning (a configuration only grows).
+# [embedded] backend named the llama-server build, a flavour; a backend is a runtime ([[backends]]).
+RENAMED_KEYS: dict[str, dict[str, str]] = {"embedded": {"backend": "flavour"}}
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,7 @@ class EmbeddedConfig:
     """The default runtime: a llama-server built from source serving a small model."""
 
     llama_server: str = ""  # a binary to use instead of PATH / the cached build
-    backend: str = "auto"  # the llama-server build: auto (this machine's GPU), cpu, vulkan, rocm, cuda
+    flavour: str = "auto"  # the llama-server build: auto (this machine's GPU), cpu, vulkan, rocm, cuda
     model: str = EMBEDDED_MODELS[0]  # the built-in model served when model_path is empty (EMBEDDED_MODELS)
     model_path: str = ""  # a GGUF to serve instead of the built-in model
     model_id: str = ""  # the id clients use; empty: the built-in model's, or model_path's file name without .gguf
@@ -557,6 +563,23 @@ def _build(cls: type, table: Mapping[str, Any], *, file: str, text: str, header:
                           line=_line_of(text, header, "name", nth)) from None
 
 
+def _renamed(name: str, table: dict[str, Any], env: Mapping[str, str], *, file: str,
+             text: str) -> tuple[dict[str, Any], Mapping[str, str]]:
+    """``table`` and ``env`` with a renamed key's old spelling read as the new one (RENAMED_KEYS)."""
+    for old, new in RENAMED_KEYS.get(name, {}).items():
+        if old in table:
+            if new in table:
+                raise ConfigError(f"set twice: {old} is the old name of {new}; keep {new}", file=file,
+                                  key=f"{name}.{old}", line=_line_of(text, name, old))
+            log.warning("%s: [%s] %s is deprecated; it is called %s now", file, name, old, new)
+            table = {(new if k == old else k): v for k, v in table.items()}
+        old_var, new_var = f"PASSERELLE_{name.upper()}_{old.upper()}", f"PASSERELLE_{name.upper()}_{new.upper()}"
+        if old_var in env and new_var not in env:
+            log.warning("%s is deprecated; it is called %s now", old_var, new_var)
+            env = {**env, new_var: env[old_var]}
+    return table, env
+
+
 def _check(cond: bool, message: str, *, file: str, key: str, text: str, header: str | None,
            field_name: str, nth: int = 0) -> None:
     if not cond:
@@ -588,7 +611,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         table = data.get(name, {})
         if not isinstance(table, dict):
             raise ConfigError("expected a table", file=file, key=name, line=_line_of(text, None, name))
-        sections[name] = _build(cls, table, file=file, text=text, header=name, env=env,
+        table, section_env = _renamed(name, table, env, file=file, text=text)
+        sections[name] = _build(cls, table, file=file, text=text, header=name, env=section_env,
                                 prefix=f"PASSERELLE_{name.upper()}_")
     server: ServerConfig = sections["server"]
     _check(server.log_format in ("json", "text"), "expected 'json' or 'text'", file=file,
@@ -638,8 +662,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     _check(10 <= metrics.window_s <= 86400, "expected a number of seconds between 10 and 86400", file=file,
            key="metrics.window_s", text=text, header="metrics", field_name="window_s")
 
-    _check(sections["embedded"].backend in EMBEDDED_BACKENDS, f"expected one of {', '.join(EMBEDDED_BACKENDS)}",
-           file=file, key="embedded.backend", text=text, header="embedded", field_name="backend")
+    flavour = "backend" if "backend" in data.get("embedded", {}) else "flavour"  # (as the file spells it)
+    _check(sections["embedded"].flavour in EMBEDDED_FLAVOURS, f"expected one of {', '.join(EMBEDDED_FLAVOURS)}",
+           file=file, key=f"embedded.{flavour}", text=text, header="embedded", field_name=flavour)
     classes = _load_classes(data.get("classes", []), sections["auth"], file=file, text=text,
                             preemption=sections["scheduler"].preemption)
     _check(sections["routing"].policy in ("least_loaded", "round_robin"), "expected 'least_loaded' or 'round_robin'",

@@ -10,6 +10,7 @@ rendered in OpenAI's shape ``{"error": {"message", "type", "code"}}``.
         ├── InvalidRequest           400 invalid_request_error        cause invalid_request
         │   ├── UnknownModel         404 model_not_found              cause invalid_request
         │   ├── KeyNotFound          404 key_not_found                cause invalid_request
+        │   ├── InputTooLong         400 context_length_exceeded      cause invalid_request
         │   └── BodyTooLarge         413 request_too_large            cause invalid_request
         ├── Unauthorized             401 invalid_api_key              cause unauthorized
         │   └── KeyExpired           401 expired_api_key              cause unauthorized
@@ -142,6 +143,19 @@ class InvalidRequest(GatewayError):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class InputTooLong(InvalidRequest):
+    """An input longer than the runtime takes at once: an embedding's or a rerank document's is
+    never split, so its whole length must fit the runtime's context (llama-server: its physical
+    batch). llama-server answers that with a 500 of its own; it is the client's input that is too long."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"The input is {tokens} tokens, more than the {limit} tokens this model's runtime takes "
+                         "in one input; shorten it or split it.", param="input")
+        self.tokens, self.limit = tokens, limit
 
 
 def encode_request(data: object) -> bytes:

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,26 +20,12 @@ import httpx
 import pytest
 
 from passerelle.runtimes.supervisor import free_port
+from tests.waiting import wait_until
 
 MODEL_ID = "gemma-3-270m"
 # Every gateway subprocess a test started (Gateway objects register themselves): the watch below reads
 # what each logged during each test.
 GATEWAYS: list[Gateway] = []
-
-
-def wait_until(cond: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition"):
-    """Poll ``cond`` until it returns a truthy value; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = cond()
-            if value:
-                return value
-        except (httpx.HTTPError, OSError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 def http_ok(url: str) -> bool:

@@ -15,8 +15,8 @@ from passerelle.bench.workload import ENDPOINTS, TrafficClass, Workload
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-               backends_main: Callable[[argparse.Namespace], int] | None = None) -> argparse.ArgumentParser:
-    """Register ``bench`` (with its nested ``compare``, and ``backends`` when the command line
+               flavours_main: Callable[[argparse.Namespace], int] | None = None) -> argparse.ArgumentParser:
+    """Register ``bench`` (with its nested ``compare``, and ``flavours`` when the command line
     gives the function that finds the builds) on the ``passerelle`` command line."""
     bench = subparsers.add_parser(
         "bench", help="benchmark an OpenAI-compatible endpoint (TTFT, TPOT, ITL, throughput)",
@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
                             "port, when it runs here)")
     add_common(bench)
     bench.set_defaults(func=bench_main)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{compare,backends}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{compare,flavours}")
     compare = sub.add_parser("compare", help="run the same workload against several targets",
                              description="Run the same workload against each target, the targets taking "
                                          "turns level by level, and add a verdict.")
@@ -43,10 +43,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
                               "at most 8)")
     add_common(compare)
     compare.set_defaults(func=compare_main)
-    if backends_main is not None:
-        from passerelle.bench.backends import add_parser as add_backends_parser
+    if flavours_main is not None:
+        from passerelle.bench.flavours import add_parser as add_flavours_parser
 
-        add_backends_parser(sub, add_common, backends_main)
+        add_flavours_parser(sub, add_common, flavours_main)
     return bench
 
 

@@ -165,11 +165,11 @@ class AnswerBudget:
         self.limit = limit
         self.used = 0
 
-    def hold(self) -> Hold:
-        return Hold(self)
+    def hold(self) -> AnswerShare:
+        return AnswerShare(self)
 
 
-class Hold:
+class AnswerShare:
     """One request's share of an :class:`AnswerBudget`; :meth:`release` when the request ends."""
 
     __slots__ = ("budget", "size")

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from typing import Any
 
 import orjson
 
-from passerelle.errors import UpstreamError, UpstreamStatus, UpstreamTooLarge
+from passerelle.errors import GatewayError, InputTooLong, UpstreamError, UpstreamStatus, UpstreamTooLarge
 from passerelle.proxy import grammars
-from passerelle.proxy.answer import Hold, Piece
+from passerelle.proxy.answer import AnswerShare, Piece
 from passerelle.proxy.assemble import ChatAssembler
 from passerelle.proxy.assemble_events import EventsAssembler
 from passerelle.proxy.deadline import Deadline
@@ -47,7 +48,7 @@ class _Collector:
     a stream): at most ``limit`` bytes of stream (``[limits] max_answer_bytes``), and what the
     answer holds counted against every answer's budget (``hold``: ``max_answer_bytes_total``)."""
 
-    def __init__(self, limit: int, builder: ChatAssembler | EventsAssembler, hold: Hold | None) -> None:
+    def __init__(self, limit: int, builder: ChatAssembler | EventsAssembler, hold: AnswerShare | None) -> None:
         self.size = 0
         self.limit = limit
         self.builder = builder
@@ -69,6 +70,21 @@ class _Collector:
         if pending := self.scanner.pending:
             self.builder.feed(pending + b"\n\n")  # (a last event without its blank line)
         return self.builder.finish()
+
+
+# llama-server's refusals of an input it would have to take in one batch (an embedding, a rerank
+# document: never split), as a 500 past its physical batch or a 400 past its context.
+_TOO_LONG = re.compile(rb"input \((\d+) tokens\) is (?:too large to process\. increase the physical batch size "
+                       rb"\(current batch size: (\d+)\)|larger than the max context size \((\d+) tokens\))")
+
+
+def refusal(status: int, raw: bytes, content_type: bytes) -> GatewayError:
+    """The error for a runtime's non-200 answer: its own, passed on (UpstreamStatus), except an input
+    too long to take, which is the client's (a 400 naming the length and the limit) and says
+    nothing against the runtime."""
+    if status in (400, 500) and (m := _TOO_LONG.search(raw[:4096])):
+        return InputTooLong(int(m[1]), int(m[2] or m[3]))
+    return UpstreamStatus(status, raw, content_type)
 
 
 def outcome_of(err: BaseException | None) -> Outcome:
@@ -115,7 +131,7 @@ async def fetch(ex: Exchange, req: UpstreamRequest, backend: Backend,
             check_head(resp, backend, streamed=streamed, json=not api.form)
             if resp.status != 200:
                 raw = await read_error(resp, rec, limit=limits.max_error_bytes)
-                raise UpstreamStatus(resp.status, raw, resp.header(b"content-type") or b"")
+                raise refusal(resp.status, raw, resp.header(b"content-type") or b"")
             if not streamed:
                 raw = await read_body(resp, rec, limit=limits.max_answer_bytes)
                 if not api.form and raw.lstrip()[:1] not in (b"{", b"["):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.protocols import Api
 from passerelle.proxy.resume import Splice
-from passerelle.runtimes.catalogue import Route
+from passerelle.runtimes.catalogue import ModelRoute
 from passerelle.scheduling.job import Job
 from passerelle.tenants.policy import Ticket
 
@@ -41,7 +41,7 @@ class Call:
     api: Api
     stream: bool  # the client asked for a stream
     content_type: str  # the client's (an upload's multipart boundary); "" when it sent none
-    route: Route  # the catalogue's answer: public name, pool, served name, the body as edited
+    route: ModelRoute  # the catalogue's answer: public name, pool, served name, the body as edited
     job: Job  # its place in the scheduler: class, tenant, estimates, the replica and slot it got
     deadline: Deadline  # the request's one total deadline; each attempt's first-token clock
     splice: Splice | None = None  # a preemptible stream that may be cut and continued (resume.py)

@@ -104,7 +104,7 @@ class Exchange:
         self.finishing = False
         self.disconnected = False
         self.stalled = False  # the client took no byte for too long; its connection is cut
-        self.held: Any = None  # an answer being assembled: its share of the gateway's budget (answer.Hold)
+        self.held: Any = None  # an answer being assembled: its share of the gateway's budget (answer.AnswerShare)
         self._cancelled = False  # this exchange cancelled its task (once at most: see ``_cancel``)
         self._cancel_pending = False  # ... and the request's task has not caught it yet
         self._aborted = False  # the client's connection was dropped

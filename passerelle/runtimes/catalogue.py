@@ -54,9 +54,10 @@ _GENERATE_NOTHING = frozenset(e.name for e in ENDPOINTS if not e.generates)
 
 
 @dataclass
-class Route:
+class ModelRoute:
     """Where one request goes: the public model it counts as, the name the runtime knows, the
-    replicas that may serve it, and the request as the runtime gets it."""
+    replicas that may serve it, and the request as the runtime gets it. (A path's handler is a
+    ``server.routes.Route``.)"""
 
     name: str
     served: str
@@ -121,7 +122,7 @@ class Catalogue:
     # -- a request -----------------------------------------------------------------------------
     def resolve(self, requested: str, endpoint: str, data: dict[str, Any] | None, body: bytes, *,
                 wait_s: float = float("inf"), path: str = "",
-                routes_of: Callable[[str], str] | None = None) -> Route:
+                routes_of: Callable[[str], str] | None = None) -> ModelRoute:
         """Route a request for ``requested`` on ``endpoint``; raise UnknownModel (404) or
         InvalidRequest (400: the model is not served on this endpoint).
 
@@ -174,12 +175,12 @@ class Catalogue:
         return 0.0 if any(b.stats.up or b.supervised for b in pool) else None
 
     def _apply(self, m: ModelConfig, pool: list[Backend], endpoint: str, data: dict[str, Any] | None,
-               body: bytes) -> Route:
+               body: bytes) -> ModelRoute:
         served = m.target
         if data is None:
-            return Route(m.name, served, pool, None, body)
+            return ModelRoute(m.name, served, pool, None, body)
         if data.get("model") == served and not (m.defaults or m.set or m.cap or m.strip):
-            return Route(m.name, served, pool, data, body)
+            return ModelRoute(m.name, served, pool, data, body)
         out = dict(data)
         applied: list[str] = []
         out["model"] = served
@@ -207,7 +208,7 @@ class Catalogue:
         for k in m.strip:
             if out.pop(k, None) is not None:
                 applied.append(f"{k} stripped")
-        return Route(m.name, served, pool, out, encode_request(out), rewritten=True, applied=applied)
+        return ModelRoute(m.name, served, pool, out, encode_request(out), rewritten=True, applied=applied)
 
     # -- /v1/models ----------------------------------------------------------------------------
     def _backends(self, m: ModelConfig) -> list[Backend]:

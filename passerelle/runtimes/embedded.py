@@ -50,7 +50,7 @@ COMMON_FLAGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # otherwise CMake tries to download UI assets
 )
 CPU_FLAGS = flavours.CPU_FLAGS
-# The CPU build's cache key. Other builds: `passerelle setup --backend vulkan|rocm|cuda` (flavours.py);
+# The CPU build's cache key. Other builds: `passerelle setup --flavour vulkan|rocm|cuda` (flavours.py);
 # PASSERELLE_LLAMA_FLAVOUR and PASSERELLE_LLAMA_CMAKE_FLAGS name a build of one's own.
 DEFAULT_FLAVOUR = "cpu-avx2"
 
@@ -120,22 +120,22 @@ def _overridden() -> bool:
     return bool(os.environ.get("PASSERELLE_LLAMA_FLAVOUR") or os.environ.get("PASSERELLE_LLAMA_CMAKE_FLAGS"))
 
 
-def resolve(backend: str = "auto", *, detection: Detection | None = None,
+def resolve(wanted: str = "auto", *, detection: Detection | None = None,
             log: Log = print) -> tuple[FlavourSpec, Detection]:
-    """The flavour ``backend`` means here. ``auto`` takes the detected GPU when its build is cached
+    """The flavour ``wanted`` means here. ``auto`` takes the detected GPU when its build is cached
     or its prerequisites are installed, else the CPU build (saying what to install)."""
-    if backend not in flavours.BACKEND_CHOICES:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(flavours.BACKEND_CHOICES)}")
+    if wanted not in flavours.FLAVOUR_CHOICES:
+        raise ValueError(f"unknown flavour {wanted!r}; expected one of {', '.join(flavours.FLAVOUR_CHOICES)}")
     det = detection or flavours.detect()
-    if backend == "auto" and _overridden():
+    if wanted == "auto" and _overridden():
         return flavours.spec("cpu"), det  # the operator's own build, as named by the environment
-    flavour = det.flavour if backend == "auto" else backend
+    flavour = det.flavour if wanted == "auto" else wanted
     target = det.gpu_target or (flavours.rocm_target() if flavour == "rocm" else "")
     if flavour == "rocm" and not target:
         raise prerequisites.MissingPrerequisites("rocm", [prerequisites.Need(
             "a ROCm GPU (rocminfo lists no gfx target)", "rocminfo", "rocminfo", "rocminfo")])
     chosen = flavours.spec(flavour, gpu_target=target if flavour == "rocm" else "")
-    if backend == "auto" and flavour != "cpu" and not cached_binary(chosen).is_file():
+    if wanted == "auto" and flavour != "cpu" and not cached_binary(chosen).is_file():
         needs = prerequisites.missing(flavour)
         if needs:
             log(f"passerelle: {det.reason}, but {prerequisites.message(flavour, needs)}\n"
@@ -189,7 +189,7 @@ def flavour_launches(model: Path, *, alias: str, slots: int, ctx_per_slot: int, 
         if missing:
             names = ", ".join(sorted({i["flavour"] for i in found})) or "none"
             raise ValueError(f"no build of {', '.join(missing)} (built: {names}); "
-                             f"build it with `passerelle setup --backend {missing[0]}`")
+                             f"build it with `passerelle setup --flavour {missing[0]}`")
         found = [by[w] for w in wanted]
     devices = flavours.vulkan_devices()
     out = []
@@ -203,29 +203,29 @@ def flavour_launches(model: Path, *, alias: str, slots: int, ctx_per_slot: int, 
     return out
 
 
-def llama_server_build(explicit: str | None = None, *, backend: str = "auto", log: Log = print) -> Build:
+def llama_server_build(explicit: str | None = None, *, flavour: str = "auto", log: Log = print) -> Build:
     """The configured binary; with ``auto``, one on PATH; else the flavour's cached build or a new one."""
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"llama-server binary {path} does not exist")
-        if backend == "auto":
+        if flavour == "auto":
             return Build(path, None)
         # the operator's own build of a named flavour: launched as that flavour (GPU offload)
-        return Build(path, FlavourSpec(flavour=backend, key=backend, cmake_flags=()), flavours.detect())
-    on_path = shutil.which("llama-server") if backend == "auto" else None
+        return Build(path, FlavourSpec(flavour=flavour, key=flavour, cmake_flags=()), flavours.detect())
+    on_path = shutil.which("llama-server") if flavour == "auto" else None
     if on_path:
         return Build(Path(on_path), None)
-    chosen, det = resolve(backend, log=log)
+    chosen, det = resolve(flavour, log=log)
     binary = cached_binary(chosen)
     if not (binary.is_file() and os.access(binary, os.X_OK)):
         binary = build_llama_server(chosen, log=log)
     return Build(binary, chosen, det)
 
 
-def find_or_build_llama_server(explicit: str | None = None, *, backend: str = "auto", log: Log = print) -> Path:
+def find_or_build_llama_server(explicit: str | None = None, *, flavour: str = "auto", log: Log = print) -> Path:
     """The ``llama-server`` to launch: the configured one, one on PATH, the cache, or a new build."""
-    return llama_server_build(explicit, backend=backend, log=log).binary
+    return llama_server_build(explicit, flavour=flavour, log=log).binary
 
 
 def _fetch_sdist(log: Log) -> Path:
@@ -426,9 +426,14 @@ def launch_command(binary: Path, model: Path, *, alias: str, slots: int, ctx_per
         cmd += ["-t", str(threads)]
     if embeddings:
         cmd += ["--embeddings", "--pooling", "mean"]
-    if reranking:  # a query and a document are scored in one batch: room for the whole context
-        cmd += ["--reranking", "-b", str(ctx_per_slot), "-ub", str(ctx_per_slot)]
-    elif not embeddings:
+    if reranking:
+        cmd += ["--reranking"]
+    if embeddings or reranking:
+        # An input is embedded (or a query and a document scored) in one physical batch: without
+        # room for the whole context there, llama-server refuses any input past its default of
+        # 512 tokens, though its context (what /v1/models advertises) is ctx_per_slot.
+        cmd += ["-b", str(ctx_per_slot), "-ub", str(ctx_per_slot)]
+    else:
         # Gemma 3 attends over a sliding window in most layers; by default llama-server keeps only
         # the window there, and can then reuse a slot's cache only up to a checkpoint near the end
         # of the last prompt. The full cache (about 18 KiB a token for the 270M model) lets a

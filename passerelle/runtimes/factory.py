@@ -25,9 +25,9 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
     reranking, since llama-server started with ``--embeddings`` or ``--reranking`` serves only that."""
     e = cfg.embedded
     try:
-        build = embedded.llama_server_build(e.llama_server or None, backend=e.backend)
+        build = embedded.llama_server_build(e.llama_server or None, flavour=e.flavour)
     except (MissingPrerequisites, subprocess.CalledProcessError) as exc:  # a flavour that cannot be built here
-        raise ConfigError(f"backend {e.backend!r}: {exc}", file=cfg.source, key="embedded.backend") from None
+        raise ConfigError(f"flavour {e.flavour!r}: {exc}", file=cfg.source, key="embedded.flavour") from None
     binary = build.binary
     flavour = build.flavour
     # a GPU flavour offloads every layer unless extra_args says otherwise
@@ -59,10 +59,12 @@ def embedded_backends(cfg: Config) -> tuple[BackendConfig, ...]:
                                                         ctx_per_slot=e.ctx_per_slot, threads=e.threads,
                                                         extra=(*offload, *fim, *e.extra_args))))]
     if e.embeddings:
+        # The context /v1/models advertises for the model (the chat runtime's slot): an input to
+        # embed may be that long.
         out.append(BackendConfig(
             name="local-embed", kind="llama-server", models=(served,), endpoints=("embeddings",),
             flavour=flavour, launch=env(embedded.launch_command(binary, model, alias=served, slots=1,
-                                                                ctx_per_slot=2048, threads=e.threads,
+                                                                ctx_per_slot=e.ctx_per_slot, threads=e.threads,
                                                                 embeddings=True, extra=offload))))
     if e.rerank:
         ranker = Path(e.rerank_model_path).expanduser() if e.rerank_model_path else tiny_reranker.ensure_tiny_reranker()

@@ -5,7 +5,7 @@ driver: RADV on AMD, NVIDIA's, Mesa's software lavapipe), ``rocm`` (HIP, for one
 ``gfx1151``) or ``cuda``. Each is cached side by side under ``~/.cache/passerelle/llama.cpp``.
 ``auto`` picks the machine's GPU: CUDA where ``nvidia-smi`` lists one, ROCm where ``/dev/kfd`` and
 HIP's tools are present, Vulkan where ``vulkaninfo`` lists a device that is not a CPU, else CPU.
-``passerelle bench backends`` measures which of the built ones serves this machine best.
+``passerelle bench flavours`` measures which of the built ones serves this machine best.
 
 Example::
 
@@ -24,10 +24,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from passerelle.config import EMBEDDED_BACKENDS
+from passerelle.config import EMBEDDED_FLAVOURS
 
-BACKEND_CHOICES = EMBEDDED_BACKENDS
-FLAVOURS = tuple(b for b in BACKEND_CHOICES if b != "auto")
+FLAVOUR_CHOICES = EMBEDDED_FLAVOURS
+FLAVOURS = tuple(f for f in FLAVOUR_CHOICES if f != "auto")
 GPU_FLAVOURS = ("vulkan", "rocm", "cuda")
 
 # Flags that run on any x86-64 with AVX2. GGML_NATIVE=ON is unsafe on virtual machines that
@@ -58,7 +58,7 @@ class FlavourSpec:
 
     @property
     def kind(self) -> str:
-        """The backend the flags build (an operator's custom flavour is classified by its flags)."""
+        """What the flags build: cpu, vulkan, rocm or cuda (an operator's custom flavour is classified by its flags)."""
         if self.flavour in FLAVOURS:
             return self.flavour
         for kind, flags in GPU_FLAGS.items():
@@ -75,7 +75,7 @@ def spec(flavour: str, *, gpu_target: str = "", env: Mapping[str, str] | None = 
     """
     env = os.environ if env is None else env
     if flavour not in FLAVOURS:
-        raise ValueError(f"unknown backend {flavour!r}; expected one of {', '.join(BACKEND_CHOICES)}")
+        raise ValueError(f"unknown flavour {flavour!r}; expected one of {', '.join(FLAVOUR_CHOICES)}")
     if flavour == "rocm" and not gpu_target:
         raise ValueError("the rocm flavour needs a GPU target such as gfx1151 (rocminfo lists it)")
     flags = CPU_FLAGS + GPU_FLAGS.get(flavour, ())

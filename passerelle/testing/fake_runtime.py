@@ -97,6 +97,9 @@ class FakeConfig:
     seed: int | None = None
     usage: bool = True  # honour stream_options.include_usage (off: act like a runtime without it)
     embedding_dim: int = 64
+    # like llama-server without room in its physical batch: an input to embed longer than this many
+    # tokens gets its 500 "input (N tokens) is too large to process" (0: no limit)
+    embed_batch: int = 0
     # like llama-server: drop the connection this long after each streamed answer, ignoring any
     # request already sent on it (None: keep it alive)
     close_after_stream_ms: float | None = None
@@ -507,7 +510,13 @@ class FakeBackend:
         data, tokens = [], 0
         for i, item in enumerate(inputs):
             text = item if isinstance(item, str) else " ".join(map(str, item))
-            tokens += len(item) if isinstance(item, list) else _count_words(text)
+            n = len(item) if isinstance(item, list) else _count_words(text)
+            if 0 < self.config.embed_batch < n:
+                conn.respond(500, _error_body(f"input ({n} tokens) is too large to process. increase the physical "
+                                              f"batch size (current batch size: {self.config.embed_batch})",
+                                              "server_error", 500), keep_alive)
+                return
+            tokens += n
             data.append({"object": "embedding", "index": i, "embedding": self._vector(text)})
         conn.respond(200, _dumps({"object": "list", "data": data, "model": body.get("model") or self.config.model,
                                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}), keep_alive)
@@ -804,6 +813,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-usage", dest="usage", action="store_false",
                         help="ignore stream_options.include_usage, like runtimes that lack it")
     parser.add_argument("--embedding-dim", type=int, default=64, help="embedding size (default 64)")
+    parser.add_argument("--embed-batch", type=int, default=0, metavar="N",
+                        help="refuse an input to embed longer than N tokens as llama-server does past its physical "
+                             "batch, with a 500 (default 0: no limit)")
     parser.add_argument("--close-after-stream-ms", type=_non_negative, default=None, metavar="MS",
                         help="close the connection MS ms after each streamed answer, dropping requests "
                              "sent on it meanwhile (llama-server does so without notice)")
@@ -832,7 +844,7 @@ def config_from_args(args: argparse.Namespace) -> FakeConfig:
                       slots=max(args.slots, 0), tokens=args.tokens, model=args.model,
                       fail_rate=args.fail_rate, fail_status=args.fail_status, abort_rate=args.abort_rate,
                       seed=args.seed,
-                      usage=args.usage, embedding_dim=args.embedding_dim,
+                      usage=args.usage, embedding_dim=args.embedding_dim, embed_batch=max(args.embed_batch, 0),
                       close_after_stream_ms=args.close_after_stream_ms, prefix_cache=max(args.prefix_cache, 0),
                       openai_only=args.openai_only,
                       fault=args.fault, fault_rate=args.fault_rate, fault_bytes=args.fault_bytes,

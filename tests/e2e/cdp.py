@@ -15,30 +15,12 @@ from typing import Any
 
 import aiohttp
 
+from tests.waiting import until
+
 CHROMIUM = os.environ.get("PASSERELLE_CHROMIUM", "/usr/bin/chromium")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
          "--hide-scrollbars", "--mute-audio")
-
-
-async def until(cond, timeout: float, what: str, interval: float = 0.1):
-    """Await ``cond()`` (sync or async) until it returns a truthy value; fail after ``timeout`` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    last_exc: BaseException | None = None
-    while True:
-        try:
-            value = cond()
-            if asyncio.iscoroutine(value):
-                value = await value
-            if value:
-                return value
-        except (AssertionError, aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
-            last_exc = exc
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}"
-                                 + (f" (last: {last_exc})" if last_exc else ""))
-        await asyncio.sleep(interval)
 
 
 class Chromium:
@@ -71,7 +53,7 @@ class Chromium:
             text = port_file.read_text() if port_file.exists() else ""
             return text.split()[0] if text.strip() else None
 
-        devtools_port = await until(port, 30, "chromium's DevTools port")
+        devtools_port = await until(port, 30, "chromium's DevTools port", interval=0.1)
         self._session = aiohttp.ClientSession()
 
         async def page_target() -> str | None:
@@ -79,7 +61,7 @@ class Chromium:
                 targets = await r.json()
             return next((t["webSocketDebuggerUrl"] for t in targets if t.get("type") == "page"), None)
 
-        ws_url = await until(page_target, 15, "chromium's page target")
+        ws_url = await until(page_target, 15, "chromium's page target", interval=0.1)
         self._ws = await self._session.ws_connect(ws_url, max_msg_size=0)
         self._reader = asyncio.create_task(self._read())
         await self.send("Page.enable")
@@ -129,7 +111,7 @@ class Chromium:
 
     async def navigate(self, url: str) -> None:
         await self.send("Page.navigate", url=url)
-        await until(lambda: self.evaluate("document.readyState === 'complete'"), 15, f"{url} to load")
+        await until(lambda: self.evaluate("document.readyState === 'complete'"), 15, f"{url} to load", interval=0.1)
 
     async def evaluate(self, expression: str) -> Any:
         result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)

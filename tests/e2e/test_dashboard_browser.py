@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 
 from tests.conftest import MODEL_ID, upstream_config
-from tests.e2e.cdp import Chromium, until
+from tests.e2e.cdp import Chromium
+from tests.waiting import until
 
 pytestmark = pytest.mark.llama
 
@@ -105,10 +106,11 @@ async def test_dashboard_in_chromium_is_live_and_matches_admin_stats(gateway, ll
             async def has_latency(cls: str) -> bool:
                 return (await page_value(f"classes.{cls}.ttft_ms.p95") or "—") != "—"
 
-            await until(lambda: has_latency("standard"), 30, "a standard request's TTFT on the page")
-            await until(lambda: has_latency("batch"), 30, "a batch request's TTFT on the page")
+            await until(lambda: has_latency("standard"), 30, "a standard request's TTFT on the page", interval=0.1)
+            await until(lambda: has_latency("batch"), 30, "a batch request's TTFT on the page", interval=0.1)
             first = int(await page_value("totals.requests"))
-            await until(lambda: _gt(page_value("totals.requests"), first), 30, "the request count to go up")
+            await until(lambda: _gt(page_value("totals.requests"), first), 30, "the request count to go up",
+                        interval=0.1)
             assert (await page_value("backends.0.slots_total")) == "4"
             assert (await page_value("backends.0.up")).startswith("● up")
         finally:
@@ -125,7 +127,7 @@ async def test_dashboard_in_chromium_is_live_and_matches_admin_stats(gateway, ll
             return not bad and stats["totals"]["requests"] == counts["standard"] + counts["batch"] + 1
 
         try:
-            await until(agree, 10, "every number on the page to match /admin/stats")
+            await until(agree, 10, "every number on the page to match /admin/stats", interval=0.1)
         except AssertionError as exc:
             raise AssertionError(f"{exc}: {getattr(agree, 'last', None)}") from None
         items = await browser.evaluate(PAGE_NUMBERS)

@@ -12,9 +12,10 @@ import pytest
 
 from passerelle.testing.tiny_llama_gguf import MODEL_ID as TINY_ID
 from tests.conftest import MODEL_ID
-from tests.e2e.cdp import Chromium, until
+from tests.e2e.cdp import Chromium
 from tests.e2e.test_dashboard_browser import PAGE_NUMBERS, mismatches
 from tests.integration.test_replicas_llama import replica
+from tests.waiting import until
 
 pytestmark = pytest.mark.llama
 
@@ -40,19 +41,21 @@ async def test_models_panel_shows_loaded_models_waiting_requests_and_swaps(gatew
         async def text(selector: str) -> str:
             return await browser.evaluate(f"(document.querySelector('{selector}') || {{}}).textContent || ''")
 
-        await until(lambda: _contains(text("#models"), "not loaded"), 30, "both runtimes shown, not loaded")
+        await until(lambda: _contains(text("#models"), "not loaded"), 30, "both runtimes shown, not loaded",
+                    interval=0.1)
         # a's stream runs until the page has shown b waiting and a draining, then its client leaves:
         # a condition, not a race between 40 tokens and the page's poll
         long_a = asyncio.create_task(stream(http, gw.url, MODEL_ID, 1500))
-        await until(lambda: _contains(text('tr[data-runtime="a"]'), "● loaded"), 60, "a shown loaded")
+        await until(lambda: _contains(text('tr[data-runtime="a"]'), "● loaded"), 60, "a shown loaded", interval=0.1)
         for_b = asyncio.create_task(stream(http, gw.url, TINY_ID, 2))
         # b waits while a drains its stream: the page shows the request waiting for b's load
-        await until(lambda: _contains(text('[data-runtime-waiting="b"]'), "1"), 30, "b's waiting request shown")
-        await until(lambda: _contains(text('tr[data-runtime="a"]'), "unloading"), 30, "a shown draining")
+        await until(lambda: _contains(text('[data-runtime-waiting="b"]'), "1"), 30, "b's waiting request shown",
+                    interval=0.1)
+        await until(lambda: _contains(text('tr[data-runtime="a"]'), "unloading"), 30, "a shown draining", interval=0.1)
         long_a.cancel()
         await asyncio.gather(long_a, return_exceptions=True)
         await asyncio.wait_for(for_b, 120)
-        await until(lambda: _contains(text("#swaps"), "its residency was over"), 30, "the swap listed")
+        await until(lambda: _contains(text("#swaps"), "its residency was over"), 30, "the swap listed", interval=0.1)
         row = await text("#swaps tr")
         assert "a" in row and "b" in row
         assert "● loaded" in await text('tr[data-runtime="b"]')
@@ -65,7 +68,7 @@ async def test_models_panel_shows_loaded_models_waiting_requests_and_swaps(gatew
             return not bad
 
         try:
-            await until(agree, 10, "every number on the page to match /admin/stats")
+            await until(agree, 10, "every number on the page to match /admin/stats", interval=0.1)
         except AssertionError as exc:
             raise AssertionError(f"{exc}: {getattr(agree, 'last', None)}") from None
         assert "GiB budget loaded" in await text("#budget")

@@ -71,6 +71,12 @@ def notify(tmp_path):
         n.close()
 
 
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat: ``T`` once a SIGSTOP has taken effect."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def start_fake(port: int, tmp_path) -> subprocess.Popen:
     log = open(tmp_path / "fake.log", "wb")  # noqa: SIM115  (closed with the process below)
     proc = subprocess.Popen([sys.executable, "-m", "passerelle", "fake-backend", "--port", str(port),
@@ -100,13 +106,15 @@ def test_ready_watchdog_reload_and_stop_over_a_notify_socket(gateway, notify, tm
         gaps = [b[0] - a[0] for a, b in itertools.pairwise(pings)]
         assert min(gaps) > 0.1, gaps  # never faster than asked (a slow machine may be slower)
 
-        # a stopped process stops pinging: that is what lets systemd restart a hung gateway
+        # a stopped process stops pinging: that is what lets systemd restart a hung gateway. Waited
+        # for as systemd sees it: its watchdog fires once no ping came for WatchdogSec (0.3 s); here,
+        # for twice that. A process that went on pinging would never let it fire.
         gw.proc.send_signal(signal.SIGSTOP)
         try:
-            time.sleep(0.2)  # (let a datagram already sent arrive)
+            wait_until(lambda: process_state(gw.proc.pid) == "T", 10, "the gateway stopped", interval=0.01)
+            wait_until(lambda: time.monotonic() - ns.having("WATCHDOG=1")[-1][0] > 0.6, 10,
+                       "the watchdog to fire: no ping for 2 x WatchdogSec", interval=0.01)
             n = len(ns.having("WATCHDOG=1"))
-            time.sleep(0.6)
-            assert len(ns.having("WATCHDOG=1")) == n
         finally:
             gw.proc.send_signal(signal.SIGCONT)
         wait_until(lambda: len(ns.having("WATCHDOG=1")) > n, 30, what="pings again after SIGCONT")

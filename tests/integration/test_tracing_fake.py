@@ -18,6 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from tests.conftest import upstream_config, wait_until
+from tests.waiting import until
 
 MODEL = "fake-model"
 
@@ -238,10 +239,7 @@ def test_spans_beyond_the_cap_or_never_sent_are_dropped_and_counted(receiver, mo
         for i in range(4):
             one_request(tracer, f"req_{i}")
         assert pipe.dropped == 3
-        deadline = time.monotonic() + 10
-        while pipe._pending:  # until the flush timer has written them to the child
-            assert time.monotonic() < deadline, "the flush timer never wrote the waiting spans"
-            await asyncio.sleep(0.01)
+        await until(lambda: not pipe._pending, 10, "the flush timer to write the waiting spans to the child")
 
     asyncio.run(burst())
     pipe.proc.kill()

@@ -1,5 +1,5 @@
 """The Vulkan flavour end to end: llama-server built with ``-DGGML_VULKAN=ON`` (built here when not
-cached: ``passerelle setup --backend vulkan``, about 10 minutes on 2 free cores, 50 on a busy
+cached: ``passerelle setup --flavour vulkan``, about 10 minutes on 2 free cores, 50 on a busy
 machine), launched by the gateway as the embedded runtime on this machine's Vulkan device —
 Mesa's software lavapipe where there is no GPU, which ggml uses only when
 ``GGML_VK_VISIBLE_DEVICES`` names it — and answering greedily correctly (the instruction-tuned SmolLM2 names Paris).
@@ -32,10 +32,10 @@ def _model() -> Path:
     return embedded.ensure_default_model()
 
 
-def _config(backend: str, model: Path) -> str:
+def _config(flavour: str, model: Path) -> str:
     return f"""
     [embedded]
-    backend = "{backend}"
+    flavour = "{flavour}"
     model_path = "{model}"
     model_id = "smol"
     slots = 1
@@ -56,7 +56,7 @@ def _greedy(url: str) -> str:
 
 @pytest.mark.timeout(3600)  # a first build, then a software GPU
 def test_the_vulkan_build_serves_the_instruct_model_through_the_gateway_and_answers_correctly(gateway):
-    build = embedded.llama_server_build(backend="vulkan")  # builds it when not cached (prerequisites first)
+    build = embedded.llama_server_build(flavour="vulkan")  # builds it when not cached (prerequisites first)
     assert build.spec is not None and build.spec.kind == "vulkan"
     info = embedded.build_info(build.spec)
     assert info is not None and "-DGGML_VULKAN=ON" in info["cmake_flags"]

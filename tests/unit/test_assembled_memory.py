@@ -15,6 +15,7 @@ import pytest
 from passerelle.config import LimitsConfig, TimeoutConfig
 from passerelle.errors import Cause
 from tests.inprocess import fake_runtime, gateway
+from tests.waiting import until
 
 SIZE = 8 * 1024 * 1024
 ASK = {"model": "fake-model", "max_tokens": 5}
@@ -27,12 +28,6 @@ BODIES = {
 
 def llama(fake, **changes):
     return fake.backend_config(kind="llama-server", endpoints=("chat", "completions", "messages"), **changes)
-
-
-async def until(cond, timeout=10.0):
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.005)
 
 
 @pytest.mark.parametrize("path", list(BODIES))
@@ -62,7 +57,7 @@ async def test_answers_held_at_once_stay_within_their_budget_and_each_request_gi
         budget = gw.app.gateway.answers
         # one answer of 1.5 MiB that never ends is held...
         held = asyncio.create_task(gw.post(path, {**body, "fake_fault": "big-answer-stall"}, keep_body=False))
-        await until(lambda: budget.used >= 1024 * 1024)
+        await until(lambda: budget.used >= 1024 * 1024, 10)
         # ...so another of 1.5 MiB cannot be: 503, Retry-After, its own cause, in the API's shape
         refused = await gw.post(path, {**body, "fake_fault": "big-answer"}, keep_body=False)
         assert refused.status == 503 and refused.headers[b"retry-after"] == b"1"

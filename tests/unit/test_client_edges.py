@@ -24,6 +24,7 @@ from passerelle.server.app import ReloadRefused
 from passerelle.tenants.keys import KeyStore
 from passerelle.tenants.names import user_tenant
 from tests.inprocess import fake_runtime, gateway
+from tests.waiting import until
 
 
 @pytest.fixture(autouse=True)
@@ -110,9 +111,7 @@ async def test_bodies_held_at_once_have_a_budget():
         body = orjson.dumps({**CHAT, "pad": "x" * 700})
         first = Client([body[:500], None], length=len(body))  # holds 500 bytes, silent
         task = asyncio.create_task(gw.app(first.scope(), first.receive, first.send))
-        async with asyncio.timeout(3):
-            while gw.app.body_budget.used < 500:
-                await asyncio.sleep(0.01)
+        await until(lambda: gw.app.body_budget.used >= 500, 3, "the first body's 500 bytes held")
         second = Client([body[:600], body[600:]])
         three = Client([body[:600], body[600:]])
         await gw.app(second.scope(), second.receive, second.send)  # 500 + 777 fits
@@ -266,9 +265,9 @@ async def test_a_forced_reload_of_a_file_without_backends_goes_ahead(monkeypatch
             "added": ["local"], "removed": ["fake"], "unchanged": []}
         assert resp.json()["backends"] == {"added": ["local"], "removed": ["fake"], "replaced": [], "kept": []}
         assert not gw.app.backends_configured  # from now on, the embedded default is what runs
-        async with asyncio.timeout(10):
-            while not any(b.name == "local" and b.stats.up for b in gw.app.registry.backends):
-                await asyncio.sleep(0.02)  # its first health check
+        # its first health check
+        await until(lambda: any(b.name == "local" and b.stats.up for b in gw.app.registry.backends), 10,
+                    "the embedded runtime up (its first health check)")
         assert (await gw.post("/v1/chat/completions", CHAT)).status == 200
 
 
@@ -277,9 +276,8 @@ async def test_requests_running_past_the_grace_period_end_with_an_error_and_the_
                                                           server=ServerConfig(shutdown_grace_s=0.2)) as gw:
         streaming = asyncio.create_task(gw.post("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 500}))
         queued = asyncio.create_task(gw.post("/v1/chat/completions", CHAT))
-        async with asyncio.timeout(3):
-            while len(gw.app.gateway.open) < 2 or not gw.app.scheduler.waiting:
-                await asyncio.sleep(0.01)
+        await until(lambda: len(gw.app.gateway.open) >= 2 and gw.app.scheduler.waiting, 3,
+                    "one request streaming, one queued")
         gw.app.begin_shutdown()
         async with asyncio.timeout(5):
             stream, waiting = await streaming, await queued
@@ -297,9 +295,8 @@ async def test_the_shutdown_speaks_each_apis_own_error_shape():
                     server=ServerConfig(shutdown_grace_s=0.2)) as gw:
         streaming = asyncio.create_task(gw.post("/v1/messages", {**msg, "stream": True}))
         queued = asyncio.create_task(gw.post("/v1/messages", msg))
-        async with asyncio.timeout(3):
-            while len(gw.app.gateway.open) < 2 or not gw.app.scheduler.waiting:
-                await asyncio.sleep(0.01)
+        await until(lambda: len(gw.app.gateway.open) >= 2 and gw.app.scheduler.waiting, 3,
+                    "one request streaming, one queued")
         gw.app.begin_shutdown()
         async with asyncio.timeout(5):
             stream, waiting = await streaming, await queued
@@ -316,9 +313,7 @@ async def test_the_shutdown_ends_a_responses_stream_with_its_own_error_event():
     async with fake_runtime(itl_ms=50.0) as fake, \
             gateway(fake.backend_config(kind="llama-server"), server=ServerConfig(shutdown_grace_s=0.2)) as gw:
         streaming = asyncio.create_task(gw.post("/v1/responses", body))
-        async with asyncio.timeout(3):
-            while not gw.app.gateway.open or not any(ex.started for ex in gw.app.gateway.open):
-                await asyncio.sleep(0.01)
+        await until(lambda: any(ex.started for ex in gw.app.gateway.open), 3, "the stream started")
         gw.app.begin_shutdown()
         async with asyncio.timeout(5):
             stream = await streaming
@@ -339,9 +334,9 @@ async def test_the_shutdown_cuts_a_client_that_does_not_read_at_its_write_deadli
                                              stop_reading_after_chunks=3)),
                  asyncio.create_task(gw.post("/v1/embeddings", {"model": "fake-model", "input": ["word"] * 4000},
                                              stop_reading_after_chunks=1))]
-        async with asyncio.timeout(5):  # both blocked on a write the client does not take
-            while len(gw.app.gateway.open) < 2 or not all(ex.writing_since for ex in gw.app.gateway.open):
-                await asyncio.sleep(0.01)
+        # both blocked on a write the client does not take
+        await until(lambda: len(gw.app.gateway.open) >= 2 and all(ex.writing_since for ex in gw.app.gateway.open), 5,
+                    "both blocked on a write the client does not take")
         loop = asyncio.get_running_loop()
         start = loop.time()
         gw.app.begin_shutdown()

@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 
 from passerelle.server.connections import ConnectionLimits, guarded_protocol
+from tests.waiting import until
 
 LIMITS = ConnectionLimits(max_head_bytes=4096, max_headers=16, head_timeout_s=0.3, body_timeout_s=0.3,
                           keep_alive_s=0.3, max_connections=3)
@@ -57,9 +58,8 @@ async def serve(limits: ConnectionLimits = LIMITS) -> AsyncIterator[tuple[int, E
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not task.done()
-        await asyncio.sleep(0.01)
+    await until(lambda: server.started or task.done(), 10, "the server started")
+    assert not task.done(), task
     try:
         yield sock.getsockname()[1], app, protocol
     finally:
@@ -200,9 +200,8 @@ async def test_an_unread_body_still_trickling_after_the_answer_is_cut_at_the_bod
 async def test_past_max_connections_the_longest_idle_connection_makes_room():
     async with serve(ConnectionLimits(**{**LIMITS.__dict__, "keep_alive_s": 30.0})) as (port, _, protocol):
         idle = [await open_(port) for _ in range(3)]
-        async with asyncio.timeout(3):
-            while len(protocol.table.idle) < 3:  # the server has accepted them all
-                await asyncio.sleep(0.01)
+        # the server has accepted them all
+        await until(lambda: len(protocol.table.idle) >= 3, 3, "the server to accept the three connections")
         reader, writer = await open_(port)  # the fourth: the oldest idle one is closed for it
         assert await read_until_closed(idle[0][0]) == b""
         writer.write(request(body=b"ok"))
@@ -219,9 +218,7 @@ async def test_past_max_connections_with_every_one_busy_the_new_one_gets_503():
         busy = [await open_(port) for _ in range(3)]
         for _, w in busy:
             w.write(request("/hold"))
-        async with asyncio.timeout(3):
-            while app.requests < 3:
-                await asyncio.sleep(0.01)
+        await until(lambda: app.requests >= 3, 3, "the three requests held")
         reader, writer = await open_(port)
         writer.write(request(body=b"x"))
         status, headers, body = parse(await read_until_closed(reader))

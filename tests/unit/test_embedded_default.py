@@ -76,6 +76,19 @@ def test_smollm2_is_launched_text_only_without_infill_and_with_8k_slots(monkeypa
     assert "--override-kv" not in launch and launch[launch.index("--alias") + 1] == "smollm2-135m-instruct"
 
 
+def test_the_embeddings_and_rerank_runtimes_take_an_input_of_their_whole_context_in_one_batch(monkeypatch, tmp_path):
+    # llama-server embeds an input in one physical batch (512 tokens unless -b/-ub say more): the
+    # embeddings runtime was launched without them and refused any input past 512 tokens with a 500
+    b = _launched(monkeypatch, tmp_path, ctx_per_slot=4096)
+    embed, rerank = b["local-embed"].launch, b["local-rerank"].launch
+    # the embeddings runtime's context is the one /v1/models advertises (a chat slot's), all in one batch
+    assert embed[embed.index("-c") + 1] == "4096" and embed[embed.index("-np") + 1] == "1"
+    assert embed[embed.index("-b") + 1] == "4096" and embed[embed.index("-ub") + 1] == "4096"
+    ctx = rerank[rerank.index("-c") + 1]
+    assert rerank[rerank.index("-b") + 1] == ctx and rerank[rerank.index("-ub") + 1] == ctx
+    assert "-ub" not in b["local"].launch  # generation splits a prompt into batches: the default suits it
+
+
 def test_gemma_stays_available_with_its_infill_tokens(monkeypatch, tmp_path):
     local = _launched(monkeypatch, tmp_path, model="gemma-3-270m")["local"]
     assert local.models == ("gemma-3-270m",) and "infill" in local.endpoints

@@ -16,6 +16,7 @@ from passerelle.config import ClassConfig, SchedulerConfig
 from passerelle.errors import Cause, QueueFull, TenantQueueFull
 from tests.inprocess import fake_runtime, gateway
 from tests.unit.test_scheduler import Clock, FakeBackend, job
+from tests.waiting import until
 
 Q10 = ClassConfig("standard", 1, max_queue=10, max_queue_wait_s=60.0)
 
@@ -87,9 +88,7 @@ async def test_one_client_with_sixty_streams_on_two_slots_does_not_lock_out_the_
         body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
                 "stream": True}
         hog = [asyncio.create_task(gw.post("/v1/chat/completions", body, timeout=60)) for _ in range(60)]
-        async with asyncio.timeout(10):
-            while len(gw.app.scheduler.waiting) < 40:
-                await asyncio.sleep(0.005)
+        await until(lambda: len(gw.app.scheduler.waiting) >= 40, 10, "40 of the hog's requests queued")
         second = await gw.post("/v1/chat/completions", {**body, "user": "second"}, timeout=30)
         assert second.status == 200 and b"[DONE]" in second.body
         answers = await asyncio.gather(*hog)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from passerelle.testing.fake_runtime import VOCAB, start_fake_backend, tokens_due
+from tests.waiting import until, wait_until
 
 
 def sse_events(text: str) -> list[str]:
@@ -206,19 +207,12 @@ async def test_slots_queue_in_fifo_order_and_show_in_metrics():
                 text = (await client.get("/metrics")).text
                 return int(next(ln.split()[1] for ln in text.splitlines() if ln.startswith(name + " ")))
 
-            async def until(cond) -> None:
-                for _ in range(2000):
-                    if await cond():
-                        return
-                    await asyncio.sleep(0.005)
-                raise AssertionError("condition not reached")
-
             a = asyncio.create_task(stream("a"))
-            await until(lambda: _eq(metric("llamacpp:requests_processing"), 1))
+            await until(lambda: _eq(metric("llamacpp:requests_processing"), 1), 10, "a processing")
             b = asyncio.create_task(stream("b"))
-            await until(lambda: _eq(metric("llamacpp:requests_deferred"), 1))
+            await until(lambda: _eq(metric("llamacpp:requests_deferred"), 1), 10, "b deferred")
             c = asyncio.create_task(stream("c"))
-            await until(lambda: _eq(metric("llamacpp:requests_deferred"), 2))
+            await until(lambda: _eq(metric("llamacpp:requests_deferred"), 2), 10, "b and c deferred")
             slots = (await client.get("/slots")).json()
             assert slots == [{"id": 0, "is_processing": True}]
             await asyncio.gather(a, b, c)
@@ -238,10 +232,8 @@ def test_client_disconnect_frees_the_slot():
             for line in r.iter_lines():
                 if '"content":" ' in line:
                     break  # leave after the first token of a 10 s answer
-        deadline = time.monotonic() + 3
-        while httpx.get(fake.url + "/slots").json()[0]["is_processing"]:
-            assert time.monotonic() < deadline, "slot still busy after the client left"
-            time.sleep(0.01)
+        wait_until(lambda: not httpx.get(fake.url + "/slots").json()[0]["is_processing"], 3,
+                   "the slot freed after the client left", interval=0.01)
         assert fake.stats()["disconnected"] == 1
         t0 = time.perf_counter()
         r = httpx.post(fake.url + "/v1/chat/completions", json=chat(max_tokens=1))

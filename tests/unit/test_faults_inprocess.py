@@ -20,6 +20,7 @@ from passerelle.runtimes.breaker import BreakerState, Outcome
 from passerelle.scheduling.scheduler import Job
 from passerelle.tenants.keys import KeyStore
 from tests.inprocess import fake_runtime, gateway
+from tests.waiting import until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5}
 QUICK = TimeoutConfig(connect_s=1, first_token_s=0.4, between_tokens_s=0.4, total_s=1.5, client_write_s=1)
@@ -37,13 +38,6 @@ def error_of(resp) -> dict:
         last = resp.events()[-1]
         return orjson.loads(last)["error"]
     return resp.json()["error"]
-
-
-async def until(cond, timeout=5.0):
-    """Wait for ``cond()`` to hold (polling the loop), at most ``timeout`` seconds."""
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.005)
 
 
 async def with_bystander(gw, fake, hostile):
@@ -353,7 +347,6 @@ async def test_a_wait_in_the_keys_own_queue_is_bounded_by_the_total_timeout(tmp_
         b = gw.app.registry.backends[0]
         assert b.breaker.state is BreakerState.CLOSED and b.breaker.failures == 0
         assert policy.limiter.state(key.id)["queued"] == 0
-        async with asyncio.timeout(5):
-            while policy.limiter.state(key.id)["running"]:  # the holder gives its slot back
-                await asyncio.sleep(0.05)
+        # the holder gives its slot back
+        await until(lambda: not policy.limiter.state(key.id)["running"], 5, "the holder to give its slot back")
         assert settled(gw)

@@ -328,7 +328,7 @@ def _cached(tmp_path: Path, key: str) -> None:
     binary.chmod(0o755)
 
 
-def _embedded_cfg(tmp_path: Path, monkeypatch, backend: str, **more):
+def _embedded_cfg(tmp_path: Path, monkeypatch, flavour: str, **more):
     monkeypatch.setenv("PASSERELLE_CACHE", str(tmp_path))
     monkeypatch.setattr(flavours, "detect", lambda **kw: LAVAPIPE)
     for name in ("PASSERELLE_LLAMA_FLAVOUR", "PASSERELLE_LLAMA_CMAKE_FLAGS"):
@@ -337,7 +337,7 @@ def _embedded_cfg(tmp_path: Path, monkeypatch, backend: str, **more):
     model.write_bytes(b"GGUF")
     cfg = load_config(None, env={})
     import dataclasses
-    e = dataclasses.replace(cfg.embedded, backend=backend, model_path=str(model), rerank=False, **more)
+    e = dataclasses.replace(cfg.embedded, flavour=flavour, model_path=str(model), rerank=False, **more)
     return dataclasses.replace(cfg, embedded=e)
 
 
@@ -348,7 +348,7 @@ def test_the_vulkan_flavour_offloads_and_shows_ggml_the_software_device(tmp_path
     assert [b.flavour for b in backends] == ["vulkan", "vulkan"]
     chat = backends[0].launch
     assert chat[:3] == ("env", "GGML_VK_VISIBLE_DEVICES=0", str(embedded.cached_binary(spec("vulkan", env={}))))
-    assert chat[chat.index("-ngl") + 1] == "99"  # an explicit backend is not the llama-server on PATH
+    assert chat[chat.index("-ngl") + 1] == "99"  # an explicit flavour is not the llama-server on PATH
 
 
 def test_the_operators_gpu_layers_win_and_cpu_does_not_offload(tmp_path, monkeypatch):
@@ -372,12 +372,41 @@ def test_auto_falls_back_to_cpu_saying_what_a_detected_gpu_needs(tmp_path, monke
     assert embedded.resolve("auto", detection=radv, log=said.append)[0].flavour == "vulkan"
 
 
-def test_the_backend_key_is_validated(tmp_path):
-    (tmp_path / "p.toml").write_text('[embedded]\nbackend = "metal"\n')
-    with pytest.raises(ConfigError, match=r"embedded\.backend") as err:
+@pytest.mark.parametrize("key", ["flavour", "backend"])  # backend: its old name, still read
+def test_the_flavour_key_is_validated_under_the_name_the_file_gives_it(tmp_path, key):
+    (tmp_path / "p.toml").write_text(f'[embedded]\n{key} = "metal"\n')
+    with pytest.raises(ConfigError, match=rf"embedded\.{key}\b") as err:
         load_config(tmp_path / "p.toml", env={})
     assert "p.toml:2:" in str(err.value) and "auto, cpu, vulkan, rocm, cuda" in str(err.value)
-    assert EmbeddedConfig().backend == "auto"
+    assert EmbeddedConfig().flavour == "auto"
+
+
+def test_the_old_name_of_the_flavour_key_still_loads_and_says_it_is_deprecated(tmp_path, caplog):
+    # A build was called a backend in [embedded] and on the command line; a backend is a runtime.
+    # The old spellings stay: a configuration contract only grows.
+    (tmp_path / "old.toml").write_text('[embedded]\nbackend = "cpu"\n')
+    (tmp_path / "new.toml").write_text('[embedded]\nflavour = "cpu"\n')
+    assert load_config(tmp_path / "new.toml", env={}).embedded.flavour == "cpu" and not caplog.records
+    assert load_config(tmp_path / "old.toml", env={}).embedded.flavour == "cpu"
+    assert "[embedded] backend is deprecated; it is called flavour now" in caplog.text
+    assert load_config(None, env={"PASSERELLE_EMBEDDED_BACKEND": "vulkan"}).embedded.flavour == "vulkan"
+    assert load_config(None, env={"PASSERELLE_EMBEDDED_FLAVOUR": "rocm"}).embedded.flavour == "rocm"
+    assert load_config(None, env={"PASSERELLE_EMBEDDED_FLAVOUR": "rocm",  # the new name wins
+                                  "PASSERELLE_EMBEDDED_BACKEND": "vulkan"}).embedded.flavour == "rocm"
+    (tmp_path / "both.toml").write_text('[embedded]\nflavour = "cpu"\nbackend = "vulkan"\n')
+    with pytest.raises(ConfigError, match=r"embedded\.backend.*old name of flavour") as err:
+        load_config(tmp_path / "both.toml", env={})
+    assert "both.toml:3:" in str(err.value)
+
+
+@pytest.mark.parametrize("option", ["--flavour", "--backend"])  # --backend: its old name, still taken
+def test_setup_takes_the_flavour_under_either_name(option, capsys):
+    from passerelle.cli import build_parser
+
+    assert build_parser().parse_args(["setup", option, "vulkan"]).flavour == "vulkan"
+    said = capsys.readouterr().err
+    assert ("--backend is deprecated; it is called --flavour now" in said) == (option == "--backend")
+    assert build_parser().parse_args(["setup"]).flavour == "auto"
 
 
 def test_runtime_list_shows_the_flavour():
@@ -393,7 +422,7 @@ def _recorded(tmp_path: Path, key: str, info: dict) -> None:
     (folder / "build-info.json").write_text(json.dumps(info))
 
 
-def test_bench_backends_launches_each_build_as_the_embedded_runtime_would(tmp_path, monkeypatch):
+def test_bench_flavours_launches_each_build_as_the_embedded_runtime_would(tmp_path, monkeypatch):
     monkeypatch.setenv("PASSERELLE_CACHE", str(tmp_path))
     _tools(tmp_path, monkeypatch, vulkaninfo=_printing(LAVAPIPE_ONLY))
     _recorded(tmp_path, "cpu-avx2", {"flavour": "cpu-avx2", "flags": " ".join(flavours.CPU_FLAGS)})  # an older record
@@ -408,18 +437,21 @@ def test_bench_backends_launches_each_build_as_the_embedded_runtime_would(tmp_pa
     assert cpu["command"][cpu["command"].index("-c") + 1] == "1024"  # the same slots × context for each
     assert [x["name"] for x in embedded.flavour_launches(model, alias="m", slots=1, ctx_per_slot=512,
                                                          wanted=["vulkan"])] == ["vulkan"]
-    with pytest.raises(ValueError, match="passerelle setup --backend rocm"):
+    with pytest.raises(ValueError, match="passerelle setup --flavour rocm"):
         embedded.flavour_launches(model, alias="m", slots=1, ctx_per_slot=512, wanted=["rocm"])
 
 
-def test_bench_backends_without_a_build_says_how_to_make_one(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("command", ["flavours", "backends"])  # backends: its old name, still taken
+def test_bench_flavours_without_a_build_says_how_to_make_one(tmp_path, monkeypatch, capsys, command):
     from passerelle.cli import main
 
     monkeypatch.setenv("PASSERELLE_CACHE", str(tmp_path))
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    assert main(["bench", "backends", "--model-file", str(model), "--out", str(tmp_path / "out")]) == 2
-    assert "passerelle setup --backend" in capsys.readouterr().err
+    assert main(["bench", command, "--model-file", str(model), "--out", str(tmp_path / "out")]) == 2
+    said = capsys.readouterr().err
+    assert "passerelle setup --flavour" in said
+    assert ("`bench backends` is deprecated; it is called `bench flavours` now" in said) == (command == "backends")
 
 
 def test_driver_descriptions_come_from_the_machines_tools(tmp_path, monkeypatch):
@@ -435,6 +467,6 @@ def test_serving_a_flavour_that_cannot_be_built_here_is_a_configuration_error(tm
     cfg = _embedded_cfg(tmp_path, monkeypatch, "cuda")
     _tools(tmp_path, monkeypatch, cmake="exit 0", **{"g++": "exit 0"})
     monkeypatch.setattr(prerequisites, "_CUDA_INCLUDES", (str(tmp_path / "none"),))
-    with pytest.raises(ConfigError, match=r"embedded\.backend") as err:
+    with pytest.raises(ConfigError, match=r"embedded\.flavour") as err:
         factory.embedded_backends(cfg)
     assert "sudo apt-get install nvidia-cuda" in str(err.value)  # the toolkit, its cuBLAS, or both

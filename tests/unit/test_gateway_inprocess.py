@@ -14,6 +14,7 @@ from passerelle.config import AuthConfig, ClassConfig, TimeoutConfig
 from passerelle.errors import Cause
 from passerelle.tenants.keys import KeyStore
 from tests.inprocess import fake_runtime, gateway
+from tests.waiting import until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5}
 
@@ -84,9 +85,9 @@ async def test_client_leaving_mid_stream_frees_the_slot_and_is_one_disconnect():
         [rec] = gw.records
         assert rec.cause is Cause.CLIENT_DISCONNECT and rec.status == 499
         assert settled(gw)
-        async with asyncio.timeout(5):  # the runtime saw the connection close and stopped generating
-            while not (fake.runtime.counters.disconnected == 1 and not fake.runtime.slots.busy):
-                await asyncio.sleep(0.01)
+        # the runtime saw the connection close and stopped generating
+        await until(lambda: fake.runtime.counters.disconnected == 1 and not fake.runtime.slots.busy, 5,
+                    "the runtime to see the connection close and stop generating")
         assert fake.runtime.counters.completed == 0
 
 
@@ -124,9 +125,7 @@ async def test_full_queue_is_429_with_retry_after_and_the_queued_request_still_s
         slow = dict(CHAT, max_tokens=40)
         running = asyncio.create_task(gw.post("/v1/chat/completions", slow))
         queued = asyncio.create_task(gw.post("/v1/chat/completions", slow))
-        async with asyncio.timeout(5):
-            while len(gw.app.scheduler.waiting) < 1:
-                await asyncio.sleep(0.005)
+        await until(lambda: gw.app.scheduler.waiting, 5, "the second request queued")
         refused = await gw.post("/v1/chat/completions", slow)
         assert refused.status == 429 and refused.json()["error"]["code"] == "queue_full"
         assert int(refused.headers[b"retry-after"]) >= 1

@@ -13,6 +13,7 @@ from passerelle.config import ClassConfig
 from passerelle.errors import QueueFull, QueueTimeout, RateLimited
 from passerelle.tenants.keys import ApiKey
 from passerelle.tenants.limits import KeyLimiter
+from tests.waiting import until
 
 STANDARD = ClassConfig("standard", 1, max_queue=512, max_queue_wait_s=120.0)
 
@@ -38,8 +39,8 @@ async def test_twenty_requests_on_a_key_of_four_all_complete_four_at_a_time():
             limiter.finish(grant, 10)
 
     tasks = [asyncio.create_task(request()) for _ in range(20)]
-    await asyncio.sleep(0.01)
-    assert now == 4 and limiter.state("k") == {"running": 4, "queued": 16}
+    await until(lambda: now == 4 and limiter.state("k") == {"running": 4, "queued": 16},
+                what="four running, sixteen queued")
     release.set()
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
     assert (done, peak) == (20, 4) and limiter.state("k") == {"running": 0, "queued": 0}

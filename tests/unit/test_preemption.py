@@ -11,6 +11,7 @@ from passerelle.config import DEFAULT_CLASSES, ClassConfig
 from passerelle.scheduling.job import Job, JobState
 from passerelle.scheduling.scheduler import PreemptionPolicy, Scheduler
 from tests.unit.test_scheduler import Clock, FakeBackend
+from tests.waiting import until
 
 CLS = {c.name: c for c in DEFAULT_CLASSES}
 POLICY = PreemptionPolicy(after_s=0.05, min_run_s=2.0)
@@ -303,8 +304,8 @@ def test_arming_again_under_uvloop_when_the_first_timer_was_already_due():
         clock.now += 1.0  # the interactive request is long due when the stream becomes suspendable
         s.allow_suspend(bulk, stream := Stream())
         s.submit(job([b], "interactive"))  # arms again while the first (already due) timer is pending
-        await asyncio.sleep(0.01)
-        assert stream.calls == 1 and chat.backend is b
+        await until(lambda: stream.calls and chat.backend is b, what="the due timer suspending the stream for chat")
+        assert stream.calls == 1
 
     uvloop.run(run())
 

@@ -7,7 +7,6 @@ tests/integration/test_preemption_llama.py.)"""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import orjson
 
@@ -15,18 +14,11 @@ from passerelle.config import AuthConfig, SchedulerConfig
 from passerelle.errors import Cause
 from passerelle.runtimes.breaker import CircuitBreaker, Outcome
 from tests.inprocess import fake_runtime, gateway
+from tests.waiting import until
 
 BATCH = {"model": "fake-model", "messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 40}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
 AUTH = AuthConfig(anonymous_max_priority="interactive")
-
-
-async def until(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.005)
 
 
 def settled(gw) -> bool:

@@ -14,6 +14,7 @@ from passerelle.observe.accesslog import record_fields
 from passerelle.proxy.intake import affinity_key, session_hash, session_of
 from passerelle.tenants.keys import KeyStore
 from tests.inprocess import fake_runtime, gateway
+from tests.waiting import until
 
 R = RoutingConfig()
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -73,9 +74,8 @@ async def test_a_session_over_its_cap_gets_429_and_other_sessions_go_on():
             fake.backend_config(), routing=RoutingConfig(max_session_in_flight=2)) as gw:
         same = {"x-claude-code-session-id": "loop"}
         running = [asyncio.create_task(gw.post("/v1/chat/completions", CHAT, headers=same)) for _ in range(2)]
-        async with asyncio.timeout(5):
-            while gw.app.gateway.sessions.in_flight("anonymous", session_hash("loop")) < 2:
-                await asyncio.sleep(0.005)
+        await until(lambda: gw.app.gateway.sessions.in_flight("anonymous", session_hash("loop")) >= 2, 5,
+                    "two of the session's requests in flight")
         over = await gw.post("/v1/chat/completions", CHAT, headers=same)
         assert over.status == 429 and over.json()["error"]["code"] == "session_limit"
         assert over.headers[b"retry-after"] == b"1" and gw.records[-1].cause is Cause.SESSION_LIMIT

@@ -17,6 +17,7 @@ from passerelle.errors import Cause
 from passerelle.observe.accesslog import record_fields
 from passerelle.tenants.keys import KeyStore
 from tests.inprocess import fake_runtime, gateway
+from tests.waiting import until
 
 ASK = [{"role": "user", "content": "Tell me about the old mills by the river"}]
 STREAMS = {  # API: (path, a long streamed request)
@@ -37,9 +38,8 @@ def generated(gw) -> float:
 
 
 async def settled(gw) -> None:
-    async with asyncio.timeout(5):
-        while gw.app.gateway.open or any(b.in_flight for b in gw.app.registry.backends):
-            await asyncio.sleep(0.01)
+    await until(lambda: not gw.app.gateway.open and not any(b.in_flight for b in gw.app.registry.backends), 5,
+                "every exchange and backend idle")
 
 
 @pytest.mark.parametrize("api", list(STREAMS))
@@ -94,9 +94,7 @@ async def test_a_client_gone_before_its_stream_began_is_charged_nothing_it_was_n
     path, body = STREAMS["messages"]
     async with fake_runtime(ttft_ms=2000) as fake, gateway(fake.backend_config(kind="llama-server")) as gw:
         task = asyncio.create_task(gw.post(path, body))
-        async with asyncio.timeout(5):
-            while not fake.runtime.counters.in_flight:
-                await asyncio.sleep(0.01)
+        await until(lambda: fake.runtime.counters.in_flight, 5, "the request at the runtime")
         [ex] = gw.app.gateway.open
         ex.end_now()  # as the watcher does on the client's hang-up
         await task

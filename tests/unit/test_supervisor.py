@@ -15,6 +15,7 @@ from passerelle.cli import build_app
 from passerelle.config import BackendConfig, Config, TimeoutConfig
 from passerelle.runtimes.factory import build_runtime
 from passerelle.runtimes.supervisor import _ALLOWED, ProcState, RuntimeFailed, RuntimeProcess, Supervisor
+from tests.waiting import until
 
 FAKE = (sys.executable, "-m", "passerelle", "fake-backend", "--port", "{port}", "--ttft-ms", "1", "--itl-ms", "1")
 S = ProcState
@@ -56,12 +57,6 @@ def gone(pid: int) -> bool:
         return f.read().split(")")[1].split()[0] == "Z"
 
 
-async def wait_for(cond, timeout=20.0):
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.02)
-
-
 async def test_start_ready_stop_stopping_stopped(tmp_path):
     proc = runtime(tmp_path)
     seen = track(proc)
@@ -87,7 +82,7 @@ async def test_a_stop_during_a_start_leaves_no_process(tmp_path):
     proc = runtime(tmp_path, launch=("sleep", "30", "{port}"))  # never answers /v1/models
     seen = track(proc)
     starting = asyncio.create_task(proc.start())
-    await wait_for(lambda: proc.pid is not None)
+    await until(lambda: proc.pid is not None, 20, "the runtime's process spawned")
     pid = proc.pid
     await proc.stop(grace=2)
     with pytest.raises(RuntimeFailed, match="stopped while starting"):
@@ -103,7 +98,7 @@ async def test_a_crash_is_failed_then_restarted_to_ready(tmp_path):
     await proc.start()
     first = proc.pid
     os.kill(first, 9)
-    await wait_for(lambda: proc.restarts == 1 and proc.state is S.READY, timeout=30)
+    await until(lambda: proc.restarts == 1 and proc.state is S.READY, 30, "the killed runtime restarted and ready")
     assert proc.pid != first
     assert seen[2:] == [(S.READY, S.FAILED), (S.FAILED, S.STARTING), (S.STARTING, S.READY)]
     await proc.stop()
@@ -140,7 +135,8 @@ async def test_a_reload_that_changes_a_launched_backend_stops_the_old_process(tm
         assert out["added"] == ["r"] and out["removed"] == ["r"]
         new = app.supervisor.get("r")
         assert new is not None and new is not old
-        await wait_for(lambda: old.state is S.STOPPED and gone(old_pid) and new.state is S.READY, timeout=60)
+        await until(lambda: old.state is S.STOPPED and gone(old_pid) and new.state is S.READY, 60,
+                    "the old runtime stopped and gone, the new one ready")
         assert not app.supervisor.retiring and app.supervisor.get("r") is new
         assert [b.capacity for b in app.registry.backends] == [3]
     finally:

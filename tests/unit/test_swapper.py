@@ -15,6 +15,7 @@ from passerelle.runtimes.kinds import make_backend
 from passerelle.runtimes.supervisor import ProcState, RuntimeFailed, RuntimeProcess, Supervisor
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.scheduling.swapper import Swapper
+from tests.waiting import until
 
 CLS = {c.name: c for c in DEFAULT_CLASSES}
 
@@ -71,14 +72,6 @@ def request(proc: RuntimeProcess, tenant: str = "t") -> Job:
 
 async def acquire(sched: Scheduler, job: Job, timeout: float = 10.0):
     return await asyncio.wait_for(sched.acquire(job), timeout)
-
-
-async def until(cond, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def test_a_stopped_model_is_started_for_its_first_request(box):

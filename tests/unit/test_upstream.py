@@ -17,6 +17,7 @@ from passerelle.errors import UpstreamError
 from passerelle.runtimes.kinds import make_backend
 from passerelle.runtimes.supervisor import free_port
 from passerelle.upstream.client import HIGH_WATER, ConnectFailed, ServerDisconnected, UpstreamClient
+from tests.waiting import until
 
 
 @dataclass
@@ -40,7 +41,6 @@ class Server:
         self.opened = 0
         self.closed = 0
         self.requests: list[Request] = []
-        self._changed = asyncio.Event()
         self._server: asyncio.Server | None = None
         self.url = ""
 
@@ -56,19 +56,9 @@ class Server:
             async with asyncio.timeout(5):
                 await self._server.wait_closed()
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def until(self, cond: Callable[[], bool], timeout: float = 5.0) -> None:
-        async with asyncio.timeout(timeout):
-            while not cond():
-                await self._changed.wait()
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.opened += 1
         conn = self.opened
-        self._notify()
         try:
             while not writer.is_closing():
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -78,14 +68,12 @@ class Server:
                 body = await reader.readexactly(int(headers.get(b"content-length", b"0")))
                 req = Request(conn, method, path, headers, body)
                 self.requests.append(req)
-                self._notify()
                 await self.handler(req, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             writer.close()
             self.closed += 1
-            self._notify()
 
 
 def ok(body: bytes, *extra: bytes) -> bytes:
@@ -172,11 +160,9 @@ async def test_pool_limit_makes_requests_wait_for_a_connection():
     async with Server(handler) as srv:
         client = UpstreamClient(srv.url, limit=1)
         slow = asyncio.create_task(get(client, "/slow"))
-        await srv.until(lambda: len(srv.requests) == 1)
+        await until(lambda: len(srv.requests) == 1, what="the first request served")
         fast = asyncio.create_task(get(client, "/fast"))
-        async with asyncio.timeout(5):
-            while not client._waiters:  # the second request queues for the only connection
-                await asyncio.sleep(0.01)
+        await until(lambda: client._waiters, what="the second request queued for the only connection")
         assert len(srv.requests) == 1 and srv.opened == 1
         gate.set()
         assert await slow == (200, b"/slow") and await fast == (200, b"/fast")
@@ -248,11 +234,11 @@ async def test_cancelled_before_the_headers_closes_the_connection():
     async with Server(handler) as srv:
         client = UpstreamClient(srv.url, limit=2)
         task = asyncio.create_task(client.request(b"POST", "/x", b"{}"))
-        await srv.until(lambda: len(srv.requests) == 1)
+        await until(lambda: len(srv.requests) == 1, what="the first request served")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await srv.until(lambda: srv.closed == 1)
+        await until(lambda: srv.closed == 1, what="the connection closed")
         client.close()
 
 
@@ -266,7 +252,7 @@ async def test_connection_close_is_honoured():
         client = UpstreamClient(srv.url, limit=2)
         assert await get(client) == (200, b"bye")
         assert client.idle_count == 0
-        await srv.until(lambda: srv.closed == 1)
+        await until(lambda: srv.closed == 1, what="the connection closed")
         assert await get(client) == (200, b"bye")
         assert srv.opened == 2
         client.close()
@@ -283,7 +269,7 @@ async def test_a_second_response_in_the_same_segment_is_never_read_and_drops_the
         client = UpstreamClient(srv.url, limit=1)
         assert await get(client) == (200, b"first")
         assert client.idle_count == 0  # not back in the pool
-        await srv.until(lambda: srv.closed == 1)
+        await until(lambda: srv.closed == 1, what="the connection closed")
         assert await get(client) == (200, b"first")  # on a fresh connection
         assert srv.opened == 2 and client.opened == 2
         client.close()
@@ -304,7 +290,7 @@ async def test_a_second_response_after_a_chunked_body_is_never_read():
         assert b"".join(got) == b"one" and resp.complete and not resp.keep_alive
         resp.close()
         assert client.idle_count == 0
-        await srv.until(lambda: srv.closed == 1)
+        await until(lambda: srv.closed == 1, what="the connection closed")
         client.close()
 
 
@@ -344,7 +330,7 @@ async def test_idle_connections_expire():
         client = UpstreamClient(srv.url, limit=2, keepalive_s=0.05)
         await get(client)
         assert client.idle_count == 1
-        await srv.until(lambda: srv.closed == 1)  # closed by the client, not by the server
+        await until(lambda: srv.closed == 1, what="the connection closed")  # closed by the client, not by the server
         assert client.idle_count == 0
         await get(client)
         assert srv.opened == 2
@@ -398,9 +384,8 @@ async def test_slow_consumer_pauses_the_socket_and_resumes_it():
         client = UpstreamClient(srv.url, limit=1)
         resp = await client.request(b"GET", "/big")
         conn = resp._conn
-        async with asyncio.timeout(10):
-            while not conn.paused:  # nobody reads: the buffer reaches the high-water mark
-                await asyncio.sleep(0.01)
+        # nobody reads: the buffer reaches the high-water mark
+        await until(lambda: conn.paused, 10, "reading paused at the high-water mark")
         assert not conn.transport.is_reading()
         assert HIGH_WATER < resp._size <= HIGH_WATER + (1 << 20)  # bounded: no more reads once paused
         assert sent < size  # the server is held back, not the whole body buffered somewhere

@@ -10,7 +10,7 @@ from passerelle.proxy.call import Call
 from passerelle.proxy.protocols import api_for
 from passerelle.proxy.resume import Splice
 from passerelle.proxy.upstream_request import upstream_request
-from passerelle.runtimes.catalogue import Route
+from passerelle.runtimes.catalogue import ModelRoute
 from passerelle.scheduling.job import Job
 
 CFG = Config()
@@ -30,12 +30,12 @@ class Runtime:
         return body[:-1] + b',"id_slot":%d}' % slot if slot is not None else body
 
 
-def route(data: dict | None, body: bytes | None = None) -> Route:
-    return Route(name="public", served="served", pool=[], data=data,
+def route(data: dict | None, body: bytes | None = None) -> ModelRoute:
+    return ModelRoute(name="public", served="served", pool=[], data=data,
                  body=body if body is not None else orjson.dumps(data), requested="public")
 
 
-def call(endpoint: str, rt: Route, *, stream: bool, slot: int | None, rank: int = 2, content_type: str = "",
+def call(endpoint: str, rt: ModelRoute, *, stream: bool, slot: int | None, rank: int = 2, content_type: str = "",
          splice: Splice | None = None) -> Call:
     """A request after its intake (proxy/call.py): what it asked, its class's rank, its slot."""
     job = Job(pool=[], cls=ClassConfig(name="c", rank=rank), tenant="t")

@@ -4,14 +4,13 @@ go, refused ones first; pruned when the recorder starts and then periodically.""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from passerelle.config import load_config
 from passerelle.errors import ConfigError
 from passerelle.tenants.db import connect
 from passerelle.tenants.usage import UsageRecorder, tokens_since
+from tests.waiting import until
 
 DAY = 86400.0
 NOW = 1_900_000_000.0
@@ -63,12 +62,9 @@ async def test_the_recorder_prunes_when_it_starts_and_then_periodically(tmp_path
     fill(recorder, [(NOW - 2 * DAY, "unauthorized", 0, 0), (NOW - 0.5 * DAY, "unauthorized", 0, 0)])
     recorder.start()
     try:
-        async with asyncio.timeout(10):
-            while len(rows(conn)) != 1:
-                await asyncio.sleep(0.01)
-            now[0] += DAY  # a day later the second row's retention is over too
-            while rows(conn):
-                await asyncio.sleep(0.01)
+        await until(lambda: len(rows(conn)) == 1, 10, "the row past its retention pruned")
+        now[0] += DAY  # a day later the second row's retention is over too
+        await until(lambda: not rows(conn), 10, "the second row pruned a day later")
     finally:
         await recorder.stop()
 

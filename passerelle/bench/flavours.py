@@ -1,10 +1,12 @@
-"""``passerelle bench backends``: the same GGUF on each built llama-server flavour, one verdict.
+"""``passerelle bench flavours`` (``bench backends`` before): the same GGUF on each built llama-server
+flavour, one verdict.
 
-Each flavour (``passerelle setup --backend …`` built it) is started in turn with the same slots and
+Each flavour (``passerelle setup --flavour …`` built it) is started in turn with the same slots and
 context, checked for its greedy answer to a fixed question, then measured under the same load with
 the bench's own machinery (``measure.measure_target``: calibration, the levels, the memory monitor)
 while the machine's power is metered (``energy.py``). The result: the usual report (results.json,
-report.md, plots) per prompt depth, and ``backends.md`` / ``backends.json`` / ``backends.png``: TTFT
+report.md, plots) per prompt depth, and ``backends.md`` / ``backends.json`` / ``backends.png`` (the
+names and the ``passerelle-bench-backends/1`` schema are kept for what reads them): TTFT
 p95 at the top load, tokens/s, memory at rest and at peak, energy per token, errors, crashes,
 whether greedy answers match, the environment (flavour, CMake flags, runtime version, driver and
 kernel, model file and its sha256) and a verdict in one sentence.
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from passerelle.bench import backends_report
+from passerelle.bench import flavours_report
 from passerelle.bench.target import TargetSpec
 
 GREEDY_PROMPT = "What is the capital of France?"
@@ -130,7 +132,7 @@ Levels = Callable[[argparse.Namespace, Any], tuple[list[Any], dict[str, Any]]]
 
 def run(args: argparse.Namespace, flavours: list[Flavour], model: Path, build_levels: Levels,
         command: str = "") -> dict[str, Any]:
-    """Start, check and measure each flavour at each depth; returns the backends document.
+    """Start, check and measure each flavour at each depth; returns the report document (backends.json).
 
     ``build_levels`` is the bench's own (``bench.cli.build_levels``): the sweep the options ask for."""
     from passerelle import __version__
@@ -211,9 +213,9 @@ def run(args: argparse.Namespace, flavours: list[Flavour], model: Path, build_le
                               "notes": [n for t in bucket["targets"] for n in t["notes"]]},
                              bucket["samples"], bucket["rows"], sub)
         doc["depths"].append({"prompt_tokens": depth, "verdict": v, "report": str(sub),
-                              "rows": backends_report.rows(bucket["runs"], bucket["targets"], doc["flavours"], depth)})
-    doc["answers_match"] = backends_report.answers_match(doc["flavours"])
-    doc["verdict"] = backends_report.sentence(doc)
+                              "rows": flavours_report.rows(bucket["runs"], bucket["targets"], doc["flavours"], depth)})
+    doc["answers_match"] = flavours_report.answers_match(doc["flavours"])
+    doc["verdict"] = flavours_report.sentence(doc)
     return doc
 
 
@@ -245,18 +247,19 @@ def sized(args: argparse.Namespace) -> argparse.Namespace:
 
 def finish(doc: dict[str, Any], out: Path) -> int:
     """Write the report, print the verdict and the table; 1 when a flavour crashed or was not measured."""
-    paths = backends_report.write(doc, out)
+    paths = flavours_report.write(doc, out)
     print(doc["verdict"])
-    print(backends_report.table(doc))
+    print(flavours_report.table(doc))
     print(f"wrote {', '.join(p.name for p in paths)} to {out}")
     failed = [n for n, f in doc["flavours"].items() if f["not_measured"] or f["crashed"] is not None]
     return 1 if failed else 0
 
 
 def add_parser(sub: Any, add_common: Any, func: Callable[[argparse.Namespace], int]) -> None:
-    p = sub.add_parser("backends", help="the same GGUF on each built llama-server flavour, the same load, one verdict",
+    p = sub.add_parser("flavours", aliases=["backends"],  # (its old name)
+                       help="the same GGUF on each built llama-server flavour, the same load, one verdict",
                        description="Start each llama-server build (cpu, vulkan, rocm, cuda: `passerelle setup "
-                                   "--backend …`) in turn with the same GGUF, slots and context; check its greedy "
+                                   "--flavour …`) in turn with the same GGUF, slots and context; check its greedy "
                                    "answer; measure it under the same multi-user load; report TTFT p95, tokens/s, "
                                    "memory, energy per token, errors and crashes side by side, with a verdict.")
     p.add_argument("--flavours", metavar="A,B", help="the builds to compare (default: every cached build)")

@@ -1,4 +1,4 @@
-"""``passerelle bench backends`` end to end on stand-in flavours (fake runtimes started as a build
+"""``passerelle bench flavours`` end to end on stand-in flavours (fake runtimes started as a build
 would be), and the energy meter on stand-in power files."""
 
 from __future__ import annotations
@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 import sys
 
-from passerelle.bench import backends, backends_report
+from passerelle.bench import flavours, flavours_report
 from passerelle.bench.cli import build_levels
 from passerelle.bench.energy import EnergyMeter
 from passerelle.cli import build_parser
 
 
-def _fake(name: str, *extra: str) -> backends.Flavour:
+def _fake(name: str, *extra: str) -> flavours.Flavour:
     cmd = (sys.executable, "-m", "passerelle.testing.fake_runtime", "--port", "{port}", "--ttft-ms", "5",
            "--itl-ms", "1", "--slots", "2", *extra)
-    return backends.Flavour(name, cmd, info={"flavour": name, "kind": "cpu", "flags": f"-DSTAND_IN={name}",
+    return flavours.Flavour(name, cmd, info={"flavour": name, "kind": "cpu", "flags": f"-DSTAND_IN={name}",
                                              "llama_server_version": [f"version: 0 ({name})"]})
 
 
@@ -23,17 +23,17 @@ def test_two_flavours_at_two_depths_one_that_dies_and_the_report(tmp_path, monke
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF not really")
     out = tmp_path / "out"
-    args = build_parser().parse_args(["bench", "backends", "--out", str(out), "--concurrency", "1,2", "--requests",
+    args = build_parser().parse_args(["bench", "flavours", "--out", str(out), "--concurrency", "1,2", "--requests",
                                       "4", "--max-tokens", "4", "--context-depth", "64,16", "--no-calibrate",
                                       "--ready-timeout", "60", "--timeout", "30", "--no-progress"])
-    args = backends.replace_args(args, slots=2, ctx_per_slot=512)
-    dead = backends.Flavour("broken", ("/bin/sh", "-c", "echo cannot open device >&2; exit 3"),
+    args = flavours.replace_args(args, slots=2, ctx_per_slot=512)
+    dead = flavours.Flavour("broken", ("/bin/sh", "-c", "echo cannot open device >&2; exit 3"),
                             info={"flavour": "broken", "kind": "vulkan"})
     flaky = _fake("beta", "--fail-rate", "0.5", "--seed", "1")
-    doc = backends.run(args, [_fake("alpha"), flaky, dead, _fake("gamma")], model, build_levels, "passerelle bench")
+    doc = flavours.run(args, [_fake("alpha"), flaky, dead, _fake("gamma")], model, build_levels, "passerelle bench")
 
     assert [d["prompt_tokens"] for d in doc["depths"]] == [16, 64]
-    assert doc["model_sha256"] == backends.sha256(model) and len(doc["model_sha256"]) == 64
+    assert doc["model_sha256"] == flavours.sha256(model) and len(doc["model_sha256"]) == 64
     for d in doc["depths"]:
         rows = {r["flavour"]: r for r in d["rows"]}
         assert rows["alpha"]["clients"] == 2 and rows["alpha"]["requests"] == 8 and rows["alpha"]["errors"] == 0
@@ -55,7 +55,7 @@ def test_two_flavours_at_two_depths_one_that_dies_and_the_report(tmp_path, monke
     assert doc["verdict"].endswith(".") and "broken crashed (exit 3)" in doc["verdict"]
     assert "greedy answers match" in doc["verdict"]
 
-    paths = backends_report.write(doc, out)
+    paths = flavours_report.write(doc, out)
     assert {p.name for p in paths} == {"backends.json", "backends.md", "backends.png"}
     assert (out / "backends.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "backends.md").read_text()
@@ -70,16 +70,16 @@ def test_two_flavours_at_two_depths_one_that_dies_and_the_report(tmp_path, monke
 
 def test_the_table_says_energy_is_not_available_without_a_source():
     doc = {"energy_sources": [], "depths": [], "flavours": {}}
-    assert "energy J/token (not available)" in backends_report.table(doc)
+    assert "energy J/token (not available)" in flavours_report.table(doc)
 
 
 def test_answers_that_differ_are_said_to_differ():
     two = {"a": {"greedy_answer": "Paris.", "crashed": None, "not_measured": None},
            "b": {"greedy_answer": "Lyon.", "crashed": None, "not_measured": None}}
-    assert backends_report.answers_match(two) is False
-    said = backends_report.sentence({"depths": [], "flavours": two, "answers_match": False})
+    assert flavours_report.answers_match(two) is False
+    said = flavours_report.sentence({"depths": [], "flavours": two, "answers_match": False})
     assert "differ between flavours (a: 'Paris.', b: 'Lyon.')" in said
-    assert backends_report.answers_match({"a": {"greedy_answer": "Paris."}, "b": {}}) is None
+    assert flavours_report.answers_match({"a": {"greedy_answer": "Paris."}, "b": {}}) is None
 
 
 def test_rapl_counters_are_read_across_a_wrap(tmp_path):

@@ -1,4 +1,4 @@
-"""What ``bench backends`` writes: the side-by-side table, the verdict sentence, the picture.
+"""What ``bench flavours`` writes: the side-by-side table, the verdict sentence, the picture.
 
 ``rows`` turns one prompt depth's run records into one row per flavour; ``sentence`` says which
 flavour to keep; ``write`` leaves ``backends.json``, ``backends.md`` and ``backends.png``.
