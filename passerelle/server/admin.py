@@ -98,6 +98,12 @@ class AdminGuard:
     """Decides whether one request may see an admin route."""
 
     def __init__(self, cfg: AdminConfig, *, own_hosts: tuple[str, ...] = ()) -> None:
+        self.own_hosts = own_hosts
+        self.configure(cfg)
+
+    def configure(self, cfg: AdminConfig) -> None:
+        """``[admin]`` allow, key and hosts: a new key makes the old one and its login cookies fail at once."""
+        own_hosts = self.own_hosts
         self.networks = [ipaddress.ip_network(n, strict=False) for n in cfg.allow]
         self.key = cfg.key.encode()
         self.token = session_token(cfg.key) if cfg.key else b""
