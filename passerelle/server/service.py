@@ -63,6 +63,7 @@ from passerelle.server.keys_api import KeysApi
 from passerelle.server.login import AdminLogin
 from passerelle.server.sdnotify import Notifier
 from passerelle.server.shutdown import ShuttingDown, end_open_requests
+from passerelle.tenants.limits import FailedAuthThrottle
 from passerelle.tenants.manage import KeyManager
 from passerelle.tenants.policy import KeyPolicy
 from passerelle.tenants.stores import Stores
@@ -143,6 +144,8 @@ class Service:
         self.cors.update(o.encode() for o in s.cors_origins)
         # (plain attributes of the login form and the two APIs that take the admin key)
         self.admin_login.body_timeout_s = s.body_timeout_s
+        if self.admin_login.throttle.per_minute != cfg.auth.failed_attempts_per_minute:
+            self.admin_login.throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
         self.keys_api.admin_key = self.batches.admin_key = cfg.admin.key
 
     # -- life ------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ class KeyPolicy:
             self.throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
         self.cfg = cfg
         # The gateway-wide media costs; a model catalogue can answer per model in media_costs().
-        self._costs = MediaCosts(cfg.limits.image_tokens, cfg.limits.audio_tokens)
+        self._costs = MediaCosts.of(cfg.limits)
 
     # -- who is asking --------------------------------------------------------------------------
     @property
