@@ -78,7 +78,7 @@ class ReloadRefused(InvalidRequest):
 _REFUSED = "Reload refused, the running configuration stays"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Service:
     """The parts (built and wired by build.py), their settings, start, reload and stop."""
 

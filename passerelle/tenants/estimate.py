@@ -101,7 +101,10 @@ def _walk(root: Any, c: _Count, costs: MediaCosts) -> None:
             stack.extend(value)
 
 
-def estimate_prompt_tokens(data: dict[str, Any], costs: MediaCosts) -> int:
+_LIMITS = MediaCosts.of(LimitsConfig())  # [limits]' defaults, for a caller without a configuration
+
+
+def estimate_prompt_tokens(data: dict[str, Any], costs: MediaCosts = _LIMITS) -> int:
     """Prompt tokens of the request ``data`` (a parsed JSON body): text at 4 characters a token,
     media at their constant cost, token-id prompts as given."""
     c = _Count()
