@@ -180,6 +180,26 @@ async def test_a_reload_changes_the_running_part_as_a_fresh_start_would(field, t
         await fresh.stop()
 
 
+async def test_start_up_and_a_reload_take_the_same_path(tmp_path, monkeypatch):
+    calls: list[Config] = []
+    real = Service.configure
+
+    def configure(self: Service, cfg: Config) -> None:
+        calls.append(cfg)
+        real(self, cfg)
+
+    monkeypatch.setattr(Service, "configure", configure)
+    old = _base(tmp_path)
+    new = _with(old, "routing.max_session_in_flight", 1)
+    service = build_app(old, lambda: new).service
+    try:
+        assert [c.routing for c in calls] == [old.routing]  # start-up: Service.configure, once
+        await service.reload()
+        assert [c.routing for c in calls] == [old.routing, new.routing] and service.cfg is calls[-1]
+    finally:
+        await service.stop()
+
+
 # -- the scheduler's preemptor, rebuilt by configure: what it does to streams in flight -----------
 OFF = SchedulerConfig(hold_s=0, preemption=False)
 ON = dataclasses.replace(OFF, preemption=True, preempt_after_ms=POLICY.after_s * 1000, min_run_s=POLICY.min_run_s)
