@@ -170,6 +170,14 @@ def encode_request(data: object) -> bytes:
                              "(at most 254 levels).") from None
 
 
+class NotFound(InvalidRequest):
+    status, code = 404, "not_found"
+
+
+class MethodNotAllowed(InvalidRequest):
+    status, code = 405, "method_not_allowed"
+
+
 class UnknownModel(InvalidRequest):
     status, code = 404, "model_not_found"
 

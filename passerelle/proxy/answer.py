@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from passerelle.config import LimitsConfig
 from passerelle.errors import AnswersBusy, UpstreamError
 
 Piece = bytes | bytearray | memoryview
@@ -161,9 +162,13 @@ class AnswerBudget:
 
     __slots__ = ("limit", "used")
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, limits: LimitsConfig) -> None:
         self.used = 0
+        self.configure(limits)
+
+    def configure(self, limits: LimitsConfig) -> None:
+        """``max_answer_bytes_total``; answers held past a lowered cap finish, new ones wait for room."""
+        self.limit = limits.max_answer_bytes_total
 
     def hold(self) -> AnswerShare:
         return AnswerShare(self)

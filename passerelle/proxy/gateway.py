@@ -106,17 +106,15 @@ class Gateway:
                  on_demand: Callable[[list[Backend]], None] | None = None,
                  listeners: list[Callable[[RequestRecord], None]] | None = None,
                  tracer: RequestTracer | None = None) -> None:
-        self.cfg = cfg
         self.registry = registry
         self.metrics = metrics
         self.access_log = access_log
         self.scheduler = scheduler
         self.keys = keys  # keys: who, which models, quotas, limits (tenants/policy.py)
         self.catalogue = catalogue  # model names -> pools (runtimes/catalogue.py)
-        self.classes = {c.name: c for c in cfg.classes}
-        self.sessions = SessionGate(cfg.routing.max_session_in_flight)
+        self.sessions = SessionGate(cfg.routing)
         self.retry_budget = RetryBudget(ratio=0.2, cap=10.0)
-        self.answers = AnswerBudget(cfg.limits.max_answer_bytes_total)  # answers assembled at once
+        self.answers = AnswerBudget(cfg.limits)  # answers assembled at once
         self._watchdog: asyncio.TimerHandle | None = None
         self.preemption_stats = {"resumed_streams": 0, "resume_prompt_tokens_processed": 0,
                                  "resume_prompt_tokens_cached": 0}
@@ -128,6 +126,16 @@ class Gateway:
         # still running past its grace (server/shutdown.py).
         self.open: set[Exchange] = set()
         self.tracer = tracer  # [tracing] on (observe/tracing.py); None: no cost
+        self.configure(cfg)
+
+    def configure(self, cfg: Config) -> None:
+        """The settings a request reads (``[server]``'s body caps, ``[auth]``, ``[routing]``'s
+        sessions, the classes, ``[timeouts]``, ``[limits]``): at start, and at a reload, for the
+        requests that arrive from then on."""
+        self.cfg = cfg
+        self.classes = {c.name: c for c in cfg.classes}
+        self.sessions.configure(cfg.routing)
+        self.answers.configure(cfg.limits)
 
     # -- who is asking, and how urgent ---------------------------------------------------------
     def authenticate(self, scope: Scope, rec: RequestRecord) -> ApiKey | None:

@@ -121,8 +121,8 @@ class Backend:
                 and (breaker.state is CLOSED or breaker.allows(now)))
 
     # -- lifecycle -------------------------------------------------------------------------
-    def set_timeouts(self, timeouts: TimeoutConfig) -> None:
-        """A reload's ``[timeouts]``; the connect timeout applies from the next connection."""
+    def configure(self, timeouts: TimeoutConfig) -> None:
+        """``[timeouts]`` (a reload's); the connect timeout applies from the next connection."""
         self.timeouts = timeouts
         if self._client is not None:
             self._client.connect_timeout = timeouts.connect_s

@@ -36,10 +36,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from passerelle.config import RuntimesConfig, budget_share
 from passerelle.errors import PasserelleError
 from passerelle.paths import state_dir
 from passerelle.runtimes.kinds import Backend
-from passerelle.runtimes.memory import MemoryBook, Reading, command_key, device_used, measure
+from passerelle.runtimes.memory import MemoryBook, Reading, command_key, device_used, machine_gib, measure
 
 log = logging.getLogger("passerelle.runtimes.supervisor")
 
@@ -291,6 +292,16 @@ class NoRoom(RuntimeFailed):
     """A start that does not fit in the memory budget now."""
 
 
+def budget_gib(rt: RuntimesConfig) -> float:
+    """The memory budget in GiB: ``max_loaded_gib``, or ``max_loaded`` (a share) of the machine."""
+    share = budget_share(rt.max_loaded) if rt.max_loaded else None
+    if share is None:
+        return rt.max_loaded_gib
+    total = machine_gib(rt.memory)
+    log.info("memory budget: %s of %.1f GiB (%s) = %.1f GiB", rt.max_loaded, total, rt.memory, share * total)
+    return share * total
+
+
 class Supervisor:
     """All launched runtimes of one gateway: start at boot or on demand, stop when idle, stay
     within the memory budget (``[runtimes] max_loaded_gib``), and never start one twice.
@@ -304,13 +315,13 @@ class Supervisor:
 
     MEASURE_EVERY_S = 15.0  # re-read a loaded runtime's memory (it grows: caches, lazy pages)
 
-    def __init__(self, processes: list[RuntimeProcess], *, max_loaded_gib: float = 0.0, memory_kind: str = "total",
+    def __init__(self, processes: list[RuntimeProcess], runtimes: RuntimesConfig, *,
                  book: MemoryBook | None = None, on_ready: Callable[[], None] | None = None) -> None:
         self.processes = {p.backend.name: p for p in processes}
         # Processes of backends a reload removed or replaced: no longer under their name, still to stop.
         self.retiring: set[RuntimeProcess] = set()
-        self.max_loaded_gib = max_loaded_gib
-        self.memory_kind = memory_kind
+        self.runtimes: RuntimesConfig | None = None
+        self.configure(runtimes)
         self.book = book or MemoryBook(None)
         self.on_ready = on_ready  # a runtime became ready: queued requests may go
         self.on_change: Callable[[], None] | None = None  # memory freed or a runtime ready: re-plan
@@ -320,6 +331,15 @@ class Supervisor:
         self._measured_at: dict[str, float] = {}
         for p in processes:
             self.adopt(p)
+
+    def configure(self, runtimes: RuntimesConfig) -> None:
+        """The memory budget and what counts against it; runtimes loaded past a lowered budget
+        stay until the swapper needs their room (a start is what the budget is checked against)."""
+        if runtimes == self.runtimes:
+            return  # (the machine's memory is read once for a share: not again for the same budget)
+        self.runtimes = runtimes
+        self.max_loaded_gib = budget_gib(runtimes)
+        self.memory_kind = runtimes.memory
 
     def adopt(self, proc: RuntimeProcess) -> None:
         """Take ``proc`` under supervision (at start, or added by a reload)."""

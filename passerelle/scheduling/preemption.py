@@ -36,7 +36,7 @@ takes it back when the stream ends. A suspension, top to bottom:
 
 Example::
 
-    policy = PreemptionPolicy(after_s=0.05, min_run_s=2.0)
+    policy = PreemptionPolicy(after_s=0.05, min_run_s=2.0)   # or PreemptionPolicy.of(cfg.scheduler)
     victim = pick_victim({job: stream}, rank=0, now=clock(), policy=policy)
 """
 
@@ -48,14 +48,30 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from passerelle.config import SchedulerConfig
 from passerelle.runtimes.kinds import Backend
 from passerelle.scheduling.job import Job, JobState, Suspendable
 
 
 @dataclass(frozen=True)
 class PreemptionPolicy:
-    after_s: float = 0.05
-    min_run_s: float = 2.0
+    """``[scheduler] preempt_after_ms`` (in seconds) and ``min_run_s``: :meth:`of` reads them."""
+
+    after_s: float
+    min_run_s: float
+
+    @classmethod
+    def of(cls, sc: SchedulerConfig) -> PreemptionPolicy | None:
+        """The policy ``[scheduler]`` asks for; None when preemption is off."""
+        return cls(sc.preempt_after_ms / 1000, sc.min_run_s) if sc.preemption else None
+
+
+@dataclass
+class PreemptionCounts:
+    """Streams suspended and resumed since start, whatever preemptor (a reload builds a new one) did it."""
+
+    suspensions: int = 0
+    resumes: int = 0
 
 
 def is_due(job: Job, now: float, policy: PreemptionPolicy) -> bool:
@@ -107,15 +123,39 @@ class Books(Protocol):
 class Preemptor:
     """Suspends a stream for every due waiting request that can only start that way."""
 
-    def __init__(self, books: Books, policy: PreemptionPolicy) -> None:
+    def __init__(self, books: Books, policy: PreemptionPolicy, counts: PreemptionCounts | None = None) -> None:
         self.books = books
         self.policy = policy
         self.suspendable: dict[Job, Suspendable] = {}  # running jobs whose stream may be cut now
-        self.suspensions = 0  # streams suspended, since start (/metrics, /admin/stats)
-        self.resumes = 0  # suspended jobs started again
+        self.counts = counts if counts is not None else PreemptionCounts()  # (/metrics, /admin/stats)
         self._timer: asyncio.Handle | None = None
         self._timer_at = 0.0  # when it fires, on the loop's clock (uvloop's call_at with a time already
         # past gives a plain Handle, without when())
+
+    @property
+    def suspensions(self) -> int:
+        """Streams suspended since start."""
+        return self.counts.suspensions
+
+    @property
+    def resumes(self) -> int:
+        """Suspended jobs started again since start."""
+        return self.counts.resumes
+
+    def take_over(self, old: Preemptor) -> None:
+        """Replace ``old`` (a reload changed the policy): its streams that may be cut are this
+        one's now, its timer is cancelled, and the waiting requests are checked again under the
+        new policy. Streams already suspended are queued jobs: they resume as before."""
+        old.close()
+        self.suspendable = old.suspendable
+        old.suspendable = {}
+        self.arm()
+
+    def close(self) -> None:
+        """Stop checking (preemption turned off, or a new policy's preemptor took over)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def allow(self, job: Job, stream: Suspendable) -> None:
         """From now on ``job``'s stream may be cut: its relay runs and its request can be continued."""
@@ -159,7 +199,7 @@ class Preemptor:
                 on_b = {v: s for v, s in self.suspendable.items() if v.backend is b}
                 victim = self._cut(on_b, rank, now)
                 if victim is not None:
-                    self.suspensions += 1
+                    self.counts.suspensions += 1
                     books.suspend(victim)
                     break
                 retry = min(retry, next_eligible(on_b, policy))

@@ -34,7 +34,7 @@ scheduler). A tenant that did not come back in time gets no hold again until it 
 
 Example::
 
-    sched = Scheduler(classes, aging_s=30)
+    sched = Scheduler(cfg.scheduler, cfg.routing, cfg.classes)   # sched.configure(...) at a reload
     backend = await sched.acquire(job)     # waits; QueueFull / QueueTimeout / NoBackend
     try: ...
     finally: sched.release(job, prompt_tokens=12, completion_tokens=80)
@@ -51,11 +51,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from passerelle.config import DEFAULT_CLASSES, ClassConfig
+from passerelle.config import ClassConfig, RoutingConfig, SchedulerConfig
 from passerelle.errors import NoBackend, QueueFull, QueueTimeout, TenantQueueFull
 from passerelle.runtimes.kinds import Backend
 from passerelle.scheduling.job import OUTPUT_WEIGHT, PROMPT_WEIGHT, Job, JobState, Suspendable
-from passerelle.scheduling.preemption import PreemptionPolicy, Preemptor
+from passerelle.scheduling.preemption import PreemptionCounts, PreemptionPolicy, Preemptor
 from passerelle.scheduling.slots import SlotMap
 
 __all__ = ["Job", "JobState", "PreemptionPolicy", "Scheduler"]
@@ -110,37 +110,30 @@ class _DrainRate:
 
 
 class Scheduler:
-    def __init__(self, classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, aging_s: float = 30.0,
+    """The queue and the books of every replica's slots; ``[scheduler]``, ``[routing]`` and the
+    classes are applied by :meth:`configure`, at start and at every reload."""
+
+    def __init__(self, cfg: SchedulerConfig, routing: RoutingConfig, classes: tuple[ClassConfig, ...], *,
                  clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[], None] | None = None, policy: str = "least_loaded",
-                 affinity_slack: float = 1.0, hold_s: float = 0.05, max_tenants: int = 10_000,
-                 affinity_max_entries: int = 100_000, preemption: PreemptionPolicy | None = None,
-                 tenant_queue_share: float = 1.0) -> None:
-        self.classes = {c.name: c for c in classes}
-        self.aging_s = aging_s
+                 on_change: Callable[[], None] | None = None) -> None:
         self.clock = clock
         self.on_change = on_change
         self.waiting: list[Job] = []
         self.tenants: OrderedDict[str, _Tenant] = OrderedDict()  # least recently submitting first
-        self.max_tenants = max_tenants  # past it, the least recently seen idle tenants are forgotten
-        self.tenant_queue_share = tenant_queue_share  # of a class's queue, per tenant, while others wait
         self.share_refusals = 0  # requests refused or displaced for holding a tenant's share (/admin/stats)
         self.running: dict[tuple[str, str], int] = {}  # (backend, class) -> requests
         self.served_tokens: dict[str, float] = {}  # tenant -> weighted tokens, for reports
         self._seq = itertools.count()
         self._drain = _DrainRate()
         self._vtime = 0.0  # counter of the tenant dispatched last: where a newcomer starts
-        self.policy = policy  # "least_loaded" (with affinity) or "round_robin"
-        self.affinity_slack = affinity_slack  # how much busier than the least loaded an affine replica may be
         self.affinity: OrderedDict[str, str] = OrderedDict()  # conversation/session -> replica name
-        self.affinity_max_entries = affinity_max_entries
         self._rr = itertools.count()
-        self.hold_s = hold_s
         self.holds: list[_Hold] = []
         self.hold_counts = {"kept": 0, "lapsed": 0}  # holds used by their tenant / given up
-        self.preemption = preemption
         # Suspends a running stream for a better class (preemption.py); None: preemption is off.
-        self.preemptor = Preemptor(self, preemption) if preemption is not None else None
+        self.preemption: PreemptionPolicy | None = None
+        self.preemptor: Preemptor | None = None
+        self.preempt_counts = PreemptionCounts()  # across the preemptors reloads build
         self._slots: dict[str, SlotMap] = {}  # backend -> its named slots (runtimes with slot ids)
         self._wake_at = math.inf  # the earliest open breaker seen by the last dispatch
         self._wake_timer: asyncio.TimerHandle | None = None
@@ -148,12 +141,46 @@ class Scheduler:
         # Called when a request is left waiting and whenever a slot is released: the swapper
         # (swapper.py) decides then whether a model must be loaded or unloaded.
         self.on_need: Callable[[], None] | None = None
+        self.configure(cfg, routing, classes)
+
+    def configure(self, cfg: SchedulerConfig, routing: RoutingConfig, classes: tuple[ClassConfig, ...]) -> None:
+        """Apply ``[scheduler]``, ``[routing]``'s replica choice and the classes (at start, and at
+        a reload: requests already queued keep the class they were admitted with)."""
+        self.classes = {c.name: c for c in classes}
+        self.aging_s = cfg.aging_s
+        self.max_tenants = cfg.max_tenants  # past it, the least recently seen idle tenants are forgotten
+        self.tenant_queue_share = cfg.tenant_queue_share  # of a class's queue, per tenant, while others wait
+        self.hold_s = cfg.hold_s
+        self.policy = routing.policy  # "least_loaded" (with affinity) or "round_robin"
+        self.affinity_slack = routing.affinity_slack  # how much busier than the least loaded an affine replica may be
+        self.affinity_max_entries = routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES
+        while len(self.affinity) > self.affinity_max_entries:
+            self.affinity.popitem(last=False)
+        if len(self.tenants) > self.max_tenants:
+            self._forget_idle_tenants()
+        policy = PreemptionPolicy.of(cfg)
+        if policy != self.preemption:
+            self._preempt_with(policy)
+
+    def _preempt_with(self, policy: PreemptionPolicy | None) -> None:
+        """A new preemptor for ``policy`` (None: preemption off). Streams suspended already are
+        queued jobs and resume as any; streams that may be cut go to the new preemptor, or, off,
+        are never cut."""
+        old, self.preemption = self.preemptor, policy
+        self.preemptor = Preemptor(self, policy, self.preempt_counts) if policy is not None else None
+        if old is not None:
+            if self.preemptor is not None:
+                self.preemptor.take_over(old)
+            else:
+                old.close()
+        elif self.preemptor is not None:
+            self.preemptor.arm()
 
     # -- public ----------------------------------------------------------------------------
     def waiting_by_class(self) -> dict[str, int]:
         out = dict.fromkeys(self.classes, 0)
-        for j in self.waiting:
-            out[j.cls.name] += 1
+        for j in self.waiting:  # (a request queued before a reload renamed its class counts under its own)
+            out[j.cls.name] = out.get(j.cls.name, 0) + 1
         return out
 
     def retry_after(self, ahead: int | None = None) -> float:
@@ -589,8 +616,8 @@ class Scheduler:
         if job.starts == 1:  # (a retry on another replica or a resume is not charged again)
             job.charged = job.estimate
             self._charge(job.tenant, job.estimate / job.weight, job.estimate)
-        if resumed and self.preemptor is not None:
-            self.preemptor.resumes += 1
+        if resumed:
+            self.preempt_counts.resumes += 1
         self._vtime = t.counter
         self._drain.add(now)
         if job.future is not None and not job.future.done():

@@ -82,7 +82,7 @@ class Swapper:
                  metrics: RuntimeMetrics | None = None) -> None:
         self.scheduler = scheduler
         self.supervisor = supervisor
-        self.cfg = cfg
+        self.configure(cfg)
         self.metrics = metrics
         self.clock = scheduler.clock
         self.events: deque[SwapEvent] = deque(maxlen=50)
@@ -93,6 +93,10 @@ class Swapper:
         self._wake: asyncio.TimerHandle | None = None
         self._changed: asyncio.Event | None = None
         self._backoff: dict[str, _Backoff] = {}
+
+    def configure(self, cfg: RuntimesConfig) -> None:
+        """``[runtimes]``' swap policy, residency and drain deadline, from the next decision on."""
+        self.cfg = cfg
 
     # -- events ----------------------------------------------------------------------------
     def poke(self, *_: object) -> None:

@@ -83,11 +83,14 @@ class AdminGuard:
 
     def __init__(self, cfg: AdminConfig, *, own_hosts: tuple[str, ...] = (),
                  key_check: AdminKeyCheck | None = None) -> None:
+        self.own_hosts = own_hosts
         self.key_check = key_check if key_check is not None else AdminKeyCheck(cfg)
-        self.configure(cfg, own_hosts=own_hosts)
+        self.configure(cfg)
 
-    def configure(self, cfg: AdminConfig, *, own_hosts: tuple[str, ...] = ()) -> None:
-        """``[admin]`` (a reload's too): a new key stops the old one and its cookies at once."""
+    def configure(self, cfg: AdminConfig) -> None:
+        """``[admin]`` allow, key and hosts (a reload's too): a new key stops the old one and its
+        login cookies at once."""
+        own_hosts = self.own_hosts
         self.key_check.configure(cfg)
         self.any_host = "*" in cfg.hosts
         self.named = {h.lower().rstrip(".") for h in cfg.hosts if h != "*"}  # the operator's names

@@ -1,4 +1,5 @@
-"""The composition root: every long-lived part of a gateway, built once and wired together.
+"""The composition root: every long-lived part of a gateway, built once, wired together, and
+handed to a :class:`~passerelle.server.service.Service`, which applies the configuration.
 
 ``App`` (app.py) answers HTTP; what it and the :class:`~passerelle.proxy.gateway.Gateway` share
 (the key policy, the model catalogue, the swapper, the usage store...) is built here and passed
@@ -8,34 +9,46 @@ to both, so that neither reaches into the other for it:
     stores (keys, usage, quotas, the pair's lock) ─► key ring ─► key policy
     catalogue (registry, supervisor, swapper's load estimate)
     gateway (all of the above) ─► listeners: usage rows, key activity, the dashboard's window
+    body budget, forwarded trust, admin guard and login, the key and batch APIs
+
+Each part's constructor takes the section it reads (never a default of its own), and the last
+step is ``service.configure(cfg)``: the very call a reload makes, so start-up and reload take one
+path (service.py).
 
 Example::
 
-    parts = build(cfg, backends, processes, on_queue_change=app.queue_changed)
-    parts.gateway.keys is parts.keys and parts.gateway.catalogue is parts.catalogue  # True
+    service = build(cfg, backends, processes, loader=load)
+    service.gateway.keys is service.keys and service.gateway.catalogue is service.catalogue  # True
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from passerelle.config import Config, RuntimesConfig, budget_share
+from passerelle.batches.api import BatchApi
+from passerelle.config import Config
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.livestats import LiveStats
 from passerelle.observe.metrics import Metrics
 from passerelle.observe.record import RequestRecord
 from passerelle.observe.runtime_metrics import RuntimeMetrics
-from passerelle.observe.tracing import RequestTracer, start_tracer
+from passerelle.observe.tracing import start_tracer
 from passerelle.proxy.gateway import Gateway
 from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.kinds import Backend
-from passerelle.runtimes.memory import MemoryBook, machine_gib
+from passerelle.runtimes.memory import MemoryBook
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
-from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES, PreemptionPolicy, Scheduler
+from passerelle.scheduling.scheduler import Scheduler
 from passerelle.scheduling.swapper import Swapper
+from passerelle.server.admin import AdminGuard
+from passerelle.server.connections import BodyBudget
+from passerelle.server.forwarded import ForwardedTrust
+from passerelle.server.keys_api import KeysApi
+from passerelle.server.login import AdminLogin
+from passerelle.server.service import Service
+from passerelle.tenants.admin_key import AdminKeyCheck
 from passerelle.tenants.keys import KeyRing
 from passerelle.tenants.manage import KeyManager
 from passerelle.tenants.policy import KeyPolicy
@@ -44,52 +57,16 @@ from passerelle.tenants.stores import Stores
 log = logging.getLogger("passerelle.server.build")
 
 
-def budget_gib(rt: RuntimesConfig) -> float:
-    """The memory budget in GiB: ``max_loaded_gib``, or ``max_loaded`` (a share) of the machine."""
-    share = budget_share(rt.max_loaded) if rt.max_loaded else None
-    if share is None:
-        return rt.max_loaded_gib
-    total = machine_gib(rt.memory)
-    log.info("memory budget: %s of %.1f GiB (%s) = %.1f GiB", rt.max_loaded, total, rt.memory, share * total)
-    return share * total
-
-
-@dataclass
-class Parts:
-    """A gateway's long-lived parts, as :func:`build` wired them."""
-
-    metrics: Metrics
-    registry: Registry
-    access_log: AccessLog
-    scheduler: Scheduler
-    supervisor: Supervisor
-    runtime_metrics: RuntimeMetrics
-    swapper: Swapper
-    stores: Stores
-    key_manager: KeyManager
-    keys: KeyPolicy
-    catalogue: Catalogue
-    live: LiveStats
-    tracer: RequestTracer | None
-    gateway: Gateway
-
-
 def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] | None = None, *,
-          on_queue_change: Callable[[], None] | None = None) -> Parts:
-    """Every part of a gateway for ``cfg``, wired (``on_queue_change``: the scheduler's queue changed)."""
+          loader: Callable[[], Config] | None = None, backends_configured: bool = True) -> Service:
+    """Every part of a gateway for ``cfg``, wired, and configured by ``service.configure(cfg)``."""
     metrics = Metrics(tenant_label=cfg.metrics.tenant_label, enabled=cfg.metrics.enabled)
     registry = Registry(backends, metrics)
-    sc = cfg.scheduler
-    scheduler = Scheduler(cfg.classes, aging_s=sc.aging_s, on_change=on_queue_change,
-                          policy=cfg.routing.policy, affinity_slack=cfg.routing.affinity_slack,
-                          hold_s=sc.hold_s, max_tenants=sc.max_tenants, tenant_queue_share=sc.tenant_queue_share,
-                          affinity_max_entries=cfg.routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES,
-                          preemption=PreemptionPolicy(sc.preempt_after_ms / 1000, sc.min_run_s)
-                          if sc.preemption else None)
-    if (preemptor := scheduler.preemptor) is not None:
-        metrics.suspensions.read = lambda: preemptor.suspensions
-    supervisor = Supervisor(processes or [], max_loaded_gib=budget_gib(cfg.runtimes), memory_kind=cfg.runtimes.memory,
-                            book=MemoryBook(cfg.state_path() / "runtime-memory.json"), on_ready=scheduler.dispatch)
+    scheduler = Scheduler(cfg.scheduler, cfg.routing, cfg.classes)
+    counts = scheduler.preempt_counts  # (every preemptor a reload builds counts here)
+    metrics.suspensions.read = lambda: counts.suspensions
+    supervisor = Supervisor(processes or [], cfg.runtimes, book=MemoryBook(cfg.state_path() / "runtime-memory.json"),
+                            on_ready=scheduler.dispatch)
     for proc in supervisor.processes.values():
         proc.on_ready = scheduler.dispatch
     # Loading and unloading models as the queue asks (scheduling/swapper.py)
@@ -118,7 +95,20 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
             metrics.trace_exporter_restarts.read = lambda: pipe.restarts
     gateway = Gateway(cfg, registry, metrics, AccessLog(enabled=cfg.server.access_log, fmt=cfg.server.log_format),
                       scheduler, keys, catalogue, on_demand=swapper.poke, listeners=listeners, tracer=tracer)
-    return Parts(metrics=metrics, registry=registry, access_log=gateway.access_log, scheduler=scheduler,
-                 supervisor=supervisor, runtime_metrics=runtime_metrics, swapper=swapper, stores=stores,
-                 key_manager=KeyManager(stores.keys, [c.name for c in cfg.classes]), keys=keys, catalogue=catalogue,
-                 live=live, tracer=tracer, gateway=gateway)
+    key_manager = KeyManager(stores.keys, [c.name for c in cfg.classes])
+    # the admin key's one check (throttled before compared), for the admin routes, the login and batches
+    admin_key_check = AdminKeyCheck(cfg.admin, failures=metrics.admin_key_failures)
+    admin_guard = AdminGuard(cfg.admin, own_hosts=(cfg.server.host, cfg.admin.host), key_check=admin_key_check)
+    service = Service(
+        cfg, metrics=metrics, registry=registry, access_log=gateway.access_log, scheduler=scheduler,
+        supervisor=supervisor, runtime_metrics=runtime_metrics, swapper=swapper, stores=stores,
+        key_manager=key_manager, keys=keys, catalogue=catalogue, live=live, tracer=tracer, gateway=gateway,
+        keys_api=KeysApi(cfg.admin.key, stores.keys, key_manager, keys, stores.usage, stores.reports),
+        # The Batch API: its store beside the keys' database, its lines at the least urgent class.
+        batches=BatchApi(cfg.batches, cfg.db_path().parent, gateway, metrics.registry, admin_key_check,
+                         max(cfg.classes, key=lambda c: c.rank).name),
+        body_budget=BodyBudget(cfg.server), forwarded=ForwardedTrust(cfg.server), admin_guard=admin_guard,
+        admin_login=AdminLogin(admin_guard, body_timeout_s=cfg.server.body_timeout_s),
+        loader=loader, backends_configured=backends_configured)
+    service.configure(cfg)  # (the call a reload makes)
+    return service

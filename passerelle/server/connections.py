@@ -109,13 +109,19 @@ class BodiesOverBudget(GatewayError):
 
 
 class BodyBudget:
-    """Bytes of request bodies held at once, by every request together, and their cap."""
+    """Bytes of request bodies held at once, by every request together, and their cap; and how long
+    a body may take (``[server] max_body_bytes_total`` and ``body_timeout_s``)."""
 
-    __slots__ = ("limit", "used")
+    __slots__ = ("limit", "timeout_s", "used")
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, server: ServerConfig) -> None:
         self.used = 0
+        self.configure(server)
+
+    def configure(self, server: ServerConfig) -> None:
+        """A lowered cap refuses new bodies until those held fit under it; none is cut."""
+        self.limit = server.max_body_bytes_total
+        self.timeout_s = server.body_timeout_s
 
 
 class BoundedReceive:

@@ -22,10 +22,9 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from passerelle.errors import InvalidRequest, NoBackend, clip
+from passerelle.errors import InvalidRequest, NoBackend, NotFound, clip
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.supervisor import RuntimeFailed, Supervisor
-from passerelle.server.routes import NotFound
 
 
 def runtimes(sup: Supervisor | None, backends: Iterable[Backend] = (),

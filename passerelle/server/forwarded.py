@@ -21,7 +21,7 @@ an obfuscated name, garbage) ends the walk at the last address before it.
 
 Example::
 
-    trust = ForwardedTrust(("127.0.0.1", "10.0.0.0/8"))
+    trust = ForwardedTrust(ServerConfig(trusted_proxies=("127.0.0.1", "10.0.0.0/8")))
     scope["client"] = ("127.0.0.1", 5000); scope["headers"] = [(b"x-forwarded-for", b"1.1.1.1, 10.0.0.7")]
     trust.apply(scope)        # scope["client"] == ("1.1.1.1", 0)
 """
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import ipaddress
 from typing import Any
+
+from passerelle.config import ServerConfig
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _HEADERS = (b"x-forwarded-for", b"forwarded", b"x-real-ip")
@@ -71,8 +73,12 @@ class ForwardedTrust:
 
     __slots__ = ("networks",)
 
-    def __init__(self, proxies: tuple[str, ...]) -> None:
-        self.networks = [ipaddress.ip_network(p, strict=False) for p in proxies]
+    def __init__(self, server: ServerConfig) -> None:
+        self.configure(server)
+
+    def configure(self, server: ServerConfig) -> None:
+        """``trusted_proxies``: from the next request on."""
+        self.networks = [ipaddress.ip_network(p, strict=False) for p in server.trusted_proxies]
 
     def _trusted(self, ip: Address) -> bool:
         return any(ip.version == n.version and ip in n for n in self.networks)

@@ -31,10 +31,9 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from passerelle.errors import Forbidden, InvalidRequest
+from passerelle.errors import Forbidden, InvalidRequest, NotFound
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.server.responses import json_response
-from passerelle.server.routes import NotFound
 from passerelle.tenants.keys import ApiKey, KeyStore
 from passerelle.tenants.manage import KeyManager
 from passerelle.tenants.policy import KeyPolicy

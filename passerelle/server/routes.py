@@ -11,8 +11,8 @@ handles it.
     ADMIN      /admin/*, /ui, /metrics: the admin guard applies (loopback by default), and with
                ``[admin] port`` they move to the admin listener
 
-The app's own routes name their handler as a callable of the app (``lambda app: app.health``),
-typed by :class:`Handlers`, so that mypy checks every handler exists and takes an ASGI request.
+The app's own routes name their handler, a function of the service and one ASGI request
+(server/handlers.py, as starlette's ``Route(path, endpoint)``): ``handler(service, scope, receive, send)``.
 
 A path matches a route exactly, or, for a route whose path ends in ``/``, by prefix
 (``/admin/runtimes/`` covers ``/admin/runtimes/NAME/start``).
@@ -24,29 +24,22 @@ Example::
     >>> match("GET", "/v1/chat/completions")
     Traceback (most recent call last):
     ...
-    passerelle.server.routes.MethodNotAllowed: Use POST for /v1/chat/completions.
+    passerelle.errors.MethodNotAllowed: Use POST for /v1/chat/completions.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 from passerelle.endpoints import ENDPOINTS
-from passerelle.errors import InvalidRequest, clip
-from passerelle.proxy.exchange import Receive, Scope, Send
+from passerelle.errors import MethodNotAllowed, NotFound, clip
+from passerelle.server import handlers as h
+from passerelle.server.handlers import Endpoint
 
-Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-class NotFound(InvalidRequest):
-    status, code = 404, "not_found"
-
-
-class MethodNotAllowed(InvalidRequest):
-    status, code = 405, "method_not_allowed"
+__all__ = ["ROUTES", "Access", "MethodNotAllowed", "NotFound", "Route", "extra_route", "find", "is_admin_path",
+           "match"]
 
 
 class Access(enum.Enum):
@@ -55,59 +48,13 @@ class Access(enum.Enum):
     ADMIN = "admin"
 
 
-class Handlers(Protocol):
-    """The app's handlers of its own routes (server/app.py's ``App``), one per route below."""
-
-    async def health(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def ready(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def models(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def model(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def me(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def me_usage(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def files(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def file_item(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def batches_route(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def batch_item(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def prom(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def ui(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def admin_stats(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def admin_login(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def admin_logout(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def reload_route(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def runtimes(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def runtime_action(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def keys_collection(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def key_item(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-    async def audit(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-
 @dataclass(frozen=True, slots=True)
 class Route:
     path: str
     methods: tuple[str, ...]
     access: Access
     target: str = ""  # an inference route's endpoint name, as the gateway knows it (proxy/protocols.py)
-    handler: Callable[[Handlers], Handler] | None = None  # the app's handler of its own route
+    handler: Endpoint | None = None  # the app's own route: a function of the service and the request
 
 
 GET = ("GET", "HEAD")
@@ -118,31 +65,31 @@ DELETE = ("DELETE",)
 ROUTES: tuple[Route, ...] = (
     # every public path of every inference endpoint (endpoints.py), to its name
     *(Route(path, POST, Access.INFERENCE, e.name) for e in ENDPOINTS for path in e.paths),
-    Route("/health", GET, Access.PUBLIC, handler=lambda app: app.health),
-    Route("/ready", GET, Access.PUBLIC, handler=lambda app: app.ready),
-    Route("/v1/models", GET, Access.PUBLIC, handler=lambda app: app.models),
+    Route("/health", GET, Access.PUBLIC, handler=h.health),
+    Route("/ready", GET, Access.PUBLIC, handler=h.ready),
+    Route("/v1/models", GET, Access.PUBLIC, handler=h.models),
     # /v1/models/{id}: an id may hold slashes
-    Route("/v1/models/", GET, Access.PUBLIC, handler=lambda app: app.model),
+    Route("/v1/models/", GET, Access.PUBLIC, handler=h.model),
     # the calling key (tenants/policy.py, server/keys_api.py)
-    Route("/v1/me", GET, Access.PUBLIC, handler=lambda app: app.me),
-    Route("/v1/me/usage", GET, Access.PUBLIC, handler=lambda app: app.me_usage),
+    Route("/v1/me", GET, Access.PUBLIC, handler=h.me),
+    Route("/v1/me/usage", GET, Access.PUBLIC, handler=h.me_usage),
     # the Batch API (passerelle/batches/api.py): keyed like inference, answered by the app
-    Route("/v1/files", (*GET, *POST), Access.PUBLIC, handler=lambda app: app.files),
-    Route("/v1/files/", (*GET, *DELETE), Access.PUBLIC, handler=lambda app: app.file_item),  # {id}[/content]
-    Route("/v1/batches", (*GET, *POST), Access.PUBLIC, handler=lambda app: app.batches_route),
-    Route("/v1/batches/", (*GET, *POST), Access.PUBLIC, handler=lambda app: app.batch_item),  # {id}[/cancel]
-    Route("/metrics", GET, Access.ADMIN, handler=lambda app: app.prom),
-    Route("/ui", GET, Access.ADMIN, handler=lambda app: app.ui),
-    Route("/admin/stats", GET, Access.ADMIN, handler=lambda app: app.admin_stats),
+    Route("/v1/files", (*GET, *POST), Access.PUBLIC, handler=h.files),
+    Route("/v1/files/", (*GET, *DELETE), Access.PUBLIC, handler=h.file_item),  # {id}[/content]
+    Route("/v1/batches", (*GET, *POST), Access.PUBLIC, handler=h.batches),
+    Route("/v1/batches/", (*GET, *POST), Access.PUBLIC, handler=h.batch_item),  # {id}[/cancel]
+    Route("/metrics", GET, Access.ADMIN, handler=h.prom),
+    Route("/ui", GET, Access.ADMIN, handler=h.ui),
+    Route("/admin/stats", GET, Access.ADMIN, handler=h.admin_stats),
     # the dashboard's login (server/login.py)
-    Route("/admin/login", (*GET, *POST), Access.ADMIN, handler=lambda app: app.admin_login),
-    Route("/admin/logout", POST, Access.ADMIN, handler=lambda app: app.admin_logout),
-    Route("/admin/reload", POST, Access.ADMIN, handler=lambda app: app.reload_route),
-    Route("/admin/runtimes", GET, Access.ADMIN, handler=lambda app: app.runtimes),
-    Route("/admin/runtimes/", (*GET, *POST), Access.ADMIN, handler=lambda app: app.runtime_action),
-    Route("/admin/keys", (*GET, *POST), Access.ADMIN, handler=lambda app: app.keys_collection),
-    Route("/admin/keys/", (*GET, *PATCH, *DELETE), Access.ADMIN, handler=lambda app: app.key_item),
-    Route("/admin/audit", GET, Access.ADMIN, handler=lambda app: app.audit),
+    Route("/admin/login", (*GET, *POST), Access.ADMIN, handler=h.admin_login),
+    Route("/admin/logout", POST, Access.ADMIN, handler=h.admin_logout),
+    Route("/admin/reload", POST, Access.ADMIN, handler=h.reload),
+    Route("/admin/runtimes", GET, Access.ADMIN, handler=h.runtimes),
+    Route("/admin/runtimes/", (*GET, *POST), Access.ADMIN, handler=h.runtime_action),
+    Route("/admin/keys", (*GET, *POST), Access.ADMIN, handler=h.keys_collection),
+    Route("/admin/keys/", (*GET, *PATCH, *DELETE), Access.ADMIN, handler=h.key_item),
+    Route("/admin/audit", GET, Access.ADMIN, handler=h.audit),
 )
 
 _EXACT = {r.path: r for r in ROUTES if not r.path.endswith("/")}

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from passerelle.config import LimitsConfig
+
 CHARS_PER_TOKEN = 4
 PER_MESSAGE = 4  # the chat template's tokens around each message (role markers, separators)
 # Fields of a request that become prompt tokens (chat, completions, embeddings, Responses,
@@ -45,8 +47,13 @@ class MediaCosts:
     ``MediaCosts`` to :func:`estimate_prompt_tokens` instead.
     """
 
-    image_tokens: int = 768
-    audio_tokens: int = 1500
+    image_tokens: int
+    audio_tokens: int
+
+    @classmethod
+    def of(cls, limits: LimitsConfig) -> MediaCosts:
+        """``[limits]`` image_tokens and audio_tokens."""
+        return cls(limits.image_tokens, limits.audio_tokens)
 
 
 @dataclass(slots=True)
@@ -94,7 +101,10 @@ def _walk(root: Any, c: _Count, costs: MediaCosts) -> None:
             stack.extend(value)
 
 
-def estimate_prompt_tokens(data: dict[str, Any], costs: MediaCosts = MediaCosts()) -> int:
+_LIMITS = MediaCosts.of(LimitsConfig())  # [limits]' defaults, for a caller without a configuration
+
+
+def estimate_prompt_tokens(data: dict[str, Any], costs: MediaCosts = _LIMITS) -> int:
     """Prompt tokens of the request ``data`` (a parsed JSON body): text at 4 characters a token,
     media at their constant cost, token-id prompts as given."""
     c = _Count()

@@ -80,6 +80,10 @@ def _count(name: str, value: Any) -> int:
 class KeyManager:
     def __init__(self, store: KeyStore, classes: Sequence[str]) -> None:
         self.store = store
+        self.configure(classes)
+
+    def configure(self, classes: Sequence[str]) -> None:
+        """The class names a key may be given (the configuration's classes, at a reload too)."""
         self.classes = tuple(classes)
 
     def fields(self, spec: Mapping[str, Any], *, creating: bool) -> dict[str, Any]:

@@ -73,21 +73,21 @@ class Ticket:
 class KeyPolicy:
     def __init__(self, cfg: Config, ring: KeyRing | None, *,
                  load_usage: Callable[[str, list[float]], Awaitable[list[tuple[int, int]]]] | None = None) -> None:
-        self.cfg = cfg
         self.ring = ring
         self.limiter = KeyLimiter()
         self.throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
         self.quotas = QuotaBook(load_usage)
         self.activity = Activity()
-        # The gateway-wide media costs; a model catalogue can answer per model in media_costs().
-        self._costs = MediaCosts(cfg.limits.image_tokens, cfg.limits.audio_tokens)
+        self.configure(cfg)
 
-    def reconfigure(self, cfg: Config) -> None:
-        """A reload's ``[auth]`` and ``[limits]``; a changed failed-key rate starts a new count."""
-        if cfg.auth.failed_attempts_per_minute != self.cfg.auth.failed_attempts_per_minute:
+    def configure(self, cfg: Config) -> None:
+        """``[auth]``, ``[limits]``' media costs and ``[timeouts] total_s`` (at start and at a
+        reload); a changed failed-key rate starts a new count."""
+        if cfg.auth.failed_attempts_per_minute != self.throttle.per_minute:
             self.throttle = FailedAuthThrottle(cfg.auth.failed_attempts_per_minute)
         self.cfg = cfg
-        self._costs = MediaCosts(cfg.limits.image_tokens, cfg.limits.audio_tokens)
+        # The gateway-wide media costs; a model catalogue can answer per model in media_costs().
+        self._costs = MediaCosts.of(cfg.limits)
 
     # -- who is asking --------------------------------------------------------------------------
     @property

@@ -10,7 +10,7 @@ Only sessions with a request in flight are kept, so memory is bounded by the req
 
 Example::
 
-    gate = SessionGate(16)
+    gate = SessionGate(cfg.routing)          # gate.configure(cfg.routing) at a reload
     held = gate.enter("team-a", "3f9c…")     # raises SessionLimit
     try: ...
     finally: gate.leave(held)
@@ -18,14 +18,20 @@ Example::
 
 from __future__ import annotations
 
+from passerelle.config import RoutingConfig
 from passerelle.errors import SessionLimit
 
 
 class SessionGate:
-    def __init__(self, max_in_flight: int) -> None:
-        self.max_in_flight = max_in_flight  # 0: no cap
+    def __init__(self, routing: RoutingConfig) -> None:
         self._running: dict[tuple[str, str], int] = {}
         self.refused = 0
+        self.configure(routing)
+
+    def configure(self, routing: RoutingConfig) -> None:
+        """``max_session_in_flight``; a lower cap refuses new requests of a session already past it,
+        and lets those in flight finish."""
+        self.max_in_flight = routing.max_session_in_flight  # 0: no cap
 
     def enter(self, tenant: str, session: str) -> tuple[str, str] | None:
         """Count a request of ``session`` (hashed); what to give :meth:`leave`, None when not counted."""

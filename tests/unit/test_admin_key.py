@@ -32,7 +32,7 @@ FORM = {"content-type": "application/x-www-form-urlencoded"}
 def frozen(gw: InProcessGateway) -> list[float]:
     """The admin key throttle's clock, moved by the test (starts at now)."""
     now = [time.monotonic()]
-    gw.app.admin_key_check.throttle.clock = lambda: now[0]
+    gw.app.admin_guard.key_check.throttle.clock = lambda: now[0]
     return now
 
 
@@ -58,18 +58,18 @@ async def test_a_login_guesser_is_refused_before_any_comparison_even_with_the_ri
         assert right.headers[b"content-type"].startswith(b"text/html") and b"<form" in right.body
         wait = int(right.headers[b"retry-after"])
         assert 1 <= wait <= 60 / PER_ADDRESS_PER_MINUTE + 1
-        assert gw.app.admin_key_check.throttle.failures == PER_ADDRESS_PER_MINUTE  # only these were compared
+        assert gw.app.admin_guard.key_check.throttle.failures == PER_ADDRESS_PER_MINUTE  # only these were compared
         assert refused(gw, "login", "wrong_key") == PER_ADDRESS_PER_MINUTE
         assert refused(gw, "login", "throttled") == 351 - PER_ADDRESS_PER_MINUTE + 1
         wrong_lines = [r.getMessage() for r in caplog.records if "wrong admin key" in r.getMessage()]
         assert len(wrong_lines) == PER_ADDRESS_PER_MINUTE and "127.0.0.1" in wrong_lines[0]
         assert not any("guess-" in r.getMessage() or KEY in r.getMessage() for r in caplog.records)
         # a guesser that keeps going for ten minutes, a guess every 0.25 s: what it may really try
-        compared_before, span_s = gw.app.admin_key_check.throttle.failures, 600.0
+        compared_before, span_s = gw.app.admin_guard.key_check.throttle.failures, 600.0
         for i in range(int(span_s / 0.25)):
             now[0] += 0.25
             await login(gw, f"more-{i}")
-        rate = (gw.app.admin_key_check.throttle.failures - compared_before) / span_s
+        rate = (gw.app.admin_guard.key_check.throttle.failures - compared_before) / span_s
         assert rate <= PER_ADDRESS_PER_MINUTE / 60 * 1.01  # 1 guess every 6 s, not 5,000 a second
         # once the throttle's wait is over, the right key opens the dashboard
         now[0] += 60.0
@@ -121,7 +121,7 @@ async def test_the_batch_api_takes_the_admin_key_only_from_admin_allow_and_throt
         # from an address outside [admin] allow the admin key is an unknown key: 401, never compared
         outside = await gw.get("/v1/files", headers={"authorization": f"Bearer {KEY}"}, client="192.0.2.9")
         assert outside.status == 401 and outside.json()["error"]["code"] == "invalid_api_key"
-        assert gw.app.admin_key_check.throttle.failures == 0 and refused(gw, "batches", "throttled") == 0
+        assert gw.app.admin_guard.key_check.throttle.failures == 0 and refused(gw, "batches", "throttled") == 0
         assert (await gw.get("/v1/batches", headers={"authorization": f"Bearer {KEY}"}, client="192.0.2.9")).status \
             == 401
         # from loopback it is the admin's, and guesses are throttled before they are compared

@@ -20,7 +20,7 @@ from passerelle.errors import Cause, ConfigError
 from passerelle.observe.accesslog import AccessLog, record_fields
 from passerelle.observe.record import RequestRecord
 from passerelle.scheduling.scheduler import AFFINITY_ENTRY_BYTES
-from passerelle.server.app import ReloadRefused
+from passerelle.server.service import ReloadRefused
 from passerelle.tenants.keys import KeyStore
 from passerelle.tenants.names import user_tenant
 from tests.inprocess import fake_runtime, gateway
@@ -181,7 +181,7 @@ async def test_a_huge_model_name_is_clipped_wherever_it_is_kept():
         resp = await gw.post("/v1/chat/completions", {**CHAT, "model": "m" * 1_000_000})
         assert resp.status == 404 and gw.records[0].cause is Cause.INVALID_REQUEST
         assert len(orjson.dumps(record_fields(gw.records[0]))) < 2048  # the access-log line
-        assert len(gw.app.usage._rows[-1][4]) == 256  # the usage row's model
+        assert len(gw.app.stores.usage._rows[-1][4]) == 256  # the usage row's model
         [err] = gw.app.live.snapshot(backends=[], waiting={})["recent_errors"]
         assert len(err["model"]) == 256 and len(err["error"]) <= 512
 
@@ -257,7 +257,7 @@ async def test_a_forced_reload_of_a_file_without_backends_goes_ahead(monkeypatch
     async with fake_runtime() as fake, fake_runtime() as other, gateway(fake.backend_config()) as gw:
         gw.app.loader = lambda: Config()
         # a second fake runtime stands in for the embedded default (building llama-server is not the point)
-        monkeypatch.setattr("passerelle.server.app.expand",
+        monkeypatch.setattr("passerelle.server.service.expand",
                             lambda cfg: dataclasses.replace(cfg, backends=(other.backend_config("local"),)))
         resp = await gw.request("POST", "/admin/reload?force=1")
         assert resp.status == 200

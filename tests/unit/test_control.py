@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from passerelle.config import BackendConfig, TimeoutConfig
+from passerelle.config import BackendConfig, RuntimesConfig, TimeoutConfig
 from passerelle.errors import InvalidRequest
 from passerelle.runtimes.kinds import make_backend
 from passerelle.runtimes.supervisor import RuntimeProcess, Supervisor
@@ -17,7 +17,7 @@ def supervisor(tmp_path) -> Supervisor:
     backend = make_backend(BackendConfig(name="r1", models=("m",), launch=("true", "{port}")), TimeoutConfig())
     proc = RuntimeProcess(backend, ("true", "{port}"), log_path=tmp_path / "r1.log")
     (tmp_path / "r1.log").write_text("".join(f"line {i}\n" for i in range(50)))
-    return Supervisor([proc])
+    return Supervisor([proc], RuntimesConfig())
 
 
 def test_runtimes_lists_every_launched_runtime(tmp_path):

@@ -84,11 +84,11 @@ def test_tool_schemas_with_a_type_property_or_a_nullable_type_are_text():
                  {"messages": [{"role": "user", "content": "hi"}],
                   "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]},
                  {"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": schema}]}):
-        assert estimate_prompt_tokens(body) > 0
+        assert estimate_prompt_tokens(body, COSTS) > 0
 
 
 def test_json_nested_past_the_recursion_limit_is_counted():
     deep: object = "x" * 40
     for _ in range(5000):
         deep = {"type": {"k": [deep]}}
-    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": [deep]}]}) >= 10
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": [deep]}]}, COSTS) >= 10

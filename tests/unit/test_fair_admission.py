@@ -15,15 +15,14 @@ import pytest
 from passerelle.config import ClassConfig, SchedulerConfig
 from passerelle.errors import Cause, QueueFull, TenantQueueFull
 from tests.inprocess import fake_runtime, gateway
-from tests.unit.test_scheduler import Clock, FakeBackend, job
+from tests.unit.test_scheduler import Clock, FakeBackend, job, scheduler
 from tests.waiting import until
 
 Q10 = ClassConfig("standard", 1, max_queue=10, max_queue_wait_s=60.0)
 
 
 def sched(share: float = 0.5):
-    from passerelle.scheduling.scheduler import Scheduler
-    return Scheduler((Q10,), clock=Clock(), tenant_queue_share=share)
+    return scheduler((Q10,), clock=Clock(), tenant_queue_share=share)
 
 
 async def test_a_lone_tenant_may_fill_the_queue_then_gets_queue_full():

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from passerelle import procfs
-from passerelle.config import BackendConfig, TimeoutConfig, budget_share, load_config
+from passerelle.config import BackendConfig, RuntimesConfig, TimeoutConfig, budget_share, load_config
 from passerelle.errors import ConfigError
 from passerelle.runtimes import memory
 from passerelle.runtimes.factory import build_runtime
@@ -239,7 +239,7 @@ async def test_a_device_delta_is_taken_once_per_runtime_and_never_charges_it_ano
         monkeypatch.setattr(proc, "start", start)
         procs.append(proc)
     book_path = tmp_path / "runtime-memory.json"
-    sup = Supervisor(procs, book=MemoryBook(book_path))
+    sup = Supervisor(procs, RuntimesConfig(), book=MemoryBook(book_path))
     a, b = procs
     try:
         await sup.start("a")

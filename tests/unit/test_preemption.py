@@ -10,7 +10,7 @@ import pytest
 from passerelle.config import DEFAULT_CLASSES, ClassConfig
 from passerelle.scheduling.job import Job, JobState
 from passerelle.scheduling.scheduler import PreemptionPolicy, Scheduler
-from tests.unit.test_scheduler import Clock, FakeBackend
+from tests.unit.test_scheduler import Clock, FakeBackend, scheduler
 from tests.waiting import until
 
 CLS = {c.name: c for c in DEFAULT_CLASSES}
@@ -23,7 +23,7 @@ def clock():
 
 
 def make(clock, **kw) -> Scheduler:
-    return Scheduler(clock=clock, preemption=kw.pop("preemption", POLICY), hold_s=0, **kw)
+    return scheduler(clock=clock, preemption=kw.pop("preemption", POLICY), hold_s=0, **kw)
 
 
 def job(pool, cls="batch", tenant="t", **kw) -> Job:
@@ -223,7 +223,7 @@ async def test_a_suspended_job_whose_client_leaves_is_removed(clock):
 async def test_the_timer_fires_by_itself(clock):
     """In the event loop the scheduler arms its own timer (the real clock here)."""
     b = FakeBackend(capacity=1)
-    s = Scheduler(preemption=PreemptionPolicy(after_s=0.02, min_run_s=2.0), hold_s=0)
+    s = scheduler(preemption=PreemptionPolicy(after_s=0.02, min_run_s=2.0), hold_s=0)
     bulk = job([b], "batch")
     s.submit(bulk)
     s.allow_suspend(bulk, stream := Stream())

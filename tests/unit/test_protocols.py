@@ -25,20 +25,20 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 def test_every_route_is_either_the_gateways_or_names_its_handler():
-    """An inference route names its endpoint; every other one a handler of the app (mypy checks
-    that the app has it; here: that each is one of the app's coroutines, and never None)."""
+    """An inference route names its endpoint; every other one a handler: a coroutine function of
+    the service and one ASGI request (server/handlers.py), and never None."""
     import inspect
 
-    from passerelle.server.app import App
-    from passerelle.server.routes import ROUTES, Access, Handlers
+    from passerelle.server import handlers
+    from passerelle.server.routes import ROUTES, Access
 
     for r in ROUTES:
         if r.access is Access.INFERENCE:
             assert r.target and r.handler is None, r.path
         else:
             assert r.handler is not None and not r.target, r.path
-            name = r.handler(Handlers).__name__  # (the protocol's function of the same name)
-            assert inspect.iscoroutinefunction(getattr(App, name)), r.path
+            assert inspect.iscoroutinefunction(r.handler) and r.handler.__module__ == handlers.__name__, r.path
+            assert list(inspect.signature(r.handler).parameters) == ["svc", "scope", "receive", "send"], r.path
 
 
 def test_parse_reads_the_fields_each_api_names():

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
-from passerelle.config import DEFAULT_CLASSES, ClassConfig
+from passerelle.config import DEFAULT_CLASSES, ClassConfig, RoutingConfig, SchedulerConfig
 from passerelle.errors import NoBackend, QueueFull, QueueTimeout
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.breaker import BreakerState, CircuitBreaker, Outcome
-from passerelle.scheduling.scheduler import Job, Scheduler
+from passerelle.scheduling.scheduler import Job, PreemptionPolicy, Scheduler
 
 CLS = {c.name: c for c in DEFAULT_CLASSES}
 
@@ -45,8 +49,22 @@ def clock():
     return Clock()
 
 
+_ROUTING = {f.name for f in dataclasses.fields(RoutingConfig)}
+
+
+def scheduler(classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES, *, clock: Callable[[], float] = time.monotonic,
+              preemption: PreemptionPolicy | None = None, tenant_queue_share: float = 1.0, **kw: Any) -> Scheduler:
+    """A scheduler for ``[scheduler]`` and ``[routing]`` fields given by name; without preemption
+    and fair admission unless asked (``preemption``: its policy; ``tenant_queue_share``)."""
+    pre = {} if preemption is None else {"preempt_after_ms": preemption.after_s * 1000,
+                                         "min_run_s": preemption.min_run_s}
+    sc = SchedulerConfig(preemption=preemption is not None, tenant_queue_share=tenant_queue_share, **pre,
+                         **{k: v for k, v in kw.items() if k not in _ROUTING})
+    return Scheduler(sc, RoutingConfig(**{k: v for k, v in kw.items() if k in _ROUTING}), tuple(classes), clock=clock)
+
+
 def make(clock, **kw) -> Scheduler:
-    return Scheduler(clock=clock, **kw)
+    return scheduler(clock=clock, **kw)
 
 
 def job(pool, cls="standard", tenant="t", loop=None, **kw) -> Job:
@@ -390,7 +408,7 @@ async def test_a_probe_that_ends_without_success_never_leaves_the_replica_waitin
 
 async def test_requests_queued_behind_an_open_breaker_go_when_it_lets_a_probe_through():
     b1, b2 = FakeBackend("b1", capacity=2), FakeBackend("b2", capacity=1)
-    s = Scheduler()
+    s = scheduler()
     for _ in range(3):
         b1.breaker.record(Outcome.FAILURE, probe=False, now=s.clock())
     b1.breaker.open_until = s.clock() + 0.05  # (a short backoff, so the test is quick)

@@ -64,7 +64,7 @@ async def test_the_session_is_hashed_in_the_access_log_and_the_usage_store(tmp_p
         rec = gw.records[-1]
         assert rec.session == session_hash("secret-session")
         assert record_fields(rec)["session"] == rec.session and "secret-session" not in str(record_fields(rec))
-        await gw.app.usage.flush()
+        await gw.app.stores.usage.flush()
         rows = await gw.app.stores.reports.report(by=("session",))
         assert [(r["session"], r["requests"]) for r in rows] == [(rec.session, 1)]
 

@@ -28,7 +28,7 @@ async def test_two_instances_with_a_backend_of_the_same_name_share_no_file(tmp_p
         state = tmp_path / inst
         async with gateway(launched(), server=ServerConfig(state_dir=str(state)), db=state / "passerelle.db") as gw:
             sup = gw.app.supervisor
-            seen.append((sup.processes["chat"].log_path, sup.book.path, gw.app.keystore.path))
+            seen.append((sup.processes["chat"].log_path, sup.book.path, gw.app.stores.keys.path))
             assert all(p.is_relative_to(state) for p in seen[-1]), seen[-1]
     assert seen[0][0] == tmp_path / "a" / "logs" / "chat.log"
     assert seen[0][1] == tmp_path / "a" / "runtime-memory.json"

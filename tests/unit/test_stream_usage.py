@@ -73,8 +73,8 @@ async def test_a_stream_the_client_cuts_is_charged_what_it_was_sent(tmp_path, ap
         else:
             assert rec.prompt_tokens and rec.prompt_tokens > 0
         assert charged == [(rec.prompt_tokens, sent)]
-        await gw.app.usage.flush()
-        row = gw.app.usage.conn.execute("SELECT cause, prompt_tokens, completion_tokens FROM usage").fetchall()
+        await gw.app.stores.usage.flush()
+        row = gw.app.stores.usage.conn.execute("SELECT cause, prompt_tokens, completion_tokens FROM usage").fetchall()
         assert row == [("client_disconnect", rec.prompt_tokens, sent)]
         # tokens per minute: the reservation (prompt + max_tokens) replaced by what was sent
         assert gw.app.gateway.keys.limiter._usage[key.id].token_sum == rec.prompt_tokens + sent

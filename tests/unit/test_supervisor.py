@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from passerelle.cli import build_app
-from passerelle.config import BackendConfig, Config, TimeoutConfig
+from passerelle.config import BackendConfig, Config, RuntimesConfig, TimeoutConfig
 from passerelle.runtimes.factory import build_runtime
 from passerelle.runtimes.supervisor import _ALLOWED, ProcState, RuntimeFailed, RuntimeProcess, Supervisor
 from tests.waiting import until
@@ -146,7 +146,7 @@ async def test_a_reload_that_changes_a_launched_backend_stops_the_old_process(tm
 
 async def test_shutdown_stops_a_process_still_draining_after_a_reload(tmp_path):
     proc = runtime(tmp_path)
-    sup = Supervisor([proc])
+    sup = Supervisor([proc], RuntimesConfig())
     await sup.start_all()
     proc.backend.in_flight = 1  # a request still running: the retire waits
     sup.retiring.add(proc)

@@ -15,6 +15,7 @@ from passerelle.runtimes.kinds import make_backend
 from passerelle.runtimes.supervisor import ProcState, RuntimeFailed, RuntimeProcess, Supervisor
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.scheduling.swapper import Swapper
+from tests.unit.test_scheduler import scheduler
 from tests.waiting import until
 
 CLS = {c.name: c for c in DEFAULT_CLASSES}
@@ -56,10 +57,10 @@ def box(tmp_path):
         log: list = []
         a = InstantProcess("a", 6.0, log, tmp_path, **extra)
         b = InstantProcess("b", 6.0, log, tmp_path, fail=fail_b)
-        sched = Scheduler(DEFAULT_CLASSES)
-        sup = Supervisor([a, b], max_loaded_gib=10.0, on_ready=sched.dispatch)
-        swapper = Swapper(sched, sup, RuntimesConfig(max_loaded_gib=10.0, min_resident_s=min_resident_s,
-                                                     drain_timeout_s=drain_timeout_s))
+        sched = scheduler()
+        runtimes = RuntimesConfig(max_loaded_gib=10.0, min_resident_s=min_resident_s, drain_timeout_s=drain_timeout_s)
+        sup = Supervisor([a, b], runtimes, on_ready=sched.dispatch)
+        swapper = Swapper(sched, sup, runtimes)
         sched.on_need = sup.on_change = swapper.poke
         return log, a, b, sched, swapper
 
