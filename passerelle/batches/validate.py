@@ -127,9 +127,9 @@ class Checker:
         self.seen: dict[int, int] = {}  # custom_id's 8-byte hash -> its line
         self.pairs: dict[tuple[str, str], list[int]] = {}
 
-    def _error(self, text: str) -> None:
+    def _error(self, number: int, problem: str) -> None:
         if len(self.errors) < SHOWN_ERRORS:
-            self.errors.append(text)
+            self.errors.append(f"line {number}: {problem}")
         else:
             self.more_errors += 1
 
@@ -139,12 +139,12 @@ class Checker:
             raise TooManyLines(f"The file has more than {self.max_lines} requests, the most one batch may hold "
                                "([batches] max_lines).", param="file")
         if len(raw) > self.max_line_bytes:
-            self._error(f"line {number}: longer than {self.max_line_bytes} bytes")
+            self._error(number, f"longer than {self.max_line_bytes} bytes")
             return
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            self._error(f"line {number}: not valid JSON")
+            self._error(number, "not valid JSON")
             return
         problem = _check_line(obj)
         if problem is None:
@@ -155,13 +155,13 @@ class Checker:
             else:
                 self.seen[h] = number
         if problem is not None:
-            self._error(f"line {number}: {problem}")
+            self._error(number, problem)
             return
         pair = (obj["url"], obj["body"]["model"])
         first = self.pairs.get(pair)
         if first is None:
             if len(self.pairs) >= MAX_PAIRS:
-                self._error(f"line {number}: the file names more than {MAX_PAIRS} different models")
+                self._error(number, f"the file names more than {MAX_PAIRS} different models")
                 return
             self.pairs[pair] = first = []
         if len(first) < SHOWN_ERRORS:
@@ -175,17 +175,27 @@ class Checker:
         return Summary(self.lines, self.pairs)
 
 
-def lines_in(buf: bytes, start: int, end: int) -> Iterator[tuple[int, memoryview]]:
-    """The non-blank lines of ``buf[start:end]`` with their numbers, as views (nothing copied)."""
-    view = memoryview(buf)
+def lines_in(buf: bytes, start: int, end: int) -> Iterator[tuple[int, bytes | memoryview]]:
+    """The non-blank lines of ``buf[start:end]`` with their numbers. Split a block of about
+    :data:`BLOCK` bytes at a time (in C; a block's copy is all that is held), a line longer than
+    a block given as a view of ``buf``."""
     number, pos = 0, start
     while pos < end:
-        nl = buf.find(b"\n", pos, end)
-        stop = end if nl < 0 else nl
-        number += 1
-        if buf[pos:min(stop, pos + 64)].strip() or (stop - pos > 64 and view[pos:stop].tobytes().strip()):
-            yield number, view[pos:stop]
-        pos = stop + 1
+        cut = buf.rfind(b"\n", pos, min(pos + BLOCK, end))
+        if cut < 0:  # one line longer than a block (or the last one)
+            nl = buf.find(b"\n", pos, end)
+            stop = end if nl < 0 else nl
+            number += 1
+            view = memoryview(buf)[pos:stop]
+            if buf[pos:min(stop, pos + 64)].strip() or (stop - pos > 64 and bytes(view).strip()):
+                yield number, view
+            pos = stop + 1
+            continue
+        for raw in buf[pos:cut].split(b"\n"):
+            number += 1
+            if raw.strip():
+                yield number, raw
+        pos = cut + 1
 
 
 def check_content(buf: bytes, start: int, end: int, *, max_lines: int, max_line_bytes: int) -> Summary:
