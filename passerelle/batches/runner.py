@@ -322,14 +322,15 @@ class Runner:
         """Run the lines until all are answered, the window ends, or the batch is cancelled or the
         gateway stops (then the lines running are hung up, and their workers end at once)."""
         workers = [asyncio.ensure_future(self._worker(run)) for _ in range(self.cfg.in_flight_per_batch)]
-        all_done = asyncio.gather(*workers)
         try:
-            await asyncio.wait([all_done], timeout=max(run.doc["expires_at"] - time.time(), 0.0))
+            await asyncio.wait(workers, timeout=max(run.doc["expires_at"] - time.time(), 0.0))
         finally:
-            if not all_done.done():
+            if any(not w.done() for w in workers):
                 self.end(run, "expired")
-            await asyncio.wait([all_done])  # (each worker returns once its line has hung up)
-        all_done.result()
+            await asyncio.wait(workers)  # (each worker returns once its line has hung up)
+        for w in workers:  # (every one is waited for before the reader closes; the first fault tells)
+            if not w.cancelled() and (exc := w.exception()) is not None:
+                raise exc
 
     def end(self, run: Run, why: str) -> None:
         """Stop ``run``: no line starts any more, the running ones hang up, naps end."""
