@@ -8,5 +8,6 @@ answered exactly once.
     store.py     SQLite state and content files, durable before acknowledged
     runner.py    lines through the gateway, bounded in flight, window, cancel, resume, retention
     idle.py      lines only in the slots other classes leave idle (a reserve, back off when they wait)
-    internal.py  one line as a request of the gateway's own path, without HTTP; its outcome its record
+    internal.py  one line as a request of the gateway's own path, without HTTP, and its record
+    outcome.py   a line's outcome, from its record, as its row of the output or error file
 """

@@ -42,14 +42,13 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from passerelle.batches.idle import IdleGate
-from passerelle.batches.internal import Answer, LineRecords, LineRequest
+from passerelle.batches.internal import LineRecords, LineRequest
+from passerelle.batches.outcome import Outcome, answer_record, error_record, outcome_of, passes
 from passerelle.batches.status import BatchStatus, move, status_of
 from passerelle.batches.store import STORE_ERRORS, BatchStore, FileRow, Result
 from passerelle.batches.validate import ENDPOINTS, Line, LineReader, max_line_bytes, parse_line
 from passerelle.config import BatchesConfig
-from passerelle.errors import Cause, UpstreamError
-from passerelle.observe.record import RequestRecord
-from passerelle.proxy.assemble import assemble
+from passerelle.errors import Cause
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.resume import suspendable
 
@@ -57,11 +56,6 @@ log = logging.getLogger("passerelle.batches")
 
 T = TypeVar("T")
 
-# Causes (and statuses) a line may meet and pass: tried again after a pause.
-PASSING = frozenset({Cause.RATE_LIMITED, Cause.QUEUE_FULL, Cause.TENANT_QUEUE_FULL, Cause.QUEUE_TIMEOUT,
-                     Cause.NO_BACKEND, Cause.UPSTREAM_ERROR, Cause.UPSTREAM_TIMEOUT, Cause.SERVER_BUSY,
-                     Cause.SHUTDOWN, Cause.ANSWERS_BUSY, Cause.SESSION_LIMIT})
-PASSING_STATUS = frozenset({429, 502, 503, 504})  # (a runtime's own 429 or 503 is counted invalid_request)
 MAX_PAUSE_S = 60.0  # a paused batch looks again at least this often
 MAX_STORE_WAIT_S = 30.0  # a line whose answer the store could not write tries again at least this often
 END_GROUP = 512  # lines written at once as cancelled or expired
@@ -69,28 +63,6 @@ END_GROUP = 512  # lines written at once as cancelled or expired
 
 class Stopping(Exception):
     """The gateway stops while a batch waits for its store: it resumes at the next start."""
-
-
-def request_id() -> str:
-    return "batch_req_" + secrets.token_hex(12)
-
-
-def _body(raw: bytes) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return raw.decode("utf-8", "replace")
-
-
-def error_record(custom_id: str, code: str, message: str) -> bytes:
-    return orjson.dumps({"id": request_id(), "custom_id": custom_id, "response": None,
-                         "error": {"code": code, "message": message}})
-
-
-def answer_record(custom_id: str, status: int, request: str, body: bytes) -> bytes:
-    return orjson.dumps({"id": request_id(), "custom_id": custom_id,
-                         "response": {"status_code": status, "request_id": request, "body": _body(body)},
-                         "error": None})
 
 
 def public(doc: dict[str, Any]) -> dict[str, Any]:
@@ -408,8 +380,7 @@ class Runner:
                 run.paused_until = time.time() + min(answer.retry_after or MAX_PAUSE_S, MAX_PAUSE_S)
                 run.pause_reason = "quota_exceeded"
                 return None
-            if outcome.status != 200 and (rec.cause in PASSING or outcome.status in PASSING_STATUS) \
-                    and attempt + 1 < self.cfg.line_attempts:
+            if passes(outcome) and attempt + 1 < self.cfg.line_attempts:
                 await _nap(run, min(2.0 ** attempt, 30.0))
                 if run.ending:
                     return None
@@ -510,36 +481,6 @@ class Runner:
                          "paused": run.pause_reason or None, "expires_at": d["expires_at"]})
         return {"in_progress": len(rows), "lines_done_since_start": self.lines_done,
                 "lines_waiting": sum(r["waiting"] for r in rows), "batches": rows}
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What a line's answer was: its status (the record's: a stream the runtime broke after its
-    head is not a 200), its request id, the body kept for the output or error file, its record."""
-
-    status: int
-    request_id: str
-    body: bytes
-    record: RequestRecord | None
-
-
-def outcome_of(rec: RequestRecord, answer: Answer, streamed: str) -> Outcome:
-    """The line's outcome from its request's record; ``streamed``: the endpoint whose stream the
-    answer is (then it is assembled into the body a non-streamed request gets), or "" for none."""
-    if rec.cause is Cause.OK:
-        body = answer.body
-        if streamed:
-            try:
-                body = assemble(body, streamed)
-            except UpstreamError as err:
-                return Outcome(err.status, answer.request_id, err.body(), rec)
-        return Outcome(200, answer.request_id, body, rec)
-    if answer.status == rec.status:  # the error was the answer's head: its body is the error
-        return Outcome(rec.status, answer.request_id, answer.body, rec)
-    # the stream began, then broke: the record says how
-    detail = {"message": rec.error or "The request failed.", "type": "server_error",
-              "code": rec.cause.value if rec.cause else "internal_error"}
-    return Outcome(rec.status, answer.request_id, orjson.dumps({"error": detail}), rec)
 
 
 async def _nap(run: Run, seconds: float) -> None:
