@@ -3,12 +3,12 @@
 Against the fake runtime (slow, so that batches stay in progress), behind passerelle:
 
 1. upload: one file of ``--upload-mib`` MiB made of tiny JSON objects (``{}`` lines, each one a
-   line to check), the gateway's peak RSS growth (VmHWM after less VmRSS before) and its ratio to
-   the upload;
+   line to check and refuse; with ``--valid``, the smallest valid requests), the gateway's peak
+   RSS growth (VmHWM after less VmRSS before) and its ratio to the upload;
 2. batches: ``--batches`` batches created as fast as one key can from one ``--file-mib`` MiB input,
    the RSS growth per batch while they are all in progress, then after all are cancelled and ended.
 
-    .venv/bin/python bench/batch_memory.py [--src DIR] [--upload-mib 16] [--file-mib 4] [--batches 40]
+    .venv/bin/python bench/batch_memory.py [--src DIR] [--upload-mib 16] [--valid] [--file-mib 4] [--batches 40]
 
 ``--src``: the passerelle tree to run (default: this one), to measure a branch against another.
 """
@@ -38,9 +38,18 @@ def status_kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def tiny_objects(mib: float) -> bytes:
-    """Lines of ``{}``: the most lines (and parsed objects) per byte a checked upload can hold."""
-    return b"{}\n" * int(mib * (1 << 20) / 3)
+def tiny_objects(mib: float, valid: bool) -> bytes:
+    """Lines of ``{}`` (the most lines, and parsed objects, per byte; each one refused), or the
+    smallest valid requests (each one kept until the file's verdict)."""
+    if not valid:
+        return b"{}\n" * int(mib * (1 << 20) / 3)
+    lines, size, i = [], 0, 0
+    while size < mib * (1 << 20):
+        ln = b'{"custom_id":"%d","url":"/v1/chat/completions","body":{"model":"m"}}\n' % i
+        lines.append(ln)
+        size += len(ln)
+        i += 1
+    return b"".join(lines)
 
 
 def batch_file(mib: float) -> bytes:
@@ -61,6 +70,7 @@ def main() -> None:
     p.add_argument("--upload-mib", type=float, default=16)
     p.add_argument("--file-mib", type=float, default=4)
     p.add_argument("--batches", type=int, default=40)
+    p.add_argument("--valid", action="store_true", help="the upload's tiny objects are valid requests")
     p.add_argument("--out", type=Path, default=WORK / "batch-memory")
     a = p.parse_args()
     work = a.out
@@ -99,7 +109,7 @@ max_concurrency = 2
         pid = gw.proc.pid
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=600)
         # 1. one upload of tiny objects
-        content = tiny_objects(a.upload_mib)
+        content = tiny_objects(a.upload_mib, a.valid)
         rss0 = status_kib(pid, "VmRSS")
         t0 = time.perf_counter()
         try:

@@ -238,8 +238,9 @@ class BatchApi:
         if size > self.cfg.max_file_bytes:
             raise FileTooLarge(f"The file is larger than {self.cfg.max_file_bytes} bytes ([batches] "
                                "max_file_bytes).", param="file")
-        summary = check_content(body, *span, max_lines=self.cfg.max_lines,
-                                max_line_bytes=max_line_bytes(self.gateway.cfg.server.max_body_bytes))
+        # (in a thread: checking 64 MiB takes seconds the event loop keeps serving in)
+        summary = await asyncio.to_thread(check_content, body, *span, max_lines=self.cfg.max_lines,
+                                          max_line_bytes=max_line_bytes(self.gateway.cfg.server.max_body_bytes))
         total = await self.store.run(self.store.total_bytes)
         if total + size > self.cfg.max_total_bytes:
             raise StorageFull(f"The gateway's batch files would pass {self.cfg.max_total_bytes} bytes in all "
