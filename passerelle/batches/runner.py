@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import secrets
 import time
@@ -59,6 +60,19 @@ T = TypeVar("T")
 MAX_PAUSE_S = 60.0  # a paused batch looks again at least this often
 MAX_STORE_WAIT_S = 30.0  # a line whose answer the store could not write tries again at least this often
 END_GROUP = 512  # lines written at once as cancelled or expired
+TRIM_EVERY_S = 10.0  # an ended batch gives memory back at most this often while others run
+
+
+_LIBC = ctypes.CDLL(None)  # the process's own symbols: the C library's malloc_trim where it has one
+
+
+def give_back_memory() -> None:
+    """Hand the C allocator's free pages back to the system. Ending a batch frees many small
+    blocks that glibc keeps (RSS stayed 2x after 40 batches were cancelled, though nothing held
+    them); trimming returns them."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class Stopping(Exception):
@@ -118,6 +132,7 @@ class Runner:
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self.lines_done = 0  # since start, for the dashboard
+        self._trimmed_at = 0.0
 
     # -- life -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -279,6 +294,9 @@ class Runner:
             if self.runs.get(doc["id"]) is run:
                 del self.runs[doc["id"]]
             self.metrics.batches.set(len(self.runs))
+            if not self.runs or time.monotonic() - self._trimmed_at > TRIM_EVERY_S:
+                self._trimmed_at = time.monotonic()
+                give_back_memory()
 
     async def _fail(self, run: Run, code: str, message: str) -> None:
         doc = run.doc

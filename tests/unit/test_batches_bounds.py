@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import os
 import subprocess
 import time
@@ -111,6 +112,36 @@ async def test_an_upload_of_tiny_objects_is_checked_without_amplifying_it(tmp_pa
             tracemalloc.stop()
         assert resp.status == 400 and "(and 262134 more lines)" in resp.json()["error"]["message"]
         assert peak < 4 * len(content), peak / len(content)  # the body, the form's copy; not x30
+
+
+def rss_mib() -> float:
+    for ln in Path("/proc/self/status").read_text().splitlines():
+        if ln.startswith("VmRSS:"):
+            return int(ln.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_many_batches_of_one_file_cost_little_and_give_it_back_once_cancelled(tmp_path):
+    content = b"".join(orjson.dumps(line(f"g{i:06d}", pad="x" * 200)) + b"\n" for i in range(8000))  # 2.6 MB
+    limits = BatchesConfig(max_batches_per_key=20, max_lines=10000, max_file_bytes=4 << 20)
+    async with fake_runtime(ttft_ms=3000, slots=2) as fake, \
+            gateway(fake.backend_config(max_concurrency=2), db=tmp_path / "k.db", batches=limits) as gw:
+        f = (await upload(gw, content)).json()["id"]
+        gc.collect()
+        before = rss_mib()
+        ids = [(await create(gw, f)).json()["id"] for _ in range(20)]
+        runner = gw.app.batches.runner
+        while any(runner.runs[b].reader is None for b in ids):  # every batch has begun reading
+            await asyncio.sleep(0.01)
+        running = rss_mib() - before
+        for b in ids:
+            assert (await gw.post(f"/v1/batches/{b}/cancel", {})).json()["status"] == "cancelling"
+        for b in ids:
+            assert (await settle(gw, b, timeout=120))["status"] == "cancelled"
+        gc.collect()
+        after = rss_mib() - before
+        # each batch held its file parsed (16 MiB a batch of 4 MB); cancelled, little came back
+        assert running < 20 and after < 20, (running, after)
 
 
 # -- a real full disk ---------------------------------------------------------------------------------
