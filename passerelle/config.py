@@ -288,6 +288,8 @@ class BatchesConfig:
     reserve_slots: int = 1
     max_window_h: float = 168.0  # the longest completion_window accepted
     line_attempts: int = 5  # tries of a line that met a passing failure (runtime down, queue full) before it fails
+    max_batches_per_key: int = 16  # batches of one key in progress at once (429 too_many_batches past it)
+    max_batches_in_progress: int = 128  # batches of all keys in progress at once (429 too_many_batches past it)
 
 
 @dataclass(frozen=True)
@@ -771,7 +773,8 @@ def _check_batches(b: BatchesConfig, *, file: str, text: str) -> None:
            field_name="max_file_bytes", **ck)
     _check(b.max_total_bytes >= b.max_file_bytes, "expected at least batches.max_file_bytes",
            key="batches.max_total_bytes", field_name="max_total_bytes", **ck)
-    for name in ("max_lines", "in_flight_per_batch", "in_flight_per_key", "line_attempts"):
+    for name in ("max_lines", "in_flight_per_batch", "in_flight_per_key", "line_attempts", "max_batches_per_key",
+                 "max_batches_in_progress"):
         _check(getattr(b, name) >= 1, "expected a positive integer", key=f"batches.{name}", field_name=name, **ck)
     _check(b.reserve_slots >= 0, "expected zero or a positive integer", key="batches.reserve_slots",
            field_name="reserve_slots", **ck)

@@ -14,15 +14,24 @@ Who sees what: a key sees its own files and batches only (another's answer 404, 
 exist); the admin key (``[admin] key``) sees all, but only from ``[admin] allow``'s networks and
 through the admin key's one check (tenants/admin_key.py: throttled before it is compared); from
 elsewhere it is the unknown key it is there. Without keys in use, everyone is one owner.
+
+Bounds: an upload is held once (its file part is a view of the body, checked a line at a time,
+written from that view); batches in progress are limited per key and in all (``[batches]
+max_batches_per_key``, ``max_batches_in_progress``: 429 ``too_many_batches`` with ``Retry-After``).
+Every error is a JSON one: a full disk is a 507 ``disk_full``, another fault of the store a 503
+``batch_store_error`` (never the server's bare 500), and a failed write leaves no ``.part`` file.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import os
 import re
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -31,10 +40,20 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from passerelle.batches.runner import BatchMetrics, Runner, public
-from passerelle.batches.store import BatchStore, FileRow
-from passerelle.batches.validate import ENDPOINTS, check_batch, check_metadata, parse_lines, window_seconds
+from passerelle.batches.status import BatchStatus, move
+from passerelle.batches.store import STORE_ERRORS, BatchStore, FileRow
+from passerelle.batches.validate import (
+    ENDPOINTS,
+    Summary,
+    check_batch,
+    check_content,
+    check_file,
+    check_metadata,
+    max_line_bytes,
+    window_seconds,
+)
 from passerelle.config import BatchesConfig
-from passerelle.errors import BodyTooLarge, Forbidden, InvalidRequest
+from passerelle.errors import BodyTooLarge, Forbidden, GatewayError, InvalidRequest
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.intake import read_request_body
@@ -61,6 +80,42 @@ class StorageFull(InvalidRequest):
 
 class FileInUse(InvalidRequest):
     status, code = 409, "file_in_use"
+
+
+class TooManyBatches(GatewayError):
+    """A key's batches in progress, or all of them, are at their limit: one must end first."""
+
+    status, type, code = 429, "rate_limit_error", "too_many_batches"
+
+
+class DiskFull(GatewayError):
+    status, type, code = 507, "server_error", "disk_full"
+
+
+class BatchStoreError(GatewayError):
+    status, type, code = 503, "server_error", "batch_store_error"
+
+
+RETRY_BATCH_S = 60  # Retry-After of too_many_batches: a batch rarely ends sooner
+
+
+def _store_faults(handler: Callable[[BatchApi, Scope, Receive, Send], Awaitable[None]]
+                  ) -> Callable[[BatchApi, Scope, Receive, Send], Awaitable[None]]:
+    """A fault of the store (a full disk, a database error) as the API's JSON error, not the
+    server's bare 500."""
+
+    @functools.wraps(handler)
+    async def guarded(self: BatchApi, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await handler(self, scope, receive, send)
+        except STORE_ERRORS as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull("The gateway's disk is full: the Batch API cannot write now; retry later.",
+                               retry_after=60) from None
+            raise BatchStoreError(f"The Batch API's store failed ({exc.__class__.__name__}); retry later.",
+                                  retry_after=5) from None
+
+    return guarded
 
 
 def _query(scope: Scope) -> dict[str, str]:
@@ -110,6 +165,7 @@ class BatchApi:
         self.metrics = BatchMetrics(registry)
         self._store: BatchStore | None = None
         self._runner: Runner | None = None
+        self._creating: dict[str, int] = {}  # batches being created, by owner (counted in the limits)
 
     @property
     def store(self) -> BatchStore:
@@ -152,6 +208,7 @@ class BatchApi:
         return Caller(key.id if key is not None else "", key)
 
     # -- files ------------------------------------------------------------------------------------
+    @_store_faults
     async def files(self, scope: Scope, receive: Receive, send: Send) -> None:
         who = self.caller(scope)
         if scope["method"] == "POST":
@@ -169,29 +226,33 @@ class BatchApi:
             raise FileTooLarge(f"The file is larger than {self.cfg.max_file_bytes} bytes ([batches] "
                                "max_file_bytes).", param="file") from None
         ctype = header(scope, b"content-type")
-        purpose, content, filename = None, None, "upload.jsonl"
+        purpose, span, filename = None, None, "upload.jsonl"
         for part in form_parts(body, ctype):
             if part.name == "purpose" and not part.is_file and purpose is None:
                 purpose = body[part.start:min(part.end, part.start + 64)].decode("utf-8", "replace").strip()
-            elif part.name == "file" and content is None:
-                content = body[part.start:part.end]
+            elif part.name == "file" and span is None:
+                span = (part.start, part.end)  # (the content stays in the body: no copy)
                 head = _FILENAME.findall(body[max(0, part.start - 4096):part.start])
                 if head:
                     filename = head[-1].decode("utf-8", "replace")[:256]
         if purpose != "batch":
             raise InvalidRequest("'purpose' must be 'batch' (the only files this gateway keeps).", param="purpose")
-        if content is None:
+        if span is None:
             raise InvalidRequest("Missing the 'file' part of the form.", param="file")
-        if len(content) > self.cfg.max_file_bytes:
+        size = span[1] - span[0]
+        if size > self.cfg.max_file_bytes:
             raise FileTooLarge(f"The file is larger than {self.cfg.max_file_bytes} bytes ([batches] "
                                "max_file_bytes).", param="file")
-        lines = parse_lines(content, max_lines=self.cfg.max_lines)
+        # (in a thread: checking 64 MiB takes seconds the event loop keeps serving in)
+        summary = await asyncio.to_thread(check_content, body, *span, max_lines=self.cfg.max_lines,
+                                          max_line_bytes=max_line_bytes(self.gateway.cfg.server.max_body_bytes))
         total = await self.store.run(self.store.total_bytes)
-        if total + len(content) > self.cfg.max_total_bytes:
+        if total + size > self.cfg.max_total_bytes:
             raise StorageFull(f"The gateway's batch files would pass {self.cfg.max_total_bytes} bytes in all "
                               "([batches] max_total_bytes): delete files you no longer need.", param="file")
-        row = FileRow("file-" + secrets.token_hex(12), who.owner or "", "batch", filename, len(content), len(lines),
+        row = FileRow("file-" + secrets.token_hex(12), who.owner or "", "batch", filename, size, summary.lines,
                       time.time())
+        content = memoryview(body)[span[0]:span[1]]
         await self.store.run(self.store.add_file, row, [content])  # on disk before the answer
         return row.describe()
 
@@ -201,6 +262,7 @@ class BatchApi:
             raise NotFound(f"No such file: {file_id[:100]}.", param="file_id")
         return row
 
+    @_store_faults
     async def file_item(self, scope: Scope, receive: Receive, send: Send) -> None:
         who = self.caller(scope)
         rest = scope["path"].removeprefix("/v1/files/").strip("/")
@@ -240,6 +302,7 @@ class BatchApi:
             f.close()
 
     # -- batches ----------------------------------------------------------------------------------
+    @_store_faults
     async def batches(self, scope: Scope, receive: Receive, send: Send) -> None:
         who = self.caller(scope)
         if scope["method"] == "POST":
@@ -254,6 +317,29 @@ class BatchApi:
         if who.owner is None and self.gateway.keys.in_use:
             raise Forbidden("A batch runs for the API key that creates it, and the admin key is not one: create it "
                             "with the key it should be accounted to.")
+        owner = who.owner or ""
+        self._admit(owner)
+        self._creating[owner] = self._creating.get(owner, 0) + 1
+        try:
+            return await self._create_batch(scope, receive, who)
+        finally:
+            self._creating[owner] -= 1
+            if not self._creating[owner]:
+                del self._creating[owner]
+
+    def _admit(self, owner: str) -> None:
+        """Refuse a batch past the limits of batches in progress (those being created count)."""
+        mine = self.runner.in_progress(owner) + self._creating.get(owner, 0)
+        if mine >= self.cfg.max_batches_per_key:
+            raise TooManyBatches(f"This key already has {mine} batches in progress, the most one key may have "
+                                 "([batches] max_batches_per_key): wait for one to end, or cancel one.",
+                                 retry_after=RETRY_BATCH_S)
+        everyone = self.runner.in_progress() + sum(self._creating.values())
+        if everyone >= self.cfg.max_batches_in_progress:
+            raise TooManyBatches(f"The gateway already runs {everyone} batches, the most it runs at once "
+                                 "([batches] max_batches_in_progress): retry later.", retry_after=RETRY_BATCH_S)
+
+    async def _create_batch(self, scope: Scope, receive: Receive, who: Caller) -> dict[str, Any]:
         raw = await read_request_body(scope, receive, MAX_JSON)
         try:
             data = orjson.loads(raw)
@@ -276,9 +362,8 @@ class BatchApi:
         if row.purpose != "batch":
             raise InvalidRequest(f"The file {file_id} is not a batch input (purpose {row.purpose}).",
                                  param="input_file_id")
-        content = await self.store.run(self.store.content_path(row.id).read_bytes)
-        lines = parse_lines(content, max_lines=self.cfg.max_lines)
-        check_batch(lines, endpoint, lambda model: self._refuses(model, name, endpoint, who.key))
+        summary = await self.store.run(self._check_stored, row.id)
+        check_batch(summary, endpoint, lambda model: self._refuses(model, name, endpoint, who.key))
         if await self.store.run(self.store.total_bytes) > self.cfg.max_total_bytes:
             raise StorageFull(f"The gateway's batch files are past {self.cfg.max_total_bytes} bytes in all "
                               "([batches] max_total_bytes): delete files you no longer need.")
@@ -286,15 +371,23 @@ class BatchApi:
         key = who.key
         doc: dict[str, Any] = {
             "id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": endpoint, "errors": None,
-            "input_file_id": file_id, "completion_window": data["completion_window"], "status": "in_progress",
-            "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": now,
+            "input_file_id": file_id, "completion_window": data["completion_window"],
+            "status": BatchStatus.VALIDATING.value,
+            "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
             "expires_at": now + int(window), "finalizing_at": None, "completed_at": None, "failed_at": None,
             "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-            "request_counts": {"total": len(lines), "completed": 0, "failed": 0}, "metadata": metadata,
+            "request_counts": {"total": summary.lines, "completed": 0, "failed": 0}, "metadata": metadata,
             "_owner": who.owner or "", "_key_id": key.id if key else None, "_tenant": key.tenant if key else ""}
+        move(doc, BatchStatus.IN_PROGRESS, now)  # (checked above)
         await self.store.run(self.store.put_batch, doc)  # on disk before the answer
         self.runner.submit(doc)
         return public(doc)
+
+    def _check_stored(self, file_id: str) -> Summary:
+        """The stored input file checked again, streamed (on the store's thread)."""
+        with open(self.store.content_path(file_id), "rb") as f:
+            return check_file(f, max_lines=self.cfg.max_lines,
+                              max_line_bytes=max_line_bytes(self.gateway.cfg.server.max_body_bytes))
 
     def _refuses(self, model: str, name: str, endpoint: str, key: ApiKey | None) -> str | None:
         catalogue = self.gateway.catalogue
@@ -307,6 +400,7 @@ class BatchApi:
             return f"this API key may not use the model {model[:100]!r}"
         return None
 
+    @_store_faults
     async def batch_item(self, scope: Scope, receive: Receive, send: Send) -> None:
         who = self.caller(scope)
         rest = scope["path"].removeprefix("/v1/batches/").strip("/")
@@ -317,6 +411,6 @@ class BatchApi:
         if doc is None or not who.sees(doc["_owner"]):
             raise NotFound(f"No such batch: {batch_id[:100]}.", param="batch_id")
         if tail == "cancel":
-            doc = await self.runner.cancel(batch_id) or doc
+            doc = await self.runner.cancel(doc)
         await _json_response(send, 200, public(doc))
 

@@ -14,6 +14,11 @@ loopback costs a connection, a parse and a copy per line for nothing the in-proc
 Ending a line early (cancel, expiry, shutdown) is a client hanging up: its receive answers
 ``http.disconnect``, so the request ends with the cause ``client_disconnect`` and gives back its
 slot and its key's turn the same way.
+
+The line's outcome is the request's own :class:`RequestRecord` (its status, its termination cause,
+its token counts, as the gateway measured them for the metrics and the usage store): the
+gateway's listeners get every finished record, and :class:`LineRecords` hands each line its own
+(matched by the ``X-Request-Id`` of its answer), so nothing here parses an answer again.
 """
 
 from __future__ import annotations
@@ -22,8 +27,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
+from passerelle.observe.record import RequestRecord
 from passerelle.proxy.gateway import INTERNAL_KEY, Gateway
 
 
@@ -39,11 +43,23 @@ class Answer:
         return b"".join(self.chunks)
 
 
-class Line:
+class LineRecords:
+    """The finished records of the lines running, by request id: a :attr:`Gateway.listeners`
+    callable (one attribute test for any other request)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, LineRequest] = {}
+
+    def observe(self, rec: RequestRecord) -> None:
+        if rec.client == "batch" and (req := self.waiting.pop(rec.id, None)) is not None:
+            req.record = rec
+
+
+class LineRequest:
     """One line's request; ``hang_up()`` ends it as a client leaving would."""
 
     def __init__(self, path: str, body: bytes, *, key_id: str | None, class_name: str, batch_id: str,
-                 cap: int = 64 * 1024 * 1024) -> None:
+                 records: LineRecords, cap: int = 64 * 1024 * 1024) -> None:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-priority", class_name.encode()), (b"x-passerelle-batch", batch_id.encode())]
         self.scope: dict[str, Any] = {
@@ -57,6 +73,8 @@ class Line:
         self.cap = cap  # bytes of answer kept; past it the line hangs up (``too_large``)
         self.size = 0
         self.too_large = False
+        self.records = records
+        self.record: RequestRecord | None = None  # the gateway's, once the request has ended
 
     def hang_up(self) -> None:
         self._gone.set()
@@ -74,6 +92,7 @@ class Line:
             for k, v in message.get("headers", []):
                 if k == b"x-request-id":
                     self.answer.request_id = bytes(v).decode("latin-1")
+                    self.records.waiting[self.answer.request_id] = self
                 elif k == b"retry-after" and bytes(v).isdigit():
                     self.answer.retry_after = float(bytes(v))
         elif message.get("body") and not self.too_large:
@@ -86,18 +105,10 @@ class Line:
             self.answer.chunks.append(bytes(message["body"]))
 
     async def run(self, gateway: Gateway, endpoint: str) -> Answer:
-        await gateway.handle(self.scope, self._receive, self._send, endpoint)
+        """The answer; :attr:`record` is set by then (the gateway accounts a request before its
+        handler returns), unless no answer started (the line hung up first)."""
+        try:
+            await gateway.handle(self.scope, self._receive, self._send, endpoint)
+        finally:
+            self.records.waiting.pop(self.answer.request_id, None)
         return self.answer
-
-
-def usage_of(body: bytes) -> tuple[int, int]:
-    """(prompt, completion) tokens of an answer, from its ``usage`` in any of the APIs' spellings."""
-    try:
-        usage = orjson.loads(body).get("usage") or {}
-    except (orjson.JSONDecodeError, AttributeError):
-        return 0, 0
-    if not isinstance(usage, dict):
-        return 0, 0
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0))
-    completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
-    return (prompt if isinstance(prompt, int) else 0), (completion if isinstance(completion, int) else 0)

@@ -3,7 +3,7 @@ a time, until it is answered, its window ends, or it is cancelled; resumed after
 
     Runner.start()           resume every batch the store has in progress, cancelling or finalizing
     Runner.submit(doc)       run a new batch
-    Runner.cancel(id)        cancelling: lines running are ended, those not run are "batch_cancelled"
+    Runner.cancel(doc)       cancelling: lines running are ended, those not run are "batch_cancelled"
 
 How hard a batch pushes: at most ``in_flight_per_batch`` of its lines are queued or running, and
 at most ``in_flight_per_key`` of all the lines of one key's batches (a semaphore per key, first
@@ -11,64 +11,72 @@ come first served, so a key's batches share its turns); and all the batches' lin
 in the idle capacity (idle.py: a reserve of free slots, and none of what other classes use or wait
 for). The scheduler then orders the lines behind every better class, and preemption takes slots back.
 
-A line's outcome is one of: answered (any status the runtime or gateway gave: 200 goes to the
-output file, others to the error file, as OpenAI does), a passing failure (the runtime
-restarting, the queue full, rate limited: tried again after a pause, up to ``line_attempts``),
-or a quota used up (the whole batch pauses until the quota's window allows more; no attempt is
-spent). Each answer is committed to the store before the line counts as done (store.py).
+Memory: a batch holds the lines it runs and a few read ahead, never its file: its lines are read
+from the input a block at a time (validate.py LineReader), those already answered skipped (the
+store's rows, asked a block at a time).
+
+A line's outcome is its request's record (internal.py): answered (any status the runtime or
+gateway gave: 200 goes to the output file, others to the error file, as OpenAI does), a passing
+failure (the runtime restarting, the queue full, rate limited: tried again after a pause, up to
+``line_attempts``), or a quota used up (the whole batch pauses until the quota's window allows
+more; no attempt is spent). Each answer is committed to the store before the line counts as done
+(store.py). A store that fails (a full disk, a database error) pauses the line, which tries again
+(1 s, doubling to 30 s) until it can write; the batch's task never dies of it, and cancel always
+answers: the batch is ``cancelling`` at once and ends ``cancelled`` once its rows can be written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import secrets
 import time
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from passerelle.batches.idle import IdleGate
-from passerelle.batches.internal import Answer, Line, usage_of
-from passerelle.batches.store import BatchStore, FileRow, Result
-from passerelle.batches.validate import ENDPOINTS, parse_lines
-from passerelle.batches.validate import Line as InputLine
+from passerelle.batches.internal import LineRecords, LineRequest
+from passerelle.batches.outcome import Outcome, answer_record, error_record, outcome_of, passes
+from passerelle.batches.status import BatchStatus, move, status_of
+from passerelle.batches.store import STORE_ERRORS, BatchStore, FileRow, Result
+from passerelle.batches.validate import ENDPOINTS, Line, LineReader, max_line_bytes, parse_line
 from passerelle.config import BatchesConfig
-from passerelle.errors import UpstreamError
-from passerelle.proxy.assemble import assemble
+from passerelle.errors import Cause
 from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.resume import suspendable
 
 log = logging.getLogger("passerelle.batches")
 
-PASSING = {"rate_limit_exceeded", "queue_full", "tenant_queue_full", "queue_timeout", "no_backend", "upstream_error",
-           "upstream_timeout", "server_busy", "shutdown"}
+T = TypeVar("T")
+
 MAX_PAUSE_S = 60.0  # a paused batch looks again at least this often
+MAX_STORE_WAIT_S = 30.0  # a line whose answer the store could not write tries again at least this often
+END_GROUP = 512  # lines written at once as cancelled or expired
+TRIM_EVERY_S = 10.0  # an ended batch gives memory back at most this often while others run
 
 
-def request_id() -> str:
-    return "batch_req_" + secrets.token_hex(12)
+_LIBC = ctypes.CDLL(None)  # the process's own symbols: the C library's malloc_trim where it has one
 
 
-def _body(raw: bytes) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return raw.decode("utf-8", "replace")
+def give_back_memory() -> None:
+    """Hand the C allocator's free pages back to the system. Ending a batch frees many small
+    blocks that glibc keeps (RSS stayed 2x after 40 batches were cancelled, though nothing held
+    them); trimming returns them."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
-def error_record(custom_id: str, code: str, message: str) -> bytes:
-    return orjson.dumps({"id": request_id(), "custom_id": custom_id, "response": None,
-                         "error": {"code": code, "message": message}})
-
-
-def answer_record(custom_id: str, answer: Answer) -> bytes:
-    return orjson.dumps({"id": request_id(), "custom_id": custom_id,
-                         "response": {"status_code": answer.status, "request_id": answer.request_id,
-                                      "body": _body(answer.body)}, "error": None})
+class Stopping(Exception):
+    """The gateway stops while a batch waits for its store: it resumes at the next start."""
 
 
 def public(doc: dict[str, Any]) -> dict[str, Any]:
@@ -92,10 +100,14 @@ class BatchMetrics:
 @dataclass
 class Run:
     doc: dict[str, Any]
-    todo: list[InputLine] = field(default_factory=list)
-    running: set[Line] = field(default_factory=set)
+    reader: LineReader | None = None  # its input, where the next lines are read (None: all read)
+    ahead: deque[Line] = field(default_factory=deque)  # read, not yet taken (a block at most)
+    back: list[Line] = field(default_factory=list)  # taken and given back (paused, hung up): first again
+    reading: asyncio.Lock = field(default_factory=asyncio.Lock)
+    running: set[LineRequest] = field(default_factory=set)
     completed: int = 0
     failed: int = 0
+    counted: int = 0  # its lines in the waiting gauge
     paused_until: float = 0.0  # wall time: a quota is used up until then
     pause_reason: str = ""
     ending: str = ""  # "cancelled", "expired" or "stopping" (the gateway's shutdown) once decided
@@ -116,11 +128,15 @@ class Runner:
         self.runs: dict[str, Run] = {}
         self._key_turns: dict[str, asyncio.Semaphore] = {}
         self.idle = IdleGate(gateway, class_name, cfg.reserve_slots)
+        self.records = LineRecords()
         self._sweeper: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
         self.lines_done = 0  # since start, for the dashboard
+        self._trimmed_at = 0.0
 
     # -- life -----------------------------------------------------------------------------------
     async def start(self) -> None:
+        self.gateway.listeners.append(self.records.observe)
         for doc in await self.store.run(self.store.batches, None, 1 << 30, None,
                                         ("in_progress", "cancelling", "finalizing")):
             self._launch(doc)
@@ -129,6 +145,7 @@ class Runner:
     async def stop(self, timeout_s: float = 5.0) -> None:
         """The gateway stops: running lines hang up (their answers are not kept: they run again at
         the next start), and each batch's task ends."""
+        self._closing.set()
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.idle.close()
@@ -141,13 +158,20 @@ class Runner:
                 t.cancel()
             if late:
                 await asyncio.wait(late)
+        with contextlib.suppress(ValueError):
+            self.gateway.listeners.remove(self.records.observe)
 
     def submit(self, doc: dict[str, Any]) -> None:
         self._launch(doc)
 
+    def in_progress(self, owner: str | None = None) -> int:
+        """Batches not ended here: all, or those of ``owner``."""
+        return sum(1 for r in self.runs.values() if owner is None or r.doc["_owner"] == owner)
+
     def _launch(self, doc: dict[str, Any]) -> None:
         run = Run(doc)
         self.runs[doc["id"]] = run
+        self.metrics.batches.set(len(self.runs))
         run.task = asyncio.ensure_future(self._run(run))
         run.task.set_name(f"batch-{doc['id']}")
 
@@ -159,56 +183,144 @@ class Runner:
         run.doc["request_counts"].update(completed=run.completed, failed=run.failed)
         return run.doc
 
-    async def cancel(self, batch_id: str) -> dict[str, Any] | None:
-        run = self.runs.get(batch_id)
-        if run is None or run.doc["status"] not in ("in_progress", "validating"):
-            return self.live(batch_id)
-        run.doc.update(status="cancelling", cancelling_at=int(time.time()))
-        await self.store.run(self.store.put_batch, run.doc)
-        self.end(run, "cancelled")
-        return self.live(batch_id)
+    async def cancel(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """Cancel the batch ``doc`` (as the store or :meth:`live` has it); its document now. It is
+        ``cancelling`` at once, even when the store cannot write it yet (then its task writes it)."""
+        run = self.runs.get(doc["id"])
+        if run is None:  # (not running here though live: its task ended on a fault; end it now)
+            if not status_of(doc).live:
+                return doc
+            move(doc, BatchStatus.CANCELLING, time.time())
+            self._launch(doc)
+            run = self.runs[doc["id"]]
+        elif status_of(run.doc).live:
+            move(run.doc, BatchStatus.CANCELLING, time.time())
+            self.end(run, "cancelled")
+        else:
+            return self.live(doc["id"]) or doc
+        try:
+            await self.store.run(self.store.put_batch, run.doc)
+        except STORE_ERRORS as exc:  # (its task writes it once the store can)
+            log.warning("batch %s: cancelling not written yet (%s)", doc["id"], exc)
+        return self.live(doc["id"]) or run.doc
+
+    # -- the store, which may fail ----------------------------------------------------------------
+    async def _durably(self, run: Run, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, tried again while the store fails (1 s, doubling to 30 s) until it works or
+        the gateway stops (then :class:`Stopping`)."""
+        delay = 1.0
+        while True:
+            try:
+                out = await call()
+            except STORE_ERRORS as exc:
+                if isinstance(exc, FileNotFoundError):
+                    raise
+                if not run.pause_reason.startswith("store_error"):
+                    log.warning("batch %s: the store failed (%s: %s); its lines wait until it works again",
+                                run.doc["id"], exc.__class__.__name__, exc)
+                run.pause_reason = f"store_error: {exc.__class__.__name__}"
+            else:
+                if run.pause_reason.startswith("store_error"):
+                    run.pause_reason = ""
+                return out
+            if run.ending == "stopping" or self._closing.is_set():
+                raise Stopping
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._closing.wait()
+            delay = min(delay * 2, MAX_STORE_WAIT_S)
+
+    def _open(self, run: Run) -> None:
+        """Open the batch's input (on the store's thread)."""
+        f = open(self.store.content_path(run.doc["input_file_id"]), "rb")  # noqa: SIM115 (closed with the run)
+        run.reader = LineReader(f, max_line_bytes(self.gateway.cfg.server.max_body_bytes))
+
+    async def _next(self, run: Run) -> Line | None:
+        """The next line to run: one given back first, else the next one not answered; None at the end."""
+        if run.back:
+            return run.back.pop()
+        async with run.reading:
+            while not run.ahead:
+                reader = run.reader
+                if reader is None:
+                    return None
+                block = await self.store.run(reader.read, max(2 * self.cfg.in_flight_per_batch, 16))
+                if not block:
+                    run.reader = None
+                    await self.store.run(reader.close)
+                    return None
+                done = await self.store.run(self.store.done_among, run.doc["id"], block[0][0], block[-1][0])
+                run.ahead.extend(parse_line(n, raw) for n, raw in block if n not in done)
+            return run.ahead.popleft()
 
     # -- one batch ------------------------------------------------------------------------------
     async def _run(self, run: Run) -> None:
         doc = run.doc
         try:
-            content = await self.store.run(self.store.content_path(doc["input_file_id"]).read_bytes)
-            lines = parse_lines(content, max_lines=1 << 31)
-            done = await self.store.run(self.store.done_lines, doc["id"])
-            run.completed, run.failed = await self.store.run(self.store.counts, doc["id"])
-            run.todo = [line for line in lines if line.number not in done]
-            run.todo.reverse()  # popped from the end: the input's order
-            if doc["status"] == "cancelling":
-                run.ending = "cancelled"
-            elif doc["status"] == "in_progress":
-                self.metrics.waiting.inc(len(run.todo))
+            run.completed, run.failed = await self._durably(run, lambda: self.store.run(self.store.counts,
+                                                                                     doc["id"]))
+            status = status_of(doc)
+            if status in (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING):
                 try:
-                    await self._lines(run)
-                finally:
-                    self.metrics.waiting.dec(len(run.todo))
+                    await self._durably(run, lambda: self.store.run(self._open, run))
+                except FileNotFoundError:
+                    await self._fail(run, "input_file_missing", "The batch's input file is gone.")
+                    return
+            if status is BatchStatus.CANCELLING:
+                run.ending = "cancelled"
+            elif status is BatchStatus.IN_PROGRESS:
+                run.counted = run.waiting
+                self.metrics.waiting.inc(run.counted)
+                await self._lines(run)
             if run.ending == "stopping":
                 return  # the gateway stops: what is not answered runs at the next start
             await self._finish(run)
+        except Stopping:
+            return
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("batch %s stopped on an error; it resumes at the next start", doc["id"])
+        except Exception as exc:  # a fault of the gateway: the batch fails rather than stays in progress
+            log.exception("batch %s failed inside the gateway", doc["id"])
+            with contextlib.suppress(Stopping):
+                await self._fail(run, "internal_error", f"The gateway met a fault ({exc.__class__.__name__}); "
+                                                        "see its log.")
         finally:
+            self.metrics.waiting.dec(run.counted)
+            run.counted = 0
+            if run.reader is not None:
+                with contextlib.suppress(OSError):
+                    run.reader.close()
+                run.reader = None
             if self.runs.get(doc["id"]) is run:
                 del self.runs[doc["id"]]
+            self.metrics.batches.set(len(self.runs))
+            if not self.runs or time.monotonic() - self._trimmed_at > TRIM_EVERY_S:
+                self._trimmed_at = time.monotonic()
+                give_back_memory()
+
+    async def _fail(self, run: Run, code: str, message: str) -> None:
+        doc = run.doc
+        doc["errors"] = {"object": "list", "data": [{"code": code, "message": message, "param": None,
+                                                     "line": None}]}
+        doc["request_counts"].update(completed=run.completed, failed=run.failed)
+        if status_of(doc) is not BatchStatus.FAILED:
+            move(doc, BatchStatus.FAILED, time.time())
+        await self._durably(run, lambda: self.store.run(self.store.put_batch, doc))
+        log.warning("batch %s failed: %s", doc["id"], message)
 
     async def _lines(self, run: Run) -> None:
         """Run the lines until all are answered, the window ends, or the batch is cancelled or the
         gateway stops (then the lines running are hung up, and their workers end at once)."""
         workers = [asyncio.ensure_future(self._worker(run)) for _ in range(self.cfg.in_flight_per_batch)]
-        all_done = asyncio.gather(*workers)
         try:
-            await asyncio.wait([all_done], timeout=max(run.doc["expires_at"] - time.time(), 0.0))
+            await asyncio.wait(workers, timeout=max(run.doc["expires_at"] - time.time(), 0.0))
         finally:
-            if not all_done.done():
+            if any(not w.done() for w in workers):
                 self.end(run, "expired")
-            await asyncio.wait([all_done])  # (each worker returns once its line has hung up)
-        all_done.result()
+            await asyncio.wait(workers)  # (each worker returns once its line has hung up)
+        for w in workers:  # (every one is waited for before the reader closes; the first fault tells)
+            if not w.cancelled() and (exc := w.exception()) is not None:
+                raise exc
 
     def end(self, run: Run, why: str) -> None:
         """Stop ``run``: no line starts any more, the running ones hang up, naps end."""
@@ -221,23 +333,26 @@ class Runner:
     async def _worker(self, run: Run) -> None:
         owner = run.doc["_owner"]
         turns = self._key_turns.setdefault(owner, asyncio.Semaphore(self.cfg.in_flight_per_key))
-        while run.todo and not run.ending:
+        while not run.ending:
             pause = run.paused_until - time.time()
             if pause > 0:
                 await _nap(run, min(pause, MAX_PAUSE_S))
                 continue
+            line = await self._durably(run, lambda: self._next(run))
+            if line is None:
+                return
             run.pause_reason = ""
-            line = run.todo.pop()
             async with turns:
                 if run.ending:
-                    run.todo.append(line)
+                    run.back.append(line)
                     return
                 result = await self._line(run, line)
             if result is None:  # paused (a quota), or hung up (cancel, expiry, shutdown): not done
-                run.todo.append(line)
+                run.back.append(line)
                 continue
-            await self.store.add_result(result)
+            await self._durably(run, partial(self.store.add_result, result))
             self.metrics.waiting.dec()
+            run.counted -= 1
             self.lines_done += 1
             if result.ok:
                 run.completed += 1
@@ -246,7 +361,7 @@ class Runner:
                 run.failed += 1
                 self.metrics.lines.labels("failed").inc()
 
-    async def _line(self, run: Run, line: InputLine) -> Result | None:
+    async def _line(self, run: Run, line: Line) -> Result | None:
         """Run one line to its outcome: its result, or None when it must wait (a quota, an end)."""
         doc = run.doc
         endpoint = ENDPOINTS[line.url]
@@ -256,13 +371,14 @@ class Runner:
         streamed = endpoint in ("chat", "completions") and suspendable(line.body, endpoint)
         data = {**line.body, "stream": True, "stream_options": {"include_usage": True}} if streamed else line.body
         body = orjson.dumps(data)
-        answer = Answer()
+        outcome = Outcome(0, "", b"", None)
         for attempt in range(self.cfg.line_attempts):
             pool = self.idle.pool_of(line.body.get("model"), endpoint)
             if not await self.idle.enter(pool, doc["_owner"], lambda: bool(run.ending)):
                 return None  # the batch ends
-            request = Line(line.url, body, key_id=doc["_key_id"], class_name=self.class_name, batch_id=doc["id"],
-                           cap=self.gateway.cfg.limits.max_answer_bytes)
+            request = LineRequest(line.url, body, key_id=doc["_key_id"], class_name=self.class_name,
+                                  batch_id=doc["id"], records=self.records,
+                                  cap=self.gateway.cfg.limits.max_answer_bytes)
             run.running.add(request)
             self.metrics.running.inc()
             try:
@@ -274,45 +390,62 @@ class Runner:
             if request.too_large:
                 return Result(doc["id"], line.number, False, error_record(
                     line.custom_id, "answer_too_large", "The answer was larger than [limits] max_answer_bytes."))
-            if run.ending or answer.status == 0:
+            rec = request.record
+            if run.ending or rec is None or rec.cause in (Cause.CLIENT_DISCONNECT, Cause.CLIENT_TIMEOUT):
                 return None  # hung up: cancelled or expired; or the gateway is stopping
-            if streamed and answer.status == 200:
-                _assemble(answer, endpoint)
-            code = _error_code(answer)
-            if code == "quota_exceeded":
-                run.paused_until = time.time() + min(answer_retry_after(answer), MAX_PAUSE_S)
+            outcome = outcome_of(rec, answer, endpoint if streamed else "")
+            if rec.cause is Cause.QUOTA_EXCEEDED:
+                run.paused_until = time.time() + min(answer.retry_after or MAX_PAUSE_S, MAX_PAUSE_S)
                 run.pause_reason = "quota_exceeded"
                 return None
-            if code in PASSING and attempt + 1 < self.cfg.line_attempts:
+            if passes(outcome) and attempt + 1 < self.cfg.line_attempts:
                 await _nap(run, min(2.0 ** attempt, 30.0))
                 if run.ending:
                     return None
                 continue
             break
-        ptok, ctok = usage_of(answer.body) if answer.status == 200 else (0, 0)
-        return Result(doc["id"], line.number, answer.status == 200, answer_record(line.custom_id, answer), ptok, ctok)
+        ok = outcome.status == 200
+        rec = outcome.record
+        return Result(doc["id"], line.number, ok, answer_record(line.custom_id, outcome.status, outcome.request_id,
+                                                                outcome.body),
+                      (rec.prompt_tokens or 0) if ok and rec else 0, (rec.completion_tokens or 0) if ok and rec else 0)
+
+    async def _end_lines(self, run: Run) -> int:
+        """Lines not answered get the batch's end (cancelled, expired) as their error, a group of
+        rows at a time, read from the input as the lines to run are: the lines written."""
+        doc = run.doc
+        code, message = (("batch_cancelled", "This request was not run: the batch was cancelled.")
+                         if run.ending == "cancelled" else
+                         ("batch_expired", "This request could not be run before the batch's completion "
+                                           "window ended."))
+        written = 0
+        while True:
+            group: list[Result] = []
+            while len(group) < END_GROUP and (line := await self._durably(run, lambda: self._next(run))):
+                group.append(Result(doc["id"], line.number, False, error_record(line.custom_id, code, message)))
+            if not group:
+                return written
+            await self._durably(run, partial(self.store.run, self.store.insert_results, group))
+            written += len(group)
+            self.metrics.lines.labels(run.ending).inc(len(group))
+            self.metrics.waiting.dec(min(len(group), run.counted))
+            run.counted = max(run.counted - len(group), 0)
 
     async def _finish(self, run: Run) -> None:
         """Lines not answered get their error (expired, cancelled); the output and error files are
         assembled from the store's rows; the batch ends."""
         doc = run.doc
+        status = status_of(doc)
+        if run.ending in ("cancelled", "expired") and status is not BatchStatus.FINALIZING:
+            await self._end_lines(run)
+        final = (BatchStatus.CANCELLED if status is BatchStatus.CANCELLING
+                 else BatchStatus(run.ending or doc.get("_final") or "completed"))
+        if final is not BatchStatus.CANCELLED and status is not BatchStatus.FINALIZING:
+            move(doc, BatchStatus.FINALIZING, time.time())
+            doc["_final"] = final.value
+            await self._durably(run, lambda: self.store.run(self.store.put_batch, doc))
+        completed, failed = await self._durably(run, lambda: self.store.run(self.store.counts, doc["id"]))
         now = time.time()
-        if run.ending and doc["status"] != "finalizing":
-            code, message = (("batch_cancelled", "This request was not run: the batch was cancelled.")
-                             if run.ending == "cancelled" else
-                             ("batch_expired", "This request could not be run before the batch's completion "
-                                               "window ended."))
-            left = sorted(run.todo, key=lambda line: line.number)
-            for line in left:  # one commit for them all (grouped by the store)
-                await self.store.add_result(Result(doc["id"], line.number, False,
-                                                   error_record(line.custom_id, code, message)))
-            self.metrics.lines.labels(run.ending).inc(len(left))
-            run.todo = []
-        final = run.ending or doc.get("_final") or "completed"
-        if doc["status"] != "finalizing":
-            doc.update(status="finalizing", finalizing_at=int(now), _final=final)
-            await self.store.run(self.store.put_batch, doc)
-        completed, failed = await self.store.run(self.store.counts, doc["id"])
         outputs = []
         for purpose, n, field_name in (("batch_output", completed, "output_file_id"),
                                        ("batch_error", failed, "error_file_id")):
@@ -321,22 +454,27 @@ class Runner:
                 doc[f"_{field_name}"] = fid
                 outputs.append(FileRow(fid, doc["_owner"], purpose, f"{doc['id']}_{purpose.split('_')[1]}.jsonl",
                                        0, n, now))
-        await self.store.run(self.store.put_batch, doc)  # the files' ids, before they exist
-        ptok, ctok = await self.store.run(self.store.tokens, doc["id"])
-        stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[final]
-        doc.update(status=final, **{stamp: int(time.time())},
-                   output_file_id=doc.get("_output_file_id"), error_file_id=doc.get("_error_file_id"),
-                   request_counts={"total": doc["request_counts"]["total"], "completed": completed, "failed": failed},
-                   usage={"input_tokens": ptok, "output_tokens": ctok, "total_tokens": ptok + ctok})
+        await self._durably(run, lambda: self.store.run(self.store.put_batch, doc))  # the files' ids, first
+        ptok, ctok = await self._durably(run, lambda: self.store.run(self.store.tokens, doc["id"]))
+        ended = dict(doc)
+        move(ended, final, time.time())
+        ended.update(output_file_id=doc.get("_output_file_id"), error_file_id=doc.get("_error_file_id"),
+                     request_counts={"total": doc["request_counts"]["total"], "completed": completed,
+                                     "failed": failed},
+                     usage={"input_tokens": ptok, "output_tokens": ctok, "total_tokens": ptok + ctok})
+        await self._durably(run, lambda: self.store.run(self.store.finish, ended, outputs))
+        doc.update(ended)
         run.completed, run.failed = completed, failed
-        await self.store.run(self.store.finish, doc, outputs)
-        log.info("batch %s %s: %d completed, %d failed", doc["id"], final, completed, failed)
+        log.info("batch %s %s: %d completed, %d failed", doc["id"], final.value, completed, failed)
 
     # -- retention --------------------------------------------------------------------------------
     async def _sweep(self) -> None:
         every = min(self.cfg.retention_h * 3600 / 10, 600.0)
         while True:
-            await self.sweep_once()
+            try:
+                await self.sweep_once()
+            except STORE_ERRORS as exc:  # (tried again at the next round)
+                log.warning("batch retention: the store failed (%s: %s)", exc.__class__.__name__, exc)
             await asyncio.sleep(every)
 
     async def sweep_once(self, now: float | None = None) -> tuple[int, int]:
@@ -363,47 +501,8 @@ class Runner:
                 "lines_waiting": sum(r["waiting"] for r in rows), "batches": rows}
 
 
-def _assemble(answer: Answer, endpoint: str) -> None:
-    """A streamed line's answer as the non-streamed body (proxy/assemble.py), or the error event
-    that ended its stream (then a 502, tried again as a passing failure)."""
-    raw = answer.body
-    for event in raw.split(b"\n\n"):
-        event = event.strip()
-        if event.startswith(b"data:") and b'"error"' in event[:64]:
-            with contextlib.suppress(orjson.JSONDecodeError):
-                obj = orjson.loads(event[5:])
-                if isinstance(obj, dict) and "error" in obj:
-                    answer.status, answer.chunks = 502, [orjson.dumps(obj)]
-                    return
-    try:
-        answer.chunks = [assemble(raw, endpoint)]
-    except UpstreamError as err:
-        answer.status, answer.chunks = 502, [err.body()]
-
-
 async def _nap(run: Run, seconds: float) -> None:
     """Wait ``seconds``, or less if the batch ends meanwhile."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
             await run.wake.wait()
-
-
-def _error_code(answer: Answer) -> str:
-    """The gateway's error code of an answer (the Anthropic shape has none: its status tells)."""
-    if answer.status == 200:
-        return ""
-    try:
-        err = orjson.loads(answer.body).get("error") or {}
-    except (orjson.JSONDecodeError, AttributeError):
-        err = {}
-    code = err.get("code") if isinstance(err, dict) else None
-    if isinstance(code, str):
-        return code
-    if isinstance(err, dict) and err.get("type") == "insufficient_quota":
-        return "quota_exceeded"
-    return {429: "rate_limit_exceeded", 502: "upstream_error", 503: "no_backend",
-            504: "upstream_timeout"}.get(answer.status, "")
-
-
-def answer_retry_after(answer: Answer) -> float:
-    return answer.retry_after or MAX_PAUSE_S

@@ -12,6 +12,10 @@ Exactly once: a line's answer is one row keyed by (batch, line), inserted with `
 committed before the line counts as done; the output file is assembled from these rows at the end,
 so a line run twice (its answer lost in a crash before its commit) still appears once.
 
+A content file is written as ``<id>.part`` first: while it exists it counts in the bytes kept
+(``[batches] max_total_bytes``), a failed write removes it, and those a killed process left are
+removed when the store opens (its folder is this gateway's own: one process opens ``batches.db``).
+
 Every call goes to one thread (the store's executor), so SQLite is used from one thread and the
 event loop never waits on a disk. Answers are committed in groups (one fsync for all the lines
 that finished while the previous commit ran).
@@ -32,6 +36,8 @@ from typing import Any, TypeVar
 
 import orjson
 
+from passerelle.batches.status import ACTIVE
+
 T = TypeVar("T")
 
 _SCHEMA = """
@@ -46,7 +52,9 @@ CREATE TABLE IF NOT EXISTS results (
     PRIMARY KEY (batch_id, line));
 """
 
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+# A store's fault: the disk (full, gone read-only) or the database. The line or batch that meets
+# one waits and tries again; a client's request gets a JSON 507 or 503 (api.py).
+STORE_ERRORS = (OSError, sqlite3.Error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +86,23 @@ class Result:
     completion_tokens: int = 0
 
 
-def write_durably(path: Path, chunks: Iterator[bytes] | list[bytes]) -> int:
-    """Write ``path`` so that, once this returns, it is on disk under its name; its size."""
+def write_durably(path: Path, chunks: Iterator[bytes] | list[bytes] | list[memoryview]) -> int:
+    """Write ``path`` so that, once this returns, it is on disk under its name; its size. On an
+    error (a full disk) nothing is left: neither the ``.part`` file nor a half-written ``path``."""
     tmp = path.with_name(path.name + ".part")
     size = 0
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-            size += len(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                size += len(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -110,6 +124,9 @@ class BatchStore:
         self._pending: list[tuple[Result, asyncio.Future[None]]] = []
         self._flushing: asyncio.Task[None] | None = None
         self.remove_orphans()
+        for p in self.content_dir.glob("*.part"):  # a write a killed process left
+            with contextlib.suppress(OSError):
+                p.unlink()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -133,7 +150,7 @@ class BatchStore:
                     p.unlink()
 
     # -- files (on the store's thread) ----------------------------------------------------------
-    def add_file(self, row: FileRow, chunks: list[bytes]) -> None:
+    def add_file(self, row: FileRow, chunks: list[bytes] | list[memoryview]) -> None:
         write_durably(self.content_path(row.id), chunks)
         self.conn.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
                           (row.id, row.owner, row.purpose, row.filename, row.bytes, row.lines, row.created_at))
@@ -160,7 +177,12 @@ class BatchStore:
             self.content_path(file_id).unlink()
 
     def total_bytes(self) -> int:
-        return int(self.conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0])
+        """Bytes kept: every file's, and the ``.part`` files being written (or left by a kill)."""
+        parts = 0
+        for p in self.content_dir.glob("*.part"):
+            with contextlib.suppress(OSError):
+                parts += p.stat().st_size
+        return parts + int(self.conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0])
 
     def file_in_use(self, file_id: str) -> bool:
         """An active batch reads it."""
@@ -192,8 +214,10 @@ class BatchStore:
         return rows[:limit]
 
     # -- answered lines -------------------------------------------------------------------------
-    def done_lines(self, batch_id: str) -> set[int]:
-        return {r[0] for r in self.conn.execute("SELECT line FROM results WHERE batch_id = ?", (batch_id,))}
+    def done_among(self, batch_id: str, first: int, last: int) -> set[int]:
+        """The lines from ``first`` to ``last`` (numbers) already answered."""
+        return {r[0] for r in self.conn.execute("SELECT line FROM results WHERE batch_id = ? AND line BETWEEN ? AND ?",
+                                                (batch_id, first, last))}
 
     def counts(self, batch_id: str) -> tuple[int, int]:
         """(lines answered ok, lines failed)."""
@@ -206,7 +230,7 @@ class BatchStore:
                               "FROM results WHERE batch_id = ?", (batch_id,)).fetchone()
         return int(r[0]), int(r[1])
 
-    def _insert_results(self, rows: list[Result]) -> None:
+    def insert_results(self, rows: list[Result]) -> None:
         with self.conn:  # one transaction, one fsync
             self.conn.execute("BEGIN")
             self.conn.executemany("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?, ?)",
@@ -250,7 +274,7 @@ class BatchStore:
             while self._pending:
                 group, self._pending = self._pending, []
                 try:
-                    await self.run(self._insert_results, [r for r, _ in group])
+                    await self.run(self.insert_results, [r for r, _ in group])
                 except Exception as exc:  # (a full disk): each waiting line sees it
                     for _, fut in group:
                         if not fut.done():
