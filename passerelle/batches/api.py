@@ -39,6 +39,7 @@ from urllib.parse import parse_qs
 import orjson
 from prometheus_client import CollectorRegistry
 
+from passerelle.batches.parts import Parts
 from passerelle.batches.runner import BatchMetrics, Runner, public
 from passerelle.batches.status import BatchStatus, move
 from passerelle.batches.store import STORE_ERRORS, BatchStore, FileRow
@@ -55,7 +56,6 @@ from passerelle.batches.validate import (
 from passerelle.config import BatchesConfig
 from passerelle.errors import BodyTooLarge, Forbidden, GatewayError, InvalidRequest
 from passerelle.proxy.exchange import Receive, Scope, Send, header
-from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.intake import read_request_body
 from passerelle.proxy.protocols import form_parts
 from passerelle.tenants.admin_key import AdminKeyCheck
@@ -158,9 +158,9 @@ class Caller:
 class BatchApi:
     """The routes' handlers; ``start()`` opens the store in ``root`` and resumes the batches in it."""
 
-    def __init__(self, cfg: BatchesConfig, root: Path, gateway: Gateway, registry: CollectorRegistry,
+    def __init__(self, cfg: BatchesConfig, root: Path, parts: Parts, registry: CollectorRegistry,
                  admin: AdminKeyCheck, class_name: str) -> None:
-        self.cfg, self.root, self.gateway, self.admin = cfg, root, gateway, admin
+        self.cfg, self.root, self.parts, self.admin = cfg, root, parts, admin
         self.class_name = class_name
         self.metrics = BatchMetrics(registry)
         self._store: BatchStore | None = None
@@ -183,7 +183,7 @@ class BatchApi:
         if not self.cfg.enabled:
             return
         self._store = store = await asyncio.to_thread(BatchStore, self.root)
-        self._runner = Runner(store, self.gateway, self.cfg, self.class_name, self.metrics)
+        self._runner = Runner(store, self.parts, self.cfg, self.class_name, self.metrics)
         await self._runner.start()
 
     async def stop(self) -> None:
@@ -204,7 +204,7 @@ class BatchApi:
         # (only from [admin] allow, never an API key of ours; RateLimited while throttled, nothing compared)
         if self.admin.candidate(scope, presented) and self.admin.verify(scope, "batches", key=presented.encode()):
             return Caller(None, None)
-        key = self.gateway.keys.authenticate(scope)
+        key = self.parts.keys.authenticate(scope)
         return Caller(key.id if key is not None else "", key)
 
     # -- files ------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ class BatchApi:
                                "max_file_bytes).", param="file")
         # (in a thread: checking 64 MiB takes seconds the event loop keeps serving in)
         summary = await asyncio.to_thread(check_content, body, *span, max_lines=self.cfg.max_lines,
-                                          max_line_bytes=max_line_bytes(self.gateway.cfg.server.max_body_bytes))
+                                          max_line_bytes=max_line_bytes(self.parts.cfg.server.max_body_bytes))
         total = await self.store.run(self.store.total_bytes)
         if total + size > self.cfg.max_total_bytes:
             raise StorageFull(f"The gateway's batch files would pass {self.cfg.max_total_bytes} bytes in all "
@@ -314,7 +314,7 @@ class BatchApi:
         await _json_response(send, 200, _page([public(self.runner.live(d["id"]) or d) for d in rows], limit))
 
     async def _create(self, scope: Scope, receive: Receive, who: Caller) -> dict[str, Any]:
-        if who.owner is None and self.gateway.keys.in_use:
+        if who.owner is None and self.parts.keys.in_use:
             raise Forbidden("A batch runs for the API key that creates it, and the admin key is not one: create it "
                             "with the key it should be accounted to.")
         owner = who.owner or ""
@@ -351,7 +351,7 @@ class BatchApi:
         if endpoint not in ENDPOINTS:
             raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
         name = ENDPOINTS[endpoint]
-        if not self.gateway.registry.models_on(name):
+        if not self.parts.registry.models_on(name):
             raise InvalidRequest(f"No model is served on {endpoint} here.", param="endpoint")
         window = window_seconds(data.get("completion_window"), self.cfg.max_window_h * 3600)
         metadata = check_metadata(data.get("metadata"))
@@ -387,10 +387,10 @@ class BatchApi:
         """The stored input file checked again, streamed (on the store's thread)."""
         with open(self.store.content_path(file_id), "rb") as f:
             return check_file(f, max_lines=self.cfg.max_lines,
-                              max_line_bytes=max_line_bytes(self.gateway.cfg.server.max_body_bytes))
+                              max_line_bytes=max_line_bytes(self.parts.cfg.server.max_body_bytes))
 
     def _refuses(self, model: str, name: str, endpoint: str, key: ApiKey | None) -> str | None:
-        catalogue = self.gateway.catalogue
+        catalogue = self.parts.catalogue
         entry = catalogue.lookup(model)
         if entry is None:
             return f"the model {model[:100]!r} is not served here"

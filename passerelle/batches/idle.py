@@ -18,7 +18,7 @@ end, and grows again when the others leave (looked at every ``POLL_S``; no event
 Lines held back wait here, not in the scheduler's queue; a freed place goes to the waiting line of
 the owner with the fewest lines in flight (fair share between keys' batches), then the oldest.
 
-    gate = IdleGate(gateway, "batch", reserve=1)
+    gate = IdleGate(service, "batch", reserve=1)
     if await gate.enter(pool, owner, lambda: run.ending != ""):
         try: ...
         finally: gate.leave(pool, owner)
@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from passerelle.proxy.gateway import Gateway
+from passerelle.batches.parts import Parts
 from passerelle.runtimes.kinds import Backend
 
 POLL_S = 0.02  # how often held-back lines look again at what other classes use
@@ -50,8 +50,8 @@ class _Waiter:
 
 
 class IdleGate:
-    def __init__(self, gateway: Gateway, class_name: str, reserve: int, poll_s: float = POLL_S) -> None:
-        self.gateway, self.class_name, self.reserve, self.poll_s = gateway, class_name, reserve, poll_s
+    def __init__(self, parts: Parts, class_name: str, reserve: int, poll_s: float = POLL_S) -> None:
+        self.parts, self.class_name, self.reserve, self.poll_s = parts, class_name, reserve, poll_s
         self._in: Counter[tuple[str, ...]] = Counter()  # lines let through, by the names of their pool
         self._owners: Counter[str] = Counter()
         self._waiters: list[_Waiter] = []
@@ -64,7 +64,7 @@ class IdleGate:
         gateway then answers the line itself: unknown model, no backend)."""
         if not isinstance(model, str):
             return ()
-        catalogue = self.gateway.catalogue
+        catalogue = self.parts.catalogue
         entry = catalogue.lookup(model)
         pool = catalogue.pool(entry, endpoint) if entry is not None else None
         return tuple(pool or ())
@@ -75,7 +75,7 @@ class IdleGate:
         up = [b for b in pool if b.stats.up and not b.draining and not b.fenced]
         if not up:
             return 1
-        sched = self.gateway.scheduler
+        sched = self.parts.scheduler
         slots = sum(b.capacity for b in up)
         reserve = sum(min(self.reserve, max(b.capacity - 1, 0)) for b in up)
         batch = sum(sched.running.get((b.name, self.class_name), 0) for b in up)

@@ -45,12 +45,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from passerelle.batches.idle import IdleGate
 from passerelle.batches.internal import LineRecords, LineRequest
 from passerelle.batches.outcome import Outcome, answer_record, error_record, outcome_of, passes
+from passerelle.batches.parts import Parts
 from passerelle.batches.status import BatchStatus, move, status_of
 from passerelle.batches.store import STORE_ERRORS, BatchStore, FileRow, Result
 from passerelle.batches.validate import ENDPOINTS, Line, LineReader, max_line_bytes, parse_line
 from passerelle.config import BatchesConfig
 from passerelle.errors import Cause
-from passerelle.proxy.gateway import Gateway
 from passerelle.proxy.resume import suspendable
 
 log = logging.getLogger("passerelle.batches")
@@ -121,13 +121,13 @@ class Run:
 
 
 class Runner:
-    def __init__(self, store: BatchStore, gateway: Gateway, cfg: BatchesConfig, class_name: str,
+    def __init__(self, store: BatchStore, parts: Parts, cfg: BatchesConfig, class_name: str,
                  metrics: BatchMetrics) -> None:
-        self.store, self.gateway, self.cfg, self.class_name = store, gateway, cfg, class_name
+        self.store, self.parts, self.cfg, self.class_name = store, parts, cfg, class_name
         self.metrics = metrics
         self.runs: dict[str, Run] = {}
         self._key_turns: dict[str, asyncio.Semaphore] = {}
-        self.idle = IdleGate(gateway, class_name, cfg.reserve_slots)
+        self.idle = IdleGate(parts, class_name, cfg.reserve_slots)
         self.records = LineRecords()
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
@@ -136,7 +136,7 @@ class Runner:
 
     # -- life -----------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.gateway.listeners.append(self.records.observe)
+        self.parts.gateway.listeners.append(self.records.observe)
         for doc in await self.store.run(self.store.batches, None, 1 << 30, None,
                                         ("in_progress", "cancelling", "finalizing")):
             self._launch(doc)
@@ -159,7 +159,7 @@ class Runner:
             if late:
                 await asyncio.wait(late)
         with contextlib.suppress(ValueError):
-            self.gateway.listeners.remove(self.records.observe)
+            self.parts.gateway.listeners.remove(self.records.observe)
 
     def submit(self, doc: dict[str, Any]) -> None:
         self._launch(doc)
@@ -233,7 +233,7 @@ class Runner:
     def _open(self, run: Run) -> None:
         """Open the batch's input (on the store's thread)."""
         f = open(self.store.content_path(run.doc["input_file_id"]), "rb")  # noqa: SIM115 (closed with the run)
-        run.reader = LineReader(f, max_line_bytes(self.gateway.cfg.server.max_body_bytes))
+        run.reader = LineReader(f, max_line_bytes(self.parts.cfg.server.max_body_bytes))
 
     async def _next(self, run: Run) -> Line | None:
         """The next line to run: one given back first, else the next one not answered; None at the end."""
@@ -378,11 +378,11 @@ class Runner:
                 return None  # the batch ends
             request = LineRequest(line.url, body, key_id=doc["_key_id"], class_name=self.class_name,
                                   batch_id=doc["id"], records=self.records,
-                                  cap=self.gateway.cfg.limits.max_answer_bytes)
+                                  cap=self.parts.cfg.limits.max_answer_bytes)
             run.running.add(request)
             self.metrics.running.inc()
             try:
-                answer = await request.run(self.gateway, endpoint)
+                answer = await request.run(self.parts.gateway, endpoint)
             finally:
                 run.running.discard(request)
                 self.metrics.running.dec()

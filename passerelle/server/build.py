@@ -104,11 +104,12 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
         supervisor=supervisor, runtime_metrics=runtime_metrics, swapper=swapper, stores=stores,
         key_manager=key_manager, keys=keys, catalogue=catalogue, live=live, tracer=tracer, gateway=gateway,
         keys_api=KeysApi(cfg.admin.key, stores.keys, key_manager, keys, stores.usage, stores.reports),
-        # The Batch API: its store beside the keys' database, its lines at the least urgent class.
-        batches=BatchApi(cfg.batches, cfg.db_path().parent, gateway, metrics.registry, admin_key_check,
-                         max(cfg.classes, key=lambda c: c.rank).name),
         body_budget=BodyBudget(cfg.server), forwarded=ForwardedTrust(cfg.server), admin_guard=admin_guard,
         admin_login=AdminLogin(admin_guard, body_timeout_s=cfg.server.body_timeout_s),
         loader=loader, backends_configured=backends_configured)
+    # The Batch API: its store beside the keys' database, its lines at the least urgent class; it
+    # reads the service's parts (batches/parts.py), so a reload's are the ones it sees.
+    service.batches = BatchApi(cfg.batches, cfg.db_path().parent, service, metrics.registry, admin_key_check,
+                               max(cfg.classes, key=lambda c: c.rank).name)
     service.configure(cfg)  # (the call a reload makes)
     return service

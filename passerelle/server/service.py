@@ -97,7 +97,6 @@ class Service:
     tracer: RequestTracer | None
     gateway: Gateway
     keys_api: KeysApi
-    batches: BatchApi
     body_budget: BodyBudget  # request bodies held at once, and their deadline
     forwarded: ForwardedTrust  # who the client is behind a proxy
     admin_guard: AdminGuard
@@ -106,6 +105,7 @@ class Service:
     # The configuration lists backends (not the embedded default): a reload to none is refused.
     backends_configured: bool = True
     # What a reload changes in the backends (runtimes/fleet.py), and who hears the list changed.
+    batches: BatchApi = field(init=False)  # (built by build.py with the service itself: batches/parts.py)
     fleet: Fleet = field(init=False)
     on_backends_change: Callable[[], None] | None = field(init=False, default=None)
     cors: set[bytes] = field(init=False, default_factory=set)  # [server] cors_origins, encoded (the app reads it)
