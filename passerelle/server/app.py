@@ -311,11 +311,7 @@ class App:
 
     async def prom(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.swapper.refresh_metrics()
-        if (state := self.stores.describe()) is not None:
-            self.metrics.store_up.set(1 if state["up"] else 0)
-            self.metrics.usage_spooled.set(state["usage_spooled_bytes"])
-            self.metrics.usage_dropped.set(state["usage_rows_dropped"])
-            self.metrics.active.set(1 if self.active_lock is None or self.active_lock.active else 0)
+        self.stores.export(self.metrics)
         body = generate_latest(self.metrics.registry)
         await raw_response(send, 200, body, CONTENT_TYPE_LATEST.encode())
 

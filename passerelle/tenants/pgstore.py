@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import builtins
 import logging
-import re
 import threading
 import time
 from typing import Any
 
 from passerelle.errors import StoreUnavailable
 from passerelle.tenants.keys import ApiKey, KeyStore
+from passerelle.tenants.pgconn import connect, deadline, first_line, redacted
+from passerelle.tenants.workers import Worker
 
 log = logging.getLogger("passerelle.tenants.pgstore")
 
@@ -77,41 +78,24 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 _MIGRATION_LOCK = 0x70617373  # pg_advisory_xact_lock key: "pass"
 
 
-def redacted(url: str) -> str:
-    """``url`` without its password, for logs and the start-up lines."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
-
-
 class _Conn:
-    """psycopg's connection under the SQL KeyStore writes: ``?`` placeholders, BEGIN IMMEDIATE."""
+    """psycopg's connection under the SQL KeyStore writes: ``?`` placeholders, BEGIN IMMEDIATE, and
+    each statement within ``timeout_s`` (tenants/pgconn.py)."""
 
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
+    def __init__(self, raw: Any, timeout_s: float = 5.0) -> None:
+        self.raw, self.timeout_s = raw, timeout_s
 
     def execute(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
         if sql == "BEGIN IMMEDIATE":
             sql = "BEGIN"
-        return self.raw.execute(sql.replace("?", "%s"), args)
+        with deadline(self.raw, self.timeout_s):
+            return self.raw.execute(sql.replace("?", "%s"), args)
 
     def close(self) -> None:
         self.raw.close()
 
 
-def connect(url: str, timeout_s: float, **kw: Any) -> Any:
-    """A psycopg connection in autocommit mode, with ``timeout_s`` for connecting and each statement."""
-    import psycopg
-
-    return psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(timeout_s)),
-                           options=f"-c statement_timeout={int(timeout_s * 1000)}", **kw)
-
-
 _connect = connect
-
-
-def first_line(exc: BaseException) -> str:
-    """An error's first line, for a log line that says why the database is out of reach."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def migrate(conn: Any) -> int:
@@ -141,16 +125,17 @@ class PgKeyStore(KeyStore):
         self.path = redacted(url)  # type: ignore[assignment]  # (shown where a file's path is)
         self._lock = threading.Lock()
         raw = _connect(url, timeout_s)
-        self.conn = _Conn(raw)  # type: ignore[assignment]
-        migrate(raw)
+        self.conn = _Conn(raw, timeout_s)  # type: ignore[assignment]
+        with deadline(raw, max(timeout_s, 30.0)):  # (a migration may take longer than one statement)
+            migrate(raw)
         self._cached_version = -1
         self._cached: builtins.list[ApiKey] = []
         self.last_read = 0.0  # time.monotonic() of the last successful read
         self.failing = False
         self._read()
         self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="passerelle-pg-keys", daemon=True)
-        self._poller.start()
+        self.worker = Worker("pg-keys", self._poll, self._stop)
+        self.worker.start()
 
     # -- the request path's reads: what the poller last read ---------------------------------
     def version(self) -> int:
@@ -190,7 +175,7 @@ class PgKeyStore(KeyStore):
                 if self.failing:
                     with self._lock:
                         self.conn.close()
-                        self.conn = _Conn(_connect(self.url, self.timeout_s))  # type: ignore[assignment]
+                        self.conn = _Conn(_connect(self.url, self.timeout_s), self.timeout_s)  # type: ignore[assignment]
                 self._read()
                 if self.failing:
                     log.warning("store %s reachable again", self.path)
@@ -204,6 +189,6 @@ class PgKeyStore(KeyStore):
 
     def close(self) -> None:
         self._stop.set()
-        self._poller.join(self.timeout_s + self.poll_s + 1)
+        self.worker.join(self.timeout_s + self.poll_s + 1)
         with self._lock:
             self.conn.close()
