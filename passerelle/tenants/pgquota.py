@@ -9,9 +9,13 @@ lock makes two gateways' reservations on one key take turns, so the counts are e
 
 Settling (the runtime's count replacing the estimate) and releasing (a request refused after its
 reservation) never wait: they are queued (at most :data:`MAX_PENDING`) and applied by a thread,
-as upserts. While the database is out of reach, reservations raise :class:`SharedDown` at once
-(one reconnection attempt per ``retry_s``): the gateway counts in its own memory, and what it
-admitted is queued as adjustments, applied when the database is back.
+as upserts. Each transaction has a client-side deadline of ``timeout_s`` (tenants/pgconn.py). A
+transient error (a deadlock, a serialization failure, a connection the server ended) is tried
+again, up to :data:`TRIES` times within ``timeout_s``. Past that, or while the database is out of
+reach or silent, reservations raise :class:`SharedDown` at once (the thread, not a request,
+reconnects every ``retry_s``): the gateway counts in its own memory, logged and counted
+(:meth:`PgQuotas.counting_alone`), and what it admitted is queued as adjustments, applied when the
+database is back.
 
 Example::
 

@@ -8,7 +8,9 @@ counters (tenants/pgquota.py) are in the same database; batches stay in the inst
 The request path never waits on the database: a thread polls the keys' version and, when it
 moved, reads the keys; the key ring reads what that thread last read. While the database is
 unreachable the keys last read keep being served, the failure is logged once, and the thread
-reconnects every ``poll_s``; past ``[store] offline_s`` without a read, requests are refused
+reconnects every ``poll_s``. Every statement has a client-side deadline of ``timeout_s``
+(tenants/pgconn.py), so a database that stops answering is noticed as one that is gone. Past
+``[store] offline_s`` without a read, requests are refused
 (503 ``store_unavailable``) rather than served on keys that may have been revoked since. Writes
 (creating, changing, revoking a key) go to the database and fail with it.
 

@@ -11,6 +11,12 @@ While the database is away the spool grows, up to ``[store] spool_max_mib`` (pas
 dropped and counted, said in the log), and is written back when the database returns. The spool
 is truncated once everything in it is in the database.
 
+On a full disk a line is written whole or not at all (a write cut short is truncated back); the
+rows the disk refuses wait in memory (at most :data:`MAX_HELD`) and the thread appends them again
+once there is room. A line that cannot be read (cut by a crash of an older passerelle) is
+skipped, logged and counted (``damaged``); the thread never stops on one, and it is supervised
+(tenants/workers.py) against anything else.
+
 Example::
 
     usage = PgUsage(url, state / "usage-spool.jsonl"); usage.start()
