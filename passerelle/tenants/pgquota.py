@@ -150,7 +150,7 @@ class PgQuotas:
                 try:
                     return self._reserve_once(key_id, limits, tokens)
                 except db_errors() as exc:
-                    broken = self._conn is None or self._conn.broken or isinstance(exc, DeadlinePassed)
+                    broken = self._broken(exc)
                     if attempt == TRIES or not transient(exc) or time.monotonic() > give_up:
                         raise (self._lost(exc) if broken else SharedDown(first_line(exc))) from None
                     self.retried += 1
@@ -160,6 +160,10 @@ class PgQuotas:
             raise AssertionError("unreachable")
         finally:
             self._lock.release()
+
+    def _broken(self, exc: BaseException) -> bool:
+        """The connection is lost (not only the transaction failed)."""
+        return self._conn is None or bool(self._conn.broken) or isinstance(exc, DeadlinePassed)
 
     def _drop(self) -> None:
         if self._conn is not None:
@@ -189,7 +193,7 @@ class PgQuotas:
                     out[period] = (float(row[0]), int(row[1])) if row else (0.0, 0)
             return out
         except db_errors() as exc:
-            raise self._lost(exc) from None
+            raise (self._lost(exc) if self._broken(exc) else SharedDown(first_line(exc))) from None
         finally:
             self._lock.release()
 
@@ -248,7 +252,10 @@ class PgQuotas:
             except SharedDown:
                 return False
             except db_errors() as exc:
-                self._lost(exc)
+                if self._broken(exc):
+                    self._lost(exc)
+                else:  # (an error of this transaction only: the connection stays, the queue is tried again)
+                    log.info("quota adjustments: %s; tried again", first_line(exc))
                 return False
         with self._pending_lock:
             for _ in range(min(len(batch), len(self._pending))):

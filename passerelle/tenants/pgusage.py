@@ -228,6 +228,7 @@ class PgUsage:
         """Write the spool back to the database; False when the database is away."""
         if self._held:
             self._unhold()
+        errors: tuple[type[BaseException], ...] = (*db_errors(), OSError)
         with self._lock:
             try:
                 while True:
@@ -252,7 +253,7 @@ class PgUsage:
                 if self.spool.truncate_if(self.offset):
                     self.offset = 0
                 return True
-            except (*db_errors(), OSError) as exc:  # type: ignore[misc]
+            except errors as exc:
                 if self.up:
                     log.error("usage store %s unreachable (%s): usage rows kept in %s until it is back",
                               self._redacted, first_line(exc), self.spool.path)

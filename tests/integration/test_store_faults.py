@@ -34,7 +34,7 @@ from passerelle.tenants.quota import Limit, window
 from passerelle.tenants.usage import UsageRecorder
 from tests.conftest import wait_until
 from tests.integration.test_store_postgres import Postgres, chat, shared
-from tests.integration.test_store_postgres_ha import make_key, metric
+from tests.integration.test_store_postgres_ha import burst, make_key, metric
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +196,35 @@ def test_a_transient_error_on_a_reservation_is_tried_again_before_counting_alone
     assert quotas._reserve("k", limits, 10) == {"day": (20.0, 2)}  # tried again on a new connection
     assert quotas.retried == 1 and quotas.counted_alone == 0 and not quotas.down
     quotas.close()
+
+
+def test_transient_errors_on_reservations_never_let_two_gateways_past_a_shared_quota(postgres, gateway,
+                                                                                   fake_backend, tmp_path):
+    url = postgres.new_database()
+    fake = fake_backend(ttft_ms=5, itl_ms=1, slots=64)
+    a = gateway(shared(fake.url, url, slots=64))
+    b = gateway(shared(fake.url, url, slots=64), env={"PASSERELLE_STATE": str(tmp_path / "state-b")})
+    secret, key_id = make_key(a, "--quota", "50 requests/day")
+    for gw in (a, b):
+        wait_until(lambda gw=gw: httpx.get(gw.url + "/v1/me", headers={"Authorization": f"Bearer {secret}"},
+                                           timeout=10).status_code == 200, 10, what="the key on both gateways")
+    with psycopg.connect(url, autocommit=True) as conn:  # a few updates of the counters fail, as under contention
+        conn.execute("CREATE SEQUENCE fault_seq")
+        conn.execute("""CREATE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN IF nextval('fault_seq') IN (3, 10, 20, 30) THEN
+                RAISE EXCEPTION 'could not serialize access (injected)' USING ERRCODE = '40001'; END IF;
+            RETURN NEW; END $$""")
+        conn.execute("CREATE TRIGGER fault BEFORE UPDATE ON quota_use FOR EACH ROW EXECUTE FUNCTION fault()")
+    statuses = asyncio.run(burst([a.url, b.url], secret, 40))
+    served = statuses.count(200)
+    print(f"\n2 gateways x 40 concurrent requests, a quota of 50 requests a day, 4 serialization failures "
+          f"injected: {served} served, {statuses.count(429)} refused (429)")
+    assert served == 50 and statuses.count(429) == 30, statuses
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT last_value >= 30 FROM fault_seq").fetchone() == (True,)  # (the faults fired)
+        wait_until(lambda: conn.execute("SELECT requests FROM quota_use WHERE key_id = %s AND period = 'day'",
+                                        (key_id,)).fetchone() == (50,), 15, what="the counter at 50")
+    assert metric(a, "passerelle_quota_counted_alone") == 0 and metric(b, "passerelle_quota_counted_alone") == 0
 
 
 # -- a frozen PostgreSQL ---------------------------------------------------------------------------
