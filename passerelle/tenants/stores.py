@@ -106,15 +106,17 @@ class Stores:
             rec = self.usage
             if not (rec.failing or rec.dropped or restarted):
                 return None
-            return {"up": not rec.failing, "serving_keys": True, "usage_up": not rec.failing,
+            usage_up = not rec.failing and not rec.worker.failing
+            return {"up": usage_up, "serving_keys": True, "usage_up": usage_up,
                     "usage_rows_waiting": rec.held, "usage_rows_dropped": rec.dropped, "workers": workers}
         if not isinstance(self.keys, PgKeyStore) or not isinstance(self.usage, PgUsage):
             return None
         keys = self.keys.describe()
-        out = {**keys, "usage_up": self.usage.up, "usage_spooled_bytes": self.usage.pending_bytes,
+        usage_up = self.usage.up and not self.usage.worker.failing  # (a copier that fails carries nothing)
+        out = {**keys, "usage_up": usage_up, "usage_spooled_bytes": self.usage.pending_bytes,
                "usage_rows_waiting": self.usage.held, "usage_rows_dropped": self.usage.dropped,
                "usage_lines_damaged": self.usage.damaged, "workers": workers}
-        up = keys["up"] and self.usage.up
+        up = keys["up"] and usage_up
         if self.quotas is not None:
             out["quotas_up"] = not self.quotas.down
             out["quota_counted_alone"] = self.quotas.counted_alone

@@ -36,12 +36,14 @@ class Worker:
         self.name, self.loop, self.stop = name, loop, stop
         self.restarts = 0
         self.last_error = ""
+        self.failed_at: float | None = None  # time.monotonic() of the last failure
         self._thread: threading.Thread | None = None
         self._backoff = BACKOFF_S[0]
 
     def failed(self, exc: BaseException, started: float) -> float:
         """Count a failure of the loop; the seconds to wait before running it again."""
         self.restarts += 1
+        self.failed_at = time.monotonic()
         self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         if time.monotonic() - started > CALM_S:
             self._backoff = BACKOFF_S[0]
@@ -71,6 +73,11 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def failing(self) -> bool:
+        """It failed within the last :data:`CALM_S` (what it carries may not be getting through)."""
+        return self.failed_at is not None and time.monotonic() - self.failed_at < CALM_S
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"alive": self.alive, "restarts": self.restarts}

@@ -23,14 +23,17 @@ import httpx
 import orjson
 import psycopg
 import pytest
+from prometheus_client import generate_latest
 
 from passerelle.errors import Cause
+from passerelle.observe.metrics import Metrics
 from passerelle.observe.record import RequestRecord
 from passerelle.tenants.db import connect
 from passerelle.tenants.pgquota import PgQuotas
 from passerelle.tenants.pgstore import PgKeyStore
-from passerelle.tenants.pgusage import PgUsage
+from passerelle.tenants.pgusage import PgUsage, PgUsageReader
 from passerelle.tenants.quota import Limit, window
+from passerelle.tenants.stores import Stores
 from passerelle.tenants.usage import UsageRecorder
 from tests.conftest import wait_until
 from tests.integration.test_store_postgres import Postgres, chat, shared
@@ -147,6 +150,34 @@ def test_a_damaged_spool_line_is_skipped_and_counted_and_the_copier_carries_on(p
     wait_until(lambda: len(pg_rows(url)) == 3, 20, what="a later row in PostgreSQL")
     asyncio.run(usage.stop())
     usage.close()
+
+
+def test_a_copier_that_fails_is_restarted_and_said_in_health(postgres, tmp_path):
+    url = migrated(postgres.new_database())
+    usage = PgUsage(url, tmp_path / "usage-spool.jsonl", flush_s=0.05, timeout_s=2)
+    rows, failed = usage._rows, []
+
+    def failing_once(lines):
+        if not failed:
+            failed.append(True)
+            raise KeyError("a bug in the copier")
+        return rows(lines)
+
+    usage._rows = failing_once  # type: ignore[method-assign]
+    keys, reader = PgKeyStore(url, poll_s=0.2), PgUsageReader(url)
+    stores = Stores(keys=keys, usage=usage, reports=reader, load_usage=reader.used_since)
+    usage.record(finished(1))
+    usage.start()
+    wait_until(lambda: pg_rows(url) == [1], 20, what="the row written after the restart")
+    state = stores.describe()
+    assert state is not None and state["workers"]["pg-usage"] == {
+        "alive": True, "restarts": 1, "last_error": "KeyError: 'a bug in the copier'"}
+    assert state["usage_up"] is False and state["up"] is False  # (for a minute after a failure)
+    assert state["workers"]["pg-keys"] == {"alive": True, "restarts": 0}
+    metrics = Metrics()
+    stores.export(metrics)
+    assert 'passerelle_store_worker_restarts{worker="pg-usage"} 1.0' in generate_latest(metrics.registry).decode()
+    asyncio.run(stores.close())
 
 
 async def test_sqlite_usage_that_fails_to_commit_on_a_full_disk_is_kept_and_written_once_space_is_back(small_disk):

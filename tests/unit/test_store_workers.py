@@ -72,6 +72,7 @@ async def test_the_sqlite_usage_writer_that_fails_is_restarted_and_said_in_healt
     state = stores.describe()
     assert state is not None and state["workers"]["usage-writer"] == {
         "alive": True, "restarts": 1, "last_error": "RuntimeError: a bug in the writer"}
+    assert state["usage_up"] is False  # (for a minute after a failure: it may fail again)
     metrics = Metrics()
     stores.export(metrics)
     assert 'passerelle_store_worker_restarts{worker="usage-writer"} 1.0' in generate_latest(metrics.registry).decode()
