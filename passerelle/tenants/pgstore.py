@@ -33,7 +33,7 @@ from typing import Any
 
 from passerelle.errors import StoreUnavailable
 from passerelle.tenants.keys import ApiKey, KeyStore
-from passerelle.tenants.pgconn import connect, deadline, first_line, redacted
+from passerelle.tenants.pgconn import connect, db_errors, deadline, first_line, redacted
 from passerelle.tenants.workers import Worker
 
 log = logging.getLogger("passerelle.tenants.pgstore")
@@ -88,10 +88,16 @@ class _Conn:
         self.raw, self.timeout_s = raw, timeout_s
 
     def execute(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
+        """One statement within ``timeout_s``; the database failing or silent is a 503
+        (:class:`StoreUnavailable`) for whoever asked, never an internal error."""
         if sql == "BEGIN IMMEDIATE":
             sql = "BEGIN"
-        with deadline(self.raw, self.timeout_s):
-            return self.raw.execute(sql.replace("?", "%s"), args)
+        try:
+            with deadline(self.raw, self.timeout_s):
+                return self.raw.execute(sql.replace("?", "%s"), args)
+        except db_errors() as exc:
+            raise StoreUnavailable(f"The shared store is out of reach ({first_line(exc)}); try again later.",
+                                   retry_after=5) from exc
 
     def close(self) -> None:
         self.raw.close()

@@ -311,17 +311,19 @@ class PgUsageReader(ThreadedReports):
         self._lock = threading.Lock()
 
     def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        errors: tuple[type[BaseException], ...] = (*db_errors(), StoreUnavailable)
         with self._lock:
             try:
                 if self._conn is None:
                     self._conn = _Conn(connect(self.url, self.timeout_s), self.timeout_s)
                 return fn(self._conn, *args, **kw)
-            except db_errors() as exc:
+            except errors as exc:
                 if self._conn is not None:
                     with contextlib.suppress(Exception):
                         self._conn.close()
                 self._conn = None
-                raise StoreUnavailable(f"The usage store is out of reach ({first_line(exc)}); try again later.",
+                why = first_line(exc.__cause__ or exc if isinstance(exc, StoreUnavailable) else exc)
+                raise StoreUnavailable(f"The usage store is out of reach ({why}); try again later.",
                                        retry_after=5) from None
 
     def close(self) -> None:
