@@ -99,7 +99,8 @@ class _Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="passerelle-pg-deadline", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._heap[0][1] == entry:  # (the earliest now: the thread waits for a later one)
+                self._cond.notify()
             return entry
 
     def disarm(self, entry: int) -> bool:
