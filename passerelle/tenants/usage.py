@@ -106,6 +106,7 @@ class UsageRecorder:
         self._rows: deque[_Row] = deque()  # rows not yet committed: new ones, and those a failed commit gave back
         self.failing = False  # the last commit failed (a full disk); its rows wait here and are tried again
         self.dropped = 0  # rows lost past max_held while commits fail
+        self._popped = 0  # rows taken off the queue's head past max_held, ever
         self._write_lock = threading.Lock()  # a flush and a prune may overlap
         self._flushing = asyncio.Lock()  # flushes may overlap (the timer, a report asking for one)
         self.worker = TaskWorker("usage-writer", self._run)
@@ -123,6 +124,7 @@ class UsageRecorder:
                            prompt, completion, rec.user, rec.session))
         if len(self._rows) > self.max_held:  # (only while commits fail: the writer empties it every flush_s)
             self._rows.popleft()
+            self._popped += 1
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 10_000 == 0:
                 log.error("usage: more than %d rows wait for a commit that fails; the oldest are dropped "
@@ -145,7 +147,7 @@ class UsageRecorder:
         async with self._flushing:  # (one at a time: two would write the same rows)
             if not self._rows:
                 return
-            rows = list(self._rows)
+            rows, popped = list(self._rows), self._popped
             try:
                 await asyncio.to_thread(self._write, rows)
             except sqlite3.Error as exc:
@@ -154,7 +156,9 @@ class UsageRecorder:
                               "every %g s", len(rows), exc, self.max_held, self.flush_s)
                 self.failing = True
                 return
-            for _ in range(min(len(rows), len(self._rows))):  # (rows recorded meanwhile stay)
+            # the rows written leave the queue; rows recorded meanwhile stay (the oldest written may have
+            # been dropped meanwhile, past max_held: those are gone already)
+            for _ in range(min(max(0, len(rows) - (self._popped - popped)), len(self._rows))):
                 self._rows.popleft()
         if self.failing:
             log.warning("usage recorded again: %d rows written after failed commits", len(rows))
