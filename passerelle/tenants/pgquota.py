@@ -41,6 +41,7 @@ log = logging.getLogger("passerelle.tenants.pgquota")
 
 MAX_PENDING = 100_000  # adjustments waiting for the database; past it the oldest are dropped, said in the log
 TRIES = 3  # a reservation's tries on a transient error, before this gateway counts alone
+LOCK_BACKSTOP = 6  # x timeout_s: the longest wait for the connection (its holder's tries are bounded by timeout_s)
 
 
 class _Refused(Exception):
@@ -109,10 +110,12 @@ class PgQuotas:
         return SharedDown(first_line(exc))
 
     def _locked(self) -> None:
-        """Take the connection's lock within ``timeout_s`` (another reservation may be stuck on a
-        database that stopped answering: it is cut at its deadline, and this one counts alone)."""
-        if not self._lock.acquire(timeout=self.timeout_s):
-            raise SharedDown("the quota store is busy past [store] timeout_s")
+        """Take the connection's lock. Its holder is bounded by the deadline (a database that stops
+        answering is cut after ``timeout_s`` and marked down, and the reservations queued behind it
+        then fail at once), so this wait is too; the backstop only guards against a bug. Reservations
+        queued on a busy but live database wait their turn rather than count alone."""
+        if not self._lock.acquire(timeout=LOCK_BACKSTOP * self.timeout_s):
+            raise SharedDown(f"the quota store's connection was held past {LOCK_BACKSTOP} x [store] timeout_s")
 
     # -- SharedCounter -------------------------------------------------------------------------
     def _reserve_once(self, key_id: str, limits: list[Limit], tokens: float) -> dict[str, tuple[float, int]] | None:
