@@ -252,7 +252,7 @@ class StoreConfig:
 
     url: str = ""  # postgresql://user:password@host/db; empty: everything in the instance's SQLite file
     poll_s: float = 1.0  # how often each gateway looks for changed keys (and retries a lost database)
-    timeout_s: float = 5.0  # connecting, and each statement
+    timeout_s: float = 5.0  # client-side deadline of connecting and each statement (tenants/pgconn.py)
     offline_s: float = 300.0  # how long the keys last read are served while the database is away; then 503
     spool_max_mib: int = 256  # usage rows kept on disk (state_dir/usage-spool.jsonl) while the database is away
     active_passive: bool = False  # one gateway serves (it holds the lock), the others stand by

@@ -114,8 +114,19 @@ class Metrics:
                               "gateway serves cached keys and spools usage to disk.", registry=r)
         self.usage_spooled = Gauge("passerelle_usage_spool_bytes", "Usage rows on disk not yet written to the "
                                    "shared store.", registry=r)
-        self.usage_dropped = Gauge("passerelle_usage_rows_dropped", "Usage rows lost to a full spool "
-                                   "([store] spool_max_mib) since start.", registry=r)
+        self.usage_dropped = Gauge("passerelle_usage_rows_dropped", "Usage rows lost since start: a full "
+                                   "spool ([store] spool_max_mib), or past the rows kept while the disk is full.",
+                                   registry=r)
+        self.usage_waiting = Gauge("passerelle_usage_rows_waiting", "Usage rows in memory because the disk "
+                                   "refused them (full): SQLite's failed commits, PostgreSQL's spool; retried.",
+                                   registry=r)
+        self.usage_damaged = Gauge("passerelle_usage_spool_lines_damaged", "Usage spool lines that could not be "
+                                   "read and were skipped, since start.", registry=r)
+        self.quota_counted_alone = Gauge("passerelle_quota_counted_alone", "Quota reservations this gateway made "
+                                         "alone (the shared counter out of reach, after retries), since start.",
+                                         registry=r)
+        self.store_worker_restarts = Gauge("passerelle_store_worker_restarts", "Times a store's writer thread "
+                                           "failed and was restarted, since start.", ["worker"], registry=r)
         self.active = Gauge("passerelle_active", "1 when this gateway serves; 0 while it is the standby of an "
                             "active-passive pair.", registry=r)
         self.backend_up = Gauge("passerelle_backend_up", "1 when the backend answers its health check.",

@@ -144,13 +144,8 @@ async def batch_item(svc: Service, scope: Scope, receive: Receive, send: Send) -
 # -- admin: metrics, the dashboard, runtime control ------------------------------------------
 async def prom(svc: Service, scope: Scope, receive: Receive, send: Send) -> None:
     svc.swapper.refresh_metrics()
-    m = svc.metrics
-    if (state := svc.stores.describe()) is not None:
-        m.store_up.set(1 if state["up"] else 0)
-        m.usage_spooled.set(state["usage_spooled_bytes"])
-        m.usage_dropped.set(state["usage_rows_dropped"])
-        m.active.set(1 if svc.stores.active is None or svc.stores.active.active else 0)
-    await raw_response(send, 200, generate_latest(m.registry), CONTENT_TYPE_LATEST.encode())
+    svc.stores.export(svc.metrics)
+    await raw_response(send, 200, generate_latest(svc.metrics.registry), CONTENT_TYPE_LATEST.encode())
 
 
 async def ui(svc: Service, scope: Scope, receive: Receive, send: Send) -> None:

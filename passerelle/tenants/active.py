@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from passerelle.tenants.pgstore import connect, first_line, redacted
+from passerelle.tenants.pgconn import connect, deadline, first_line, redacted
+from passerelle.tenants.workers import Worker
 
 log = logging.getLogger("passerelle.tenants.active")
 
@@ -47,7 +48,7 @@ class ActiveLock:
         self.reason = "starting"  # why this gateway stands by (for /health and the log)
         self._conn: Any = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.worker = Worker("active-lock", self._run, self._stop)
 
     def _set(self, active: bool, reason: str = "") -> None:
         self.reason = reason
@@ -60,12 +61,14 @@ class ActiveLock:
         """One look: take the lock (standby) or check that it is still held (active)."""
         try:
             if self._conn is None:
-                self._conn = connect(self.url, self.timeout_s, keepalives=1, keepalives_idle=2,
-                                     keepalives_interval=1, keepalives_count=3,
-                                     tcp_user_timeout=int(self.timeout_s * 1000))
-            if self.active and self.unconfirmed_since is None:
-                self._conn.execute("SELECT 1")
-            elif self._conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_ID,)).fetchone()[0]:
+                self._conn = connect(self.url, self.timeout_s)  # (TCP keepalives on: tenants/pgconn.py)
+            confirming = self.active and self.unconfirmed_since is None
+            with deadline(self._conn, self.timeout_s):
+                if confirming:
+                    self._conn.execute("SELECT 1")
+                    return
+                held = self._conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_ID,)).fetchone()[0]
+            if held:
                 if not self.active or self.unconfirmed_since is not None:
                     log.warning("active: this gateway holds the lock in %s and serves", redacted(self.url))
                 self.unconfirmed_since = None
@@ -107,14 +110,12 @@ class ActiveLock:
 
     def start(self) -> None:
         self.step()  # the first answer before serving: a standby never serves by mistake
-        self._thread = threading.Thread(target=self._run, name="passerelle-active-lock", daemon=True)
-        self._thread.start()
+        self.worker.start()
 
     def close(self) -> None:
         """Stop and give the lock up (closing the session frees it for the standby at once)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.timeout_s + self.poll_s + 1)
+        self.worker.join(self.timeout_s + self.poll_s + 1)
         self._drop()
         self._set(False, "stopped")
 

@@ -8,7 +8,9 @@ counters (tenants/pgquota.py) are in the same database; batches stay in the inst
 The request path never waits on the database: a thread polls the keys' version and, when it
 moved, reads the keys; the key ring reads what that thread last read. While the database is
 unreachable the keys last read keep being served, the failure is logged once, and the thread
-reconnects every ``poll_s``; past ``[store] offline_s`` without a read, requests are refused
+reconnects every ``poll_s``. Every statement has a client-side deadline of ``timeout_s``
+(tenants/pgconn.py), so a database that stops answering is noticed as one that is gone. Past
+``[store] offline_s`` without a read, requests are refused
 (503 ``store_unavailable``) rather than served on keys that may have been revoked since. Writes
 (creating, changing, revoking a key) go to the database and fail with it.
 
@@ -25,13 +27,14 @@ from __future__ import annotations
 
 import builtins
 import logging
-import re
 import threading
 import time
 from typing import Any
 
 from passerelle.errors import StoreUnavailable
 from passerelle.tenants.keys import ApiKey, KeyStore
+from passerelle.tenants.pgconn import connect, db_errors, deadline, first_line, redacted
+from passerelle.tenants.workers import Worker
 
 log = logging.getLogger("passerelle.tenants.pgstore")
 
@@ -77,41 +80,30 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 _MIGRATION_LOCK = 0x70617373  # pg_advisory_xact_lock key: "pass"
 
 
-def redacted(url: str) -> str:
-    """``url`` without its password, for logs and the start-up lines."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
-
-
 class _Conn:
-    """psycopg's connection under the SQL KeyStore writes: ``?`` placeholders, BEGIN IMMEDIATE."""
+    """psycopg's connection under the SQL KeyStore writes: ``?`` placeholders, BEGIN IMMEDIATE, and
+    each statement within ``timeout_s`` (tenants/pgconn.py)."""
 
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
+    def __init__(self, raw: Any, timeout_s: float = 5.0) -> None:
+        self.raw, self.timeout_s = raw, timeout_s
 
     def execute(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
+        """One statement within ``timeout_s``; the database failing or silent is a 503
+        (:class:`StoreUnavailable`) for whoever asked, never an internal error."""
         if sql == "BEGIN IMMEDIATE":
             sql = "BEGIN"
-        return self.raw.execute(sql.replace("?", "%s"), args)
+        try:
+            with deadline(self.raw, self.timeout_s):
+                return self.raw.execute(sql.replace("?", "%s"), args)
+        except db_errors() as exc:
+            raise StoreUnavailable(f"The shared store is out of reach ({first_line(exc)}); try again later.",
+                                   retry_after=5) from exc
 
     def close(self) -> None:
         self.raw.close()
 
 
-def connect(url: str, timeout_s: float, **kw: Any) -> Any:
-    """A psycopg connection in autocommit mode, with ``timeout_s`` for connecting and each statement."""
-    import psycopg
-
-    return psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(timeout_s)),
-                           options=f"-c statement_timeout={int(timeout_s * 1000)}", **kw)
-
-
 _connect = connect
-
-
-def first_line(exc: BaseException) -> str:
-    """An error's first line, for a log line that says why the database is out of reach."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def migrate(conn: Any) -> int:
@@ -141,16 +133,17 @@ class PgKeyStore(KeyStore):
         self.path = redacted(url)  # type: ignore[assignment]  # (shown where a file's path is)
         self._lock = threading.Lock()
         raw = _connect(url, timeout_s)
-        self.conn = _Conn(raw)  # type: ignore[assignment]
-        migrate(raw)
+        self.conn = _Conn(raw, timeout_s)  # type: ignore[assignment]
+        with deadline(raw, max(timeout_s, 30.0)):  # (a migration may take longer than one statement)
+            migrate(raw)
         self._cached_version = -1
         self._cached: builtins.list[ApiKey] = []
         self.last_read = 0.0  # time.monotonic() of the last successful read
         self.failing = False
         self._read()
         self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="passerelle-pg-keys", daemon=True)
-        self._poller.start()
+        self.worker = Worker("pg-keys", self._poll, self._stop)
+        self.worker.start()
 
     # -- the request path's reads: what the poller last read ---------------------------------
     def version(self) -> int:
@@ -190,7 +183,7 @@ class PgKeyStore(KeyStore):
                 if self.failing:
                     with self._lock:
                         self.conn.close()
-                        self.conn = _Conn(_connect(self.url, self.timeout_s))  # type: ignore[assignment]
+                        self.conn = _Conn(_connect(self.url, self.timeout_s), self.timeout_s)  # type: ignore[assignment]
                 self._read()
                 if self.failing:
                     log.warning("store %s reachable again", self.path)
@@ -204,6 +197,6 @@ class PgKeyStore(KeyStore):
 
     def close(self) -> None:
         self._stop.set()
-        self._poller.join(self.timeout_s + self.poll_s + 1)
+        self.worker.join(self.timeout_s + self.poll_s + 1)
         with self._lock:
             self.conn.close()

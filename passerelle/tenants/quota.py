@@ -181,6 +181,10 @@ class SharedCounter(Protocol):
         """The windows' counts now (zero for a window not yet counted). Raises SharedDown."""
         ...
 
+    def counting_alone(self, key_id: str, why: str) -> None:
+        """A reservation is being made without the counter (it raised SharedDown): log and count it."""
+        ...
+
 
 class QuotaBook:
     """Tokens and requests each key used in its current day, week and month.
@@ -302,7 +306,8 @@ class QuotaBook:
             limits.append(Limit(period, w.start, w.end, float(tq[0]) if tq else None, rq[0] if rq else None))
         try:
             counts = await self.shared.reserve(key_id, limits, tokens)
-        except SharedDown:  # counted here, and in the store once it is back
+        except SharedDown as exc:  # (transient errors were tried again first) counted here, and in the store later
+            self.shared.counting_alone(key_id, str(exc))
             charge = self.reserve(key_id, quotas, tokens)
             if charge is not None:
                 charge.starts = {lim.period: lim.start for lim in limits}

@@ -1,5 +1,5 @@
 """Which key store an instance uses: ``[store] url`` (PostgreSQL, shared by several gateways) or
-its own SQLite file (``Config.db_path``). Usage rows and quotas follow the same choice (server/app.py)."""
+its own SQLite file (``Config.db_path``). Usage rows and quotas follow the same choice (tenants/stores.py)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ Example::
 
     stores = Stores.open(cfg)
     await stores.start()
-    stores.describe()     # None for SQLite; the shared store's state for /health and /metrics
+    stores.describe()     # the shared store's state for /health (SQLite: None unless amiss)
+    stores.export(metrics)  # the same for /metrics
     await stores.close()
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from passerelle.config import Config
+from passerelle.observe.metrics import Metrics
 from passerelle.tenants.active import ActiveLock
 from passerelle.tenants.db import connect
 from passerelle.tenants.keys import KeyStore
@@ -29,6 +31,7 @@ from passerelle.tenants.pgstore import PgKeyStore
 from passerelle.tenants.pgusage import PgUsage, PgUsageReader
 from passerelle.tenants.store import open_key_store
 from passerelle.tenants.usage import UsageReader, UsageRecorder, UsageReports, UsageSink
+from passerelle.tenants.workers import Worker
 
 LoadUsage = Callable[[str, list[float]], Awaitable[list[tuple[int, int]]]]
 
@@ -79,14 +82,65 @@ class Stores:
             self.usage.refused_retention_s = cfg.auth.usage_refused_retention_days * 86400.0
             self.usage.max_rows = cfg.auth.usage_max_rows
 
+    def workers(self) -> list[Worker]:
+        """The writer threads (and SQLite's writer task), each supervised (tenants/workers.py)."""
+        out: list[Worker] = []
+        if isinstance(self.usage, (PgUsage, UsageRecorder)):
+            out.append(self.usage.worker)
+        if self.quotas is not None:
+            out.append(self.quotas.worker)
+        if isinstance(self.keys, PgKeyStore):
+            out.append(self.keys.worker)
+        if self.active is not None:
+            out.append(self.active.worker)
+        return out
+
     def describe(self) -> dict[str, Any] | None:
-        """The shared store as /health shows it (keys, usage written back, what waits on disk);
-        ``None`` for the instance's own SQLite file."""
+        """The store as /health shows it: for PostgreSQL, whether it answers (keys, usage written
+        back, quotas), what waits on disk or in memory, and the writer threads; for the instance's own
+        SQLite file, ``None`` unless something is amiss (a commit failing, rows dropped, a writer
+        restarted)."""
+        workers = {w.name: w.describe() for w in self.workers()}
+        restarted = sum(w["restarts"] for w in workers.values())
+        if isinstance(self.usage, UsageRecorder):
+            rec = self.usage
+            if not (rec.failing or rec.dropped or restarted):
+                return None
+            usage_up = not rec.failing and not rec.worker.failing
+            return {"up": usage_up, "serving_keys": True, "usage_up": usage_up,
+                    "usage_rows_waiting": rec.held, "usage_rows_dropped": rec.dropped, "workers": workers}
         if not isinstance(self.keys, PgKeyStore) or not isinstance(self.usage, PgUsage):
             return None
         keys = self.keys.describe()
-        return {**keys, "up": keys["up"] and self.usage.up, "usage_up": self.usage.up,
-                "usage_spooled_bytes": self.usage.pending_bytes, "usage_rows_dropped": self.usage.dropped}
+        usage_up = self.usage.up and not self.usage.worker.failing  # (a copier that fails carries nothing)
+        out = {**keys, "usage_up": usage_up, "usage_spooled_bytes": self.usage.pending_bytes,
+               "usage_rows_waiting": self.usage.held, "usage_rows_dropped": self.usage.dropped,
+               "usage_lines_damaged": self.usage.damaged, "workers": workers}
+        up = keys["up"] and usage_up
+        if self.quotas is not None:
+            out["quotas_up"] = not self.quotas.down
+            out["quota_counted_alone"] = self.quotas.counted_alone
+            up = up and not self.quotas.down
+        out["up"] = up
+        return out
+
+    def export(self, metrics: Metrics) -> None:
+        """Set the store's metrics from its state (at each scrape of /metrics)."""
+        state = self.describe()
+        if isinstance(self.usage, UsageRecorder):
+            metrics.usage_dropped.set(self.usage.dropped)
+            metrics.usage_waiting.set(self.usage.held)
+        elif state is not None:
+            metrics.store_up.set(1 if state["up"] else 0)
+            metrics.usage_spooled.set(state["usage_spooled_bytes"])
+            metrics.usage_dropped.set(state["usage_rows_dropped"])
+            metrics.usage_waiting.set(state["usage_rows_waiting"])
+            metrics.usage_damaged.set(state["usage_lines_damaged"])
+            metrics.active.set(1 if self.active is None or self.active.active else 0)
+        if self.quotas is not None:
+            metrics.quota_counted_alone.set(self.quotas.counted_alone)
+        for w in self.workers():
+            metrics.store_worker_restarts.labels(w.name).set(w.restarts)
 
     async def start(self) -> None:
         self.usage.start()

@@ -29,12 +29,14 @@ import os
 import sqlite3
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
 from passerelle.observe.record import RequestRecord, clip
 from passerelle.tenants.db import connect
+from passerelle.tenants.workers import TaskWorker
 
 log = logging.getLogger("passerelle.tenants.usage")
 
@@ -42,6 +44,8 @@ log = logging.getLogger("passerelle.tenants.usage")
 # ("user" quoted: PostgreSQL's shared usage table reads a bare `user` as the connected role)
 DIMENSIONS = {"key": "key_id", "tenant": "tenant", "model": "model", "class": "class", "user": '"user"',
               "session": "session"}
+
+MAX_HELD = 100_000  # rows kept while commits fail (a full disk), about 20 MB; past it the oldest are dropped
 
 # A buffered row: (ts, tenant, key_id, class, model, cause, prompt_tokens, completion_tokens, user, session)
 _Row = tuple[float, str, str, str, str, str, int, int, str, str]
@@ -91,16 +95,26 @@ class UsageRecorder:
 
     def __init__(self, conn: sqlite3.Connection, *, flush_s: float = 0.5,
                  clock: Callable[[], float] = time.time, refused_retention_s: float = 7 * 86400.0,
-                 max_rows: int = 5_000_000, prune_every_s: float = 600.0) -> None:
+                 max_rows: int = 5_000_000, prune_every_s: float = 600.0, max_held: int = MAX_HELD) -> None:
         self.conn = conn
         self.flush_s = flush_s
         self.clock = clock  # a row's time: when its request ended
         self.refused_retention_s = refused_retention_s  # 0: kept
         self.max_rows = max_rows  # 0: no cap
         self.prune_every_s = prune_every_s
-        self._rows: list[_Row] = []
-        self._write_lock = threading.Lock()  # flushes may overlap (the timer, a report asking for one)
-        self._task: asyncio.Task[None] | None = None
+        self.max_held = max_held
+        self._rows: deque[_Row] = deque()  # rows not yet committed: new ones, and those a failed commit gave back
+        self.failing = False  # the last commit failed (a full disk); its rows wait here and are tried again
+        self.dropped = 0  # rows lost past max_held while commits fail
+        self._popped = 0  # rows taken off the queue's head past max_held, ever
+        self._write_lock = threading.Lock()  # a flush and a prune may overlap
+        self._flushing = asyncio.Lock()  # flushes may overlap (the timer, a report asking for one)
+        self.worker = TaskWorker("usage-writer", self._run)
+
+    @property
+    def held(self) -> int:
+        """Rows waiting to be committed."""
+        return len(self._rows)
 
     def record(self, rec: RequestRecord) -> None:
         if rec.cause is None:
@@ -108,6 +122,13 @@ class UsageRecorder:
         prompt, completion = billed_tokens(rec)
         self._rows.append((self.clock(), rec.tenant, rec.key_id, rec.priority, clip(rec.model), rec.cause.value,
                            prompt, completion, rec.user, rec.session))
+        if len(self._rows) > self.max_held:  # (only while commits fail: the writer empties it every flush_s)
+            self._rows.popleft()
+            self._popped += 1
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 10_000 == 0:
+                log.error("usage: more than %d rows wait for a commit that fails; the oldest are dropped "
+                          "(%d so far)", self.max_held, self.dropped)
 
     def _write(self, rows: list[_Row]) -> None:
         with self._write_lock:
@@ -117,16 +138,31 @@ class UsageRecorder:
                                       "completion_tokens, user, session) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
                 self.conn.execute("COMMIT")
             except BaseException:
-                self.conn.execute("ROLLBACK")
+                if self.conn.in_transaction:  # (SQLite ends it itself on some errors: a full disk)
+                    self.conn.execute("ROLLBACK")
                 raise
 
     async def flush(self) -> None:
-        if self._rows:
-            rows, self._rows = self._rows, []
+        """Commit the rows waiting; on failure they stay, in order, and the next flush tries again."""
+        async with self._flushing:  # (one at a time: two would write the same rows)
+            if not self._rows:
+                return
+            rows, popped = list(self._rows), self._popped
             try:
                 await asyncio.to_thread(self._write, rows)
-            except sqlite3.Error:
-                log.exception("could not record usage of %d requests", len(rows))
+            except sqlite3.Error as exc:
+                if not self.failing:
+                    log.error("could not record usage of %d requests (%s): kept (at most %d) and tried again "
+                              "every %g s", len(rows), exc, self.max_held, self.flush_s)
+                self.failing = True
+                return
+            # the rows written leave the queue; rows recorded meanwhile stay (the oldest written may have
+            # been dropped meanwhile, past max_held: those are gone already)
+            for _ in range(min(max(0, len(rows) - (self._popped - popped)), len(self._rows))):
+                self._rows.popleft()
+        if self.failing:
+            log.warning("usage recorded again: %d rows written after failed commits", len(rows))
+            self.failing = False
 
     def _prune(self) -> int:
         deleted = 0
@@ -166,14 +202,16 @@ class UsageRecorder:
             await self.flush()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="passerelle-usage")
+        self.worker.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        if self.worker.task is not None:
+            self.worker.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await self.worker.task
         await self.flush()
+        if self._rows:
+            log.error("usage of %d requests could not be recorded before stopping: lost", len(self._rows))
 
     def close(self) -> None:
         self.conn.close()

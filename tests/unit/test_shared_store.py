@@ -83,6 +83,7 @@ class Counter:
         self.rows: dict[tuple[str, str, float], list[float]] = {}
         self.down = False
         self.adjusted: list[tuple[str, dict[str, float], float, int]] = []
+        self.alone: list[tuple[str, str]] = []
 
     async def reserve(self, key_id: str, limits: list[Limit], tokens: float):
         if self.down:
@@ -105,6 +106,9 @@ class Counter:
 
     def adjust(self, key_id, starts, tokens, requests) -> None:
         self.adjusted.append((key_id, dict(starts), tokens, requests))
+
+    def counting_alone(self, key_id: str, why: str) -> None:
+        self.alone.append((key_id, why))
 
 
 async def test_with_a_shared_counter_the_book_reserves_there_and_learns_its_counts():
@@ -130,6 +134,7 @@ async def test_with_the_shared_counter_away_the_book_counts_alone_and_queues_wha
     charge = await book.take("k", quotas, 60)
     assert charge is not None and charge.shared and list(charge.starts) == ["day"]
     assert shared.adjusted == [("k", charge.starts, 60, 1)]  # added to the store's count once it is back
+    assert shared.alone == [("k", "away")]  # said (log, passerelle_quota_counted_alone), never silent
     with pytest.raises(QuotaExceeded):
         await book.take("k", quotas, 60)  # counted here meanwhile
 
