@@ -51,6 +51,7 @@ from passerelle.server.service import Service
 from passerelle.tenants.admin_key import AdminKeyCheck
 from passerelle.tenants.keys import KeyRing
 from passerelle.tenants.manage import KeyManager
+from passerelle.tenants.people import open_book
 from passerelle.tenants.policy import KeyPolicy
 from passerelle.tenants.stores import Stores
 
@@ -84,7 +85,8 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
     metrics.is_known_model = catalogue.serves
     # The dashboard's rolling window (/admin/stats, /ui), fed with every finished request.
     live = LiveStats(window_s=cfg.metrics.window_s, classes=[c.name for c in cfg.classes])
-    listeners: list[Callable[[RequestRecord], None]] = [stores.usage.record, keys.activity.observe]
+    people = open_book(cfg)  # names and emails beside the ids a front-end forwards
+    listeners: list[Callable[[RequestRecord], None]] = [stores.usage.record, keys.activity.observe, people.observe]
     if cfg.metrics.enabled:
         listeners.append(live.observe)
     tracer = start_tracer(cfg.tracing, cfg.source) if cfg.tracing.enabled else None  # (off: never imported)
@@ -109,6 +111,6 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
                          max(cfg.classes, key=lambda c: c.rank).name),
         body_budget=BodyBudget(cfg.server), forwarded=ForwardedTrust(cfg.server), admin_guard=admin_guard,
         admin_login=AdminLogin(admin_guard, body_timeout_s=cfg.server.body_timeout_s),
-        loader=loader, backends_configured=backends_configured)
+        loader=loader, backends_configured=backends_configured, people=people)
     service.configure(cfg)  # (the call a reload makes)
     return service

@@ -30,6 +30,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +123,7 @@ def sign(claims: dict[str, Any], secret: bytes, *, alg: str = "HS256") -> str:
     """A token as Open WebUI writes one (for tests and ``passerelle`` users checking a set-up)."""
     def enc(raw: bytes) -> str:
         return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
-    head = enc(orjson.dumps({"alg": alg, "typ": "JWT"}))
-    body = enc(orjson.dumps(claims))
+    head = enc(json.dumps({"alg": alg, "typ": "JWT"}).encode())
+    body = enc(json.dumps(claims, separators=(",", ":")).encode())  # (json: any int, as PyJWT writes)
     sig = hmac.new(secret, f"{head}.{body}".encode("ascii"), hashlib.sha256).digest()
     return f"{head}.{body}.{enc(sig)}"
