@@ -54,6 +54,7 @@ async def test_a_trusted_front_ends_task_runs_at_the_task_class_with_the_default
         task = gw.records[-1]
         assert (task.priority, task.task, task.max_tokens, task.completion_tokens) == (
             "batch", "follow_up_generation", 7, 7)
+        assert record_fields(task)["task"] == "follow_up_generation" and record_fields(task)["priority"] == "batch"
         # a task that sets its own limit keeps it (Open WebUI's title sends one)
         assert (await gw.post("/v1/chat/completions", {**CHAT, "max_tokens": 3}, headers=follow_up)).status == 200
         assert (gw.records[-1].priority, gw.records[-1].completion_tokens) == ("batch", 3)
@@ -62,6 +63,7 @@ async def test_a_trusted_front_ends_task_runs_at_the_task_class_with_the_default
         assert (await gw.post("/v1/chat/completions", CHAT, headers=own)).status == 200
         turn = gw.records[-1]
         assert (turn.priority, turn.task, turn.completion_tokens) == ("standard", "", 16)
+        assert "task" not in record_fields(turn)
 
 
 async def test_a_key_without_the_mark_cannot_call_its_requests_tasks(tmp_path):
