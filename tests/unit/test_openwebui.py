@@ -9,9 +9,12 @@ when a request gives none).
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -184,6 +187,50 @@ def test_signed_claims_of_any_shape_are_a_person_or_a_refusal(claims, alg):
         return
     assert alg == "HS256" and isinstance(person.sub, str) and person.sub.strip()
     assert isinstance(claims.get("exp"), int | float) and not isinstance(claims.get("exp"), bool)
+
+
+# -- what Open WebUI 0.12.4 really sent (tests/corpus/open-webui*, recorded by tests/corpus/record.py) --
+CORPUS = Path(__file__).resolve().parents[1] / "corpus"
+
+
+def test_the_token_open_webui_signed_verifies_with_its_secret():
+    """Interoperability: a token minted by Open WebUI 0.12.4 itself (PyJWT), checked by our verifier
+    at the time it was signed, and refused once expired."""
+    from tests.corpus.record import OPEN_WEBUI_JWT_SECRET
+
+    recorded = json.loads((CORPUS / "open-webui-jwt" / "001-chat.json").read_text())
+    jwt = recorded["headers"]["x-openwebui-user-jwt"]
+    claims = json.loads(base64.urlsafe_b64decode(jwt.split(".")[1] + "=="))
+    person = verify(jwt, OPEN_WEBUI_JWT_SECRET.encode(), now=claims["iat"])
+    assert (person.name, person.email, person.role) == ("Ada Admin", "ada@example.org", "admin") and person.sub
+    with pytest.raises(BadToken, match="expired"):
+        verify(jwt, OPEN_WEBUI_JWT_SECRET.encode(), now=claims["exp"] + 60)
+
+
+async def test_open_webuis_recorded_requests_through_a_trusted_key(tmp_path):
+    """Each chat and embeddings request Open WebUI sent, replayed with its headers through a key that
+    trusts it: 200; its tasks at the task class with the default limit where they set none (its
+    title sets 1000), its users' turns at the key's class; the person named with name and email."""
+    store = KeyStore(tmp_path / "k.db")
+    _, secret = store.create("webui", trust_forwarded_user=True)
+    files = sorted((CORPUS / "open-webui").glob("*.json"))
+    assert len(files) >= 15
+    seen_tasks = set()
+    async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "k.db",
+                                               auth=AuthConfig(task_max_tokens=9)) as gw:
+        for path in files:
+            recorded = json.loads(path.read_text())
+            body = {**recorded["body"], "model": "fake-model"}
+            resp = await gw.post(recorded["path"], body, headers=bearer(secret, **recorded["headers"]))
+            assert resp.status == 200, (path.name, resp.body[:300])
+            rec, task = gw.records[-1], recorded["headers"].get("x-openwebui-task", "")
+            assert (rec.user_name, rec.user_email) == ("Ada Admin", "ada@example.org"), path.name
+            assert rec.task == task and rec.priority == ("batch" if task else "standard"), path.name
+            if task:
+                seen_tasks.add(task)
+                assert rec.max_tokens == body.get("max_tokens", 9), path.name
+    assert {"title_generation", "tags_generation", "follow_up_generation", "query_generation",
+            "autocomplete_generation"} <= seen_tasks
 
 
 # -- names and emails beside the ids ------------------------------------------------------------

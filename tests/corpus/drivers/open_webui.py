@@ -65,6 +65,27 @@ def step(name: str, fn: Any) -> Any:
         return None
 
 
+def saved_chat_with_builtin_tools(base: str, token: str) -> None:
+    """A turn as the browser sends it: in a saved chat, with a session, so that Open WebUI offers
+    the model its built-in tools (native function calling), runs the one called and sends the result
+    back; the answer goes to the browser's socket, so the turn is awaited through its task list."""
+    chat = call(base, "POST", "/api/v1/chats/new", {"chat": {
+        "title": "New Chat", "models": [MODEL], "messages": [], "history": {"messages": {}, "currentId": None}}},
+        token)
+    user_id, reply_id = str(uuid.uuid4()), str(uuid.uuid4())
+    call(base, "POST", "/api/chat/completions", {
+        "model": MODEL, "stream": True, "chat_id": chat["id"], "id": reply_id, "session_id": "corpus-session",
+        "params": {"function_calling": "native"}, "features": {}, "parent_id": user_id,
+        "messages": [{"id": user_id, "role": "user", "content": "Search my notes for the word passerelle."}]},
+        token)
+    deadline = time.monotonic() + 120.0
+    while time.monotonic() < deadline:
+        if not call(base, "GET", f"/api/tasks/chat/{chat['id']}", token=token).get("task_ids"):
+            return
+        time.sleep(0.5)
+    raise ValueError("the chat's task did not end within 120 s")
+
+
 def main() -> int:
     work = Path.cwd()
     port = free_port()
@@ -80,6 +101,9 @@ def main() -> int:
            "OFFLINE_MODE": "true", "HF_HUB_OFFLINE": "1", "ANONYMIZED_TELEMETRY": "false",
            "DO_NOT_TRACK": "true", "SCARF_NO_ANALYTICS": "true", "ENABLE_VERSION_UPDATE_CHECK": "false",
            "WEBUI_AUTH": "true", "ENABLE_SIGNUP": "true", "ENABLE_WEBSOCKET_SUPPORT": "false"}
+    signed = bool(os.environ.get("OPEN_WEBUI_JWT_SECRET"))
+    if signed:  # its signed identity (X-OpenWebUI-User-Jwt) instead of the plain headers
+        env["FORWARD_USER_INFO_HEADER_JWT_SECRET"] = os.environ["OPEN_WEBUI_JWT_SECRET"]
     log = (work / "open-webui.log").open("wb")
     proc = subprocess.Popen([BIN, "serve", "--host", "127.0.0.1", "--port", str(port)], env=env, cwd=work,
                             stdout=log, stderr=subprocess.STDOUT)
@@ -98,6 +122,13 @@ def main() -> int:
         token = call(base, "POST", "/api/v1/auths/signup",
                      {"name": "Ada Admin", "email": "ada@example.org", "password": "corpus-password-1"})["token"]
         step("models", lambda: call(base, "GET", "/api/models", token=token))
+        if signed:
+            step("chat (signed identity)", lambda: call(base, "POST", "/api/chat/completions", {
+                "model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "stream": True}, token))
+            step("task: title (signed identity)", lambda: call(base, "POST", "/api/v1/tasks/title/completions", {
+                "model": MODEL, "messages": [{"role": "user", "content": "Hello"}, {"role": "assistant",
+                                                                                  "content": "Hi"}]}, token))
+            return 0
         chat_id = str(uuid.uuid4())
         hello = [{"role": "user", "content": "Why is the sky blue? Answer in one sentence."}]
         answer = [*hello, {"role": "assistant", "content": "Because air scatters blue light more than red."}]
@@ -112,10 +143,21 @@ def main() -> int:
             base, "POST", "/api/chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
              "tools": [tool], "stream": True, "params": {"function_calling": "native"}}, token))
-        step("chat with a native tool, not streamed", lambda: call(
-            base, "POST", "/api/chat/completions",
-            {"model": MODEL, "messages": [{"role": "user", "content": "And in Lyon?"}], "tools": [tool],
-             "stream": False}, token))
+        lyon = [{"role": "user", "content": "And in Lyon?"}]
+        called = step("chat with a native tool, not streamed", lambda: call(
+            base, "POST", "/api/chat/completions", {"model": MODEL, "messages": lyon, "tools": [tool],
+                                                    "stream": False}, token))
+        calls = (((called or {}).get("choices") or [{}])[0].get("message") or {}).get("tool_calls") \
+            if isinstance(called, dict) else None
+        if calls:  # the API caller runs the tool and sends its result back
+            step("the tool's result sent back", lambda: call(
+                base, "POST", "/api/chat/completions",
+                {"model": MODEL, "tools": [tool], "stream": True, "messages": [
+                    *lyon, {"role": "assistant", "content": "", "tool_calls": calls},
+                    {"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temperature": 21}'}]},
+                token))
+        step("chat in a saved chat with its built-in tools (as the browser sends it)",
+             lambda: saved_chat_with_builtin_tools(base, token))
         for name, path, extra in (
                 ("title", "/api/v1/tasks/title/completions", {}),
                 ("tags", "/api/v1/tasks/tags/completions", {}),
