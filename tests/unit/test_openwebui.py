@@ -280,3 +280,27 @@ def test_hostile_names_are_clipped_and_never_raw_control_characters():
     assert person is not None and person.user == "u1"
     assert "\x1b" not in person.name and "\n" not in person.name and len(person.name) <= auth.max_user_chars * 4
     assert person.email == "é ve@example.org"
+
+
+_header_value = st.binary(max_size=300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([b"x-openwebui-user-id", b"x-openwebui-user-name", b"x-openwebui-user-email",
+                                           b"x-openwebui-user-jwt", b"x-openwebui-task"]), _header_value), max_size=6),
+       st.booleans())
+def test_any_forwarded_headers_name_a_bounded_person_or_are_refused_with_a_401(headers, signed):
+    from passerelle.errors import BadForwardedUser
+    from passerelle.proxy.frontend import MAX_TASK_CHARS, person_of, task_of
+
+    auth = AuthConfig(forwarded_user_jwt_secret=SECRET if signed else "")
+    scope = {"headers": headers}
+    try:
+        person = person_of(auth, scope, time.time())
+    except BadForwardedUser:
+        assert signed
+        person = None
+    if person is not None:
+        assert 0 < len(person.user) <= auth.max_user_chars + 13 and "/" not in person.user
+        assert len(person.name) <= auth.max_user_chars * 4 and len(person.email) <= auth.max_user_chars * 4
+    assert len(task_of(auth, scope)) <= MAX_TASK_CHARS
