@@ -105,7 +105,7 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
         cfg, metrics=metrics, registry=registry, access_log=gateway.access_log, scheduler=scheduler,
         supervisor=supervisor, runtime_metrics=runtime_metrics, swapper=swapper, stores=stores,
         key_manager=key_manager, keys=keys, catalogue=catalogue, live=live, tracer=tracer, gateway=gateway,
-        keys_api=KeysApi(cfg.admin.key, stores.keys, key_manager, keys, stores.usage, stores.reports),
+        keys_api=KeysApi(cfg.admin.key, stores.keys, key_manager, keys, stores.usage, stores.reports, people),
         # The Batch API: its store beside the keys' database, its lines at the least urgent class.
         batches=BatchApi(cfg.batches, cfg.db_path().parent, gateway, metrics.registry, admin_key_check,
                          max(cfg.classes, key=lambda c: c.rank).name),

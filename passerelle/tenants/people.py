@@ -105,6 +105,20 @@ class PeopleBook:
         while len(self._known) > MAX_KNOWN:
             self._known.popitem(last=False)
 
+    def _names(self, key_id: str, users: list[str]) -> dict[str, tuple[str, str]]:
+        with self._lock:
+            return names(self.conn, key_id, users)
+
+    async def lookup(self, key_id: str, users: list[str]) -> dict[str, tuple[str, str]]:
+        """The names and emails of ``users`` of ``key_id`` (those just seen included); {} when the
+        store cannot answer now (a report still shows the ids)."""
+        await self.flush()
+        try:
+            return await asyncio.to_thread(self._names, key_id, users)
+        except Exception:  # (the database's own errors, SQLite's or psycopg's)
+            log.exception("could not read the names of %d people", len(users))
+            return {}
+
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.flush_s)

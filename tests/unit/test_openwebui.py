@@ -243,6 +243,9 @@ async def test_usage_by_user_shows_the_names_and_emails_a_front_end_forwarded(tm
                               "x-openwebui-user-email": "bob@example.org"}):
             assert (await gw.post("/v1/chat/completions", CHAT, headers=bearer(secret, **headers))).status == 200
         assert (gw.records[0].user_name, gw.records[0].user_email) == ("Ada Lovelace", "ada@example.org")
+        users = (await gw.get("/v1/me/usage", headers=bearer(secret))).json()["users"]
+        assert {(u["user"], u["name"], u["email"]) for u in users} == {
+            ("5b9c0e4e-ada", "Ada Lovelace", "ada@example.org"), ("c0ffee-bob", "Bob", "bob@example.org")}
     capsys.readouterr()
     assert main(["usage", "--db", str(db), "--by", "user", "--csv"]) == 0
     lines = capsys.readouterr().out.splitlines()
