@@ -219,6 +219,21 @@ class AuthConfig:
     # request in this header; the tenant becomes "<key's tenant>/<user>". Other keys' headers are ignored.
     forwarded_user_header: str = "x-openwebui-user-id"
     forwarded_chat_header: str = "x-openwebui-chat-id"  # the conversation: a session id (affinity, usage)
+    # ...and the person's name and email (Open WebUI URL-quotes the name), kept beside the id for
+    # `passerelle usage --by user`; cut to max_user_chars * 4
+    forwarded_name_header: str = "x-openwebui-user-name"
+    forwarded_email_header: str = "x-openwebui-user-email"
+    # With a secret (Open WebUI's FORWARD_USER_INFO_HEADER_JWT_SECRET), a trusted key's person comes
+    # only from the signed HS256 token in this header (claims sub, email, name; tenant "<tenant>/<sub>");
+    # the plain headers above are then ignored, and a bad or expired token is a 401. Never logged.
+    forwarded_user_jwt_header: str = "x-openwebui-user-jwt"
+    forwarded_user_jwt_secret: str = field(default="", repr=False)
+    # A trusted key's request with a non-empty value in this header is a front-end's background task
+    # (Open WebUI: a connection header "X-OpenWebUI-Task: {{TASK}}"): it runs at task_priority (never
+    # above the key's own class) and, when it sets no output limit, with max_tokens = task_max_tokens.
+    forwarded_task_header: str = "x-openwebui-task"
+    task_priority: str = "batch"
+    task_max_tokens: int = 512  # 0: no default
 
 
 @dataclass(frozen=True)
@@ -689,6 +704,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     _check(sections["routing"].max_session_in_flight >= 0, "expected zero (no cap) or a positive integer",
            file=file, key="routing.max_session_in_flight", text=text, header="routing",
            field_name="max_session_in_flight")
+    _check(sections["auth"].task_max_tokens >= 0, "expected zero (no default) or a positive number of tokens",
+           file=file, key="auth.task_max_tokens", text=text, header="auth", field_name="task_max_tokens")
     _check(16 <= sections["auth"].max_user_chars <= 4096, "expected between 16 and 4096 characters", file=file,
            key="auth.max_user_chars", text=text, header="auth", field_name="max_user_chars")
     for name in ("image_tokens", "audio_tokens"):
@@ -985,7 +1002,7 @@ def _load_classes(raw: Any, auth: AuthConfig, *, file: str, text: str, preemptio
         _check(0 < c.slot_share <= 1, "expected a fraction in (0, 1]", key=f"classes[{i}].slot_share",
                field_name="slot_share", **ck)
         by_name[c.name] = c
-    for key in ("anonymous_priority", "anonymous_max_priority"):
+    for key in ("anonymous_priority", "anonymous_max_priority", "task_priority"):
         _check(getattr(auth, key) in by_name, f"expected one of the classes: {', '.join(by_name)}",
                file=file, key=f"auth.{key}", text=text, header="auth", field_name=key)
     return tuple(sorted(by_name.values(), key=lambda c: c.rank))

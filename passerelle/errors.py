@@ -209,6 +209,12 @@ class KeyExpired(Unauthorized):
     code = "expired_api_key"
 
 
+class BadForwardedUser(Unauthorized):
+    """A trusted front-end's signed user token that does not verify (proxy/frontend.py)."""
+
+    code = "invalid_user_token"
+
+
 class Forbidden(GatewayError):
     status, type, code, cause = 403, "permission_error", "forbidden", Cause.FORBIDDEN
 

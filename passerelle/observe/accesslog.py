@@ -69,6 +69,7 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         **({"key_id": rec.key_id} if rec.key_id else {}),
         **({"user": rec.user} if rec.user else {}),
         **({"session": rec.session} if rec.session else {}),  # hashed: never the client's id itself
+        **({"task": rec.task} if rec.task else {}),  # a front-end's background task (proxy/frontend.py)
         "priority": rec.priority,
         "stream": rec.stream,
         "status": rec.status,

@@ -86,6 +86,9 @@ class RequestRecord:
     tenant: str = "anonymous"
     key_id: str = ""  # the API key's id (never its secret); "" without a key
     user: str = ""  # the person a trusted front-end forwarded (bounded); "" for none
+    user_name: str = ""  # ...and their name and email as it sent them (clipped), for usage reports
+    user_email: str = ""
+    task: str = ""  # the front-end's background task this request is (proxy/frontend.py); "" for none
     session: str = ""  # the session the client named, hashed (proxy/intake.py session_of); "" for none
     backend: str = ""
     slot: int | None = None  # the runtime's slot it ran in, where passerelle names it (llama-server)

@@ -43,6 +43,7 @@ from passerelle.errors import (
     InvalidRequest,
     QueueTimeout,
     UpstreamError,
+    encode_request,
 )
 from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics
@@ -54,6 +55,7 @@ from passerelle.proxy.call import Call
 from passerelle.proxy.capabilities import check_media
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
+from passerelle.proxy.frontend import person_of, task_class, task_of
 from passerelle.proxy.intake import (
     affinity_key,
     output_estimate,
@@ -72,7 +74,7 @@ from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
 from passerelle.tenants.keys import ApiKey
-from passerelle.tenants.names import forwarded_user, user_tenant
+from passerelle.tenants.names import user_tenant
 from passerelle.tenants.policy import KeyPolicy
 from passerelle.tenants.sessions import SessionGate
 
@@ -232,16 +234,25 @@ class Gateway:
         rec.stream = req.stream
         rec.max_tokens = req.max_tokens if isinstance(req.max_tokens, int) and req.max_tokens >= 0 else None
         cls = priority_class(self.classes, cfg.auth, scope, key)
-        rec.priority = cls.name
         trusted = key is not None and key.trust_forwarded_user
         if key is not None:
             rec.tenant = key.tenant
-            if trusted and (user := header(scope, cfg.auth.forwarded_user_header.lower().encode())):
+            if trusted and (person := person_of(cfg.auth, scope, time.time())) is not None:
                 # a trusted front-end names the person: their own tenant within the key's
-                rec.user = forwarded_user(user, cfg.auth.max_user_chars)
-                rec.tenant = f"{key.tenant}/{rec.user}" if rec.user else key.tenant
+                rec.user, rec.user_name, rec.user_email = person.user, person.name, person.email
+                rec.tenant = f"{key.tenant}/{rec.user}"
+            if trusted and (task := task_of(cfg.auth, scope)):
+                # a front-end's background task (title, tags, follow-ups...): its own class and,
+                # when it sets no output limit, the configured one
+                rec.task, cls = task, task_class(self.classes, cfg.auth, cls)
+                if (req.data is not None and api.generates and cfg.auth.task_max_tokens
+                        and not any(req.data.get(f) is not None for f in api.budget)):
+                    req.data = {**req.data, api.budget[-1]: cfg.auth.task_max_tokens}
+                    body = encode_request(req.data)
+                    rec.max_tokens = cfg.auth.task_max_tokens
         elif req.user:
             rec.tenant = user_tenant(req.user, cfg.auth.max_user_chars)
+        rec.priority = cls.name
         session = session_of(cfg.routing, scope, req.data, cfg.auth.forwarded_chat_header if trusted else "")
         rec.session = session_hash(session[1])
         # Model catalogue (runtimes/catalogue.py): name or alias -> public name, pool, served name;

@@ -51,6 +51,7 @@ from passerelle.server.service import Service
 from passerelle.tenants.admin_key import AdminKeyCheck
 from passerelle.tenants.keys import KeyRing
 from passerelle.tenants.manage import KeyManager
+from passerelle.tenants.people import open_book
 from passerelle.tenants.policy import KeyPolicy
 from passerelle.tenants.stores import Stores
 
@@ -84,7 +85,8 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
     metrics.is_known_model = catalogue.serves
     # The dashboard's rolling window (/admin/stats, /ui), fed with every finished request.
     live = LiveStats(window_s=cfg.metrics.window_s, classes=[c.name for c in cfg.classes])
-    listeners: list[Callable[[RequestRecord], None]] = [stores.usage.record, keys.activity.observe]
+    people = open_book(cfg)  # names and emails beside the ids a front-end forwards
+    listeners: list[Callable[[RequestRecord], None]] = [stores.usage.record, keys.activity.observe, people.observe]
     if cfg.metrics.enabled:
         listeners.append(live.observe)
     tracer = start_tracer(cfg.tracing, cfg.source) if cfg.tracing.enabled else None  # (off: never imported)
@@ -103,10 +105,10 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
         cfg, metrics=metrics, registry=registry, access_log=gateway.access_log, scheduler=scheduler,
         supervisor=supervisor, runtime_metrics=runtime_metrics, swapper=swapper, stores=stores,
         key_manager=key_manager, keys=keys, catalogue=catalogue, live=live, tracer=tracer, gateway=gateway,
-        keys_api=KeysApi(cfg.admin.key, stores.keys, key_manager, keys, stores.usage, stores.reports),
+        keys_api=KeysApi(cfg.admin.key, stores.keys, key_manager, keys, stores.usage, stores.reports, people),
         body_budget=BodyBudget(cfg.server), forwarded=ForwardedTrust(cfg.server), admin_guard=admin_guard,
         admin_login=AdminLogin(admin_guard, body_timeout_s=cfg.server.body_timeout_s),
-        loader=loader, backends_configured=backends_configured)
+        loader=loader, backends_configured=backends_configured, people=people)
     # The Batch API: its store beside the keys' database, its lines at the least urgent class; it
     # reads the service's parts (batches/parts.py), so a reload's are the ones it sees.
     service.batches = BatchApi(cfg.batches, cfg.db_path().parent, service, metrics.registry, admin_key_check,

@@ -36,6 +36,7 @@ from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.server.responses import json_response
 from passerelle.tenants.keys import ApiKey, KeyStore
 from passerelle.tenants.manage import KeyManager
+from passerelle.tenants.people import PeopleBook
 from passerelle.tenants.policy import KeyPolicy
 from passerelle.tenants.quota import iso_time
 from passerelle.tenants.usage import UsageReports, UsageSink, parse_since
@@ -95,6 +96,7 @@ class KeysApi:
     policy: KeyPolicy
     recorder: UsageSink
     reader: UsageReports
+    people: PeopleBook | None = None  # names and emails beside a front-end's people (tenants/people.py)
 
     def _require_admin_key(self) -> None:
         if not self.admin_key:
@@ -179,7 +181,9 @@ class KeysApi:
         users = await self.reader.report(since=since, by=("user",), key_id=key.id, after=after, limit=limit + 1)
         more = len(users) > limit
         users = users[:limit]
-        paged = {"users": [{**r, "tenant": f"{key.tenant}/{r['user']}", "last_seen": iso_time(r["last_seen"])}
+        named = await self.people.lookup(key.id, [r["user"] for r in users]) if self.people and users else {}
+        paged = {"users": [{**r, "tenant": f"{key.tenant}/{r['user']}", "last_seen": iso_time(r["last_seen"]),
+                            **dict(zip(("name", "email"), named.get(r["user"], ("", "")), strict=True))}
                            for r in users],
                  "has_more": more, "last_user": users[-1]["user"] if users else None}
         await json_response(send, 200, {

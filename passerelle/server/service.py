@@ -64,6 +64,7 @@ from passerelle.server.login import AdminLogin
 from passerelle.server.sdnotify import Notifier
 from passerelle.server.shutdown import ShuttingDown, end_open_requests
 from passerelle.tenants.manage import KeyManager
+from passerelle.tenants.people import PeopleBook
 from passerelle.tenants.policy import KeyPolicy
 from passerelle.tenants.stores import Stores
 
@@ -104,6 +105,7 @@ class Service:
     loader: Callable[[], Config] | None = None  # re-reads the configuration for a reload
     # The configuration lists backends (not the embedded default): a reload to none is refused.
     backends_configured: bool = True
+    people: PeopleBook | None = None  # the names and emails a front-end forwards (tenants/people.py)
     # What a reload changes in the backends (runtimes/fleet.py), and who hears the list changed.
     batches: BatchApi = field(init=False)  # (built by build.py with the service itself: batches/parts.py)
     fleet: Fleet = field(init=False)
@@ -151,6 +153,8 @@ class Service:
         await self.registry.start()
         self.registry.on_up = self.scheduler.dispatch
         await self.stores.start()
+        if self.people is not None:
+            self.people.start()
         await self.batches.start()
         # What exists after start-up lives as long as the process: keep it out of every
         # collection, and collect less often (full collections paused the loop for 40-50 ms).
@@ -184,6 +188,9 @@ class Service:
         self.access_log.flush()  # (requests cut short after this are flushed at exit)
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # the spans still buffered, sent
+        if self.people is not None:
+            await self.people.stop()
+            await asyncio.to_thread(self.people.close)
         await self.stores.close()  # usage still buffered written, the pair's lock freed for the standby at once
 
     def banner(self, admin_url: str) -> str:

@@ -195,10 +195,15 @@ def cmd_usage(args: argparse.Namespace) -> int:
     rows = report(store.conn, since=since, until=until, by=by)
     print(f"store: {store.path}", file=sys.stderr)  # (stderr: --csv output stays CSV)
     keys = {k.id: k for k in store.list()} if "key" in by else {}
+    people: dict[str, tuple[str, str]] = {}
+    if "user" in by:  # names and emails a front-end forwarded beside its ids (tenants/people.py)
+        from passerelle.tenants.people import names
+
+        people = names(store.conn, None, [r["user"] for r in rows])
     figures = ["requests", "prompt_tokens", "completion_tokens", "total_tokens", "not_ok", "limited", "last_seen"]
     head: list[str] = []
     for d in by:
-        head += ["key", "label", "key_tenant"] if d == "key" else [d]
+        head += ["key", "label", "key_tenant"] if d == "key" else ["user", "name", "email"] if d == "user" else [d]
     out = []
     for r in rows:
         line: list[Any] = []
@@ -207,6 +212,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
                 k = keys.get(r["key"])
                 line += [r["key"] or "-", (k.label if k else "") or ("(no key)" if not r["key"] else "-"),
                          k.tenant if k else "-"]
+            elif d == "user":
+                line += [r["user"], *people.get(r["user"], ("", ""))]
             else:
                 line.append(r[d])
         out.append([*line, *(r[f] for f in figures)])

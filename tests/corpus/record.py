@@ -33,6 +33,7 @@ DRIVERS = HERE / "drivers"
 BIN = Path.home() / ".cache" / "passerelle" / "clients" / "node_modules" / ".bin"
 TASK = "Create a file named hello.txt containing the word hello. Use your shell tool, then say done."
 TIMEOUT_S = 240
+TIMEOUT_S_OF = {"open-webui": 900, "open-webui-jwt": 900}  # its first start migrates a database and loads its RAG parts
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,21 @@ def _python_driver(script: str, python: Callable[[argparse.Namespace], str]) \
     return command
 
 
+# the secret of the recorded signed identity (tests/unit/test_openwebui.py verifies those tokens)
+OPEN_WEBUI_JWT_SECRET = "corpus-open-webui-jwt-secret-not-a-secret"
+
+
+def _open_webui(signed: bool) -> Callable[[str, Path, argparse.Namespace], tuple[list[str], dict[str, str]]]:
+    """Open WebUI from its own virtualenv (``--open-webui-python``), driven through its HTTP API;
+    ``signed``: with its signed identity (a shorter session)."""
+    def command(url: str, work: Path, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+        env = {**_base_env(work / "home"), "RECORDER_URL": url,
+               "OPEN_WEBUI_BIN": str(Path(args.open_webui_python).parent / "open-webui"),
+               **({"OPEN_WEBUI_JWT_SECRET": OPEN_WEBUI_JWT_SECRET} if signed else {})}
+        return [sys.executable, str(DRIVERS / "open_webui.py")], env
+    return command
+
+
 def _shared(args: argparse.Namespace) -> str:
     return sys.executable
 
@@ -145,6 +161,8 @@ RUNS = (
         _python_driver("pydantic_ai_agent.py", _agents)),
     Run("langchain", lambda a: _package_version(_agents(a), "langchain-openai"),
         _python_driver("langchain_tools.py", _agents)),
+    Run("open-webui", lambda a: _package_version(a.open_webui_python, "open-webui"), _open_webui(False)),
+    Run("open-webui-jwt", lambda a: _package_version(a.open_webui_python, "open-webui"), _open_webui(True)),
 )
 
 
@@ -163,7 +181,7 @@ async def record(run: Run, args: argparse.Namespace) -> tuple[int, int, str]:
                                                         stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.STDOUT)
             try:
-                output, _ = await asyncio.wait_for(proc.communicate(), TIMEOUT_S)
+                output, _ = await asyncio.wait_for(proc.communicate(), TIMEOUT_S_OF.get(run.client, TIMEOUT_S))
             except TimeoutError:
                 proc.kill()
                 output, _ = await proc.communicate()
@@ -183,6 +201,11 @@ async def main(argv: list[str] | None = None) -> int:
                                                                  "/tmp/continue-cli/node_modules/.bin/cn"),
                         help="Continue's CLI (npm @continuedev/cli, installed apart: "
                              "npm install --prefix /tmp/continue-cli @continuedev/cli)")
+    parser.add_argument("--open-webui-python", default=os.environ.get(
+        "OPEN_WEBUI_PYTHON", str(Path.home() / ".cache" / "passerelle" / "owui-venv" / "bin" / "python")),
+                        help="the python of a virtualenv with open-webui installed (python3.11 -m venv "
+                             "~/.cache/passerelle/owui-venv && .../pip install 'open-webui==0.12.*')")
+    parser.add_argument("--verbose", action="store_true", help="print the tail of each client's output")
     args = parser.parse_args(argv)
     unknown = set(args.clients) - {r.client for r in RUNS}
     if unknown:
@@ -193,6 +216,8 @@ async def main(argv: list[str] | None = None) -> int:
             continue
         count, status, tail = await record(run, args)
         print(f"{run.client}: {count} requests, exit {status}")
+        if args.verbose:
+            print("    " + tail.replace("\n", "\n    "))
         if status != 0 or count == 0:
             failed += 1
             print("    " + tail.replace("\n", "\n    "))

@@ -85,7 +85,8 @@ def test_the_corpus_is_there() -> None:
     apis = {r["api"] for r in records}
     assert {"chat", "responses", "messages", "count_tokens", "embeddings"} <= apis
     clients = {r["client"] for r in records}
-    assert {"claude-code", "codex", "opencode", "openai-python", "anthropic-python"} <= clients
+    assert {"claude-code", "codex", "opencode", "openai-python", "anthropic-python", "open-webui",
+            "open-webui-jwt"} <= clients
     assert len(records) >= 40
 
     def carries_tool_result(r: dict[str, Any]) -> bool:

@@ -109,6 +109,13 @@ CHECKS: dict[str, tuple[Any, Probe]] = {
     "auth.usage_max_rows": (100, lambda s: s.stores.usage.max_rows),  # type: ignore[attr-defined]
     "auth.forwarded_user_header": ("x-user", _gw("auth", "forwarded_user_header")),
     "auth.forwarded_chat_header": ("x-chat", _gw("auth", "forwarded_chat_header")),
+    "auth.forwarded_name_header": ("x-name", _gw("auth", "forwarded_name_header")),
+    "auth.forwarded_email_header": ("x-email", _gw("auth", "forwarded_email_header")),
+    "auth.forwarded_user_jwt_header": ("x-jwt", _gw("auth", "forwarded_user_jwt_header")),
+    "auth.forwarded_user_jwt_secret": ("another-secret", _gw("auth", "forwarded_user_jwt_secret")),
+    "auth.forwarded_task_header": ("x-task", _gw("auth", "forwarded_task_header")),
+    "auth.task_priority": ("interactive", _gw("auth", "task_priority")),
+    "auth.task_max_tokens": (64, _gw("auth", "task_max_tokens")),
     "scheduler.aging_s": (7.0, lambda s: s.scheduler.aging_s),
     "scheduler.hold_s": (0.0, lambda s: s.scheduler.hold_s),
     "scheduler.max_tenants": (5, lambda s: s.scheduler.max_tenants),
