@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 
 from passerelle.config import ModelConfig
-from passerelle.errors import InputTooLong, UpstreamError, encode_request
+from passerelle.errors import InputTooLong, InvalidRequest, UpstreamError, encode_request
 from passerelle.proxy.attempt import fetch
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange
@@ -52,6 +52,21 @@ class EmbedPlan:
 def _is_tokens(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in value)
+
+
+def check_input(data: dict[str, Any]) -> None:
+    """Refuse an ``input`` no runtime embeds (llama-server answers 500 to ``[null]``, ``5``, ``[1.5]``
+    or an object): a string, token ids, or an array of strings and token-id arrays. (Emptiness and
+    token ids out of the vocabulary are the runtime's own 400.)"""
+    raw = data.get("input")
+    if isinstance(raw, str) or (isinstance(raw, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in raw)):
+        return
+    if isinstance(raw, list) and all(isinstance(v, str) or (isinstance(v, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in v)) for v in raw):
+        return
+    raise InvalidRequest("'input' must be a string, an array of token ids, or an array of strings or of token-id "
+                         "arrays.", param="input")
 
 
 def plan_of(data: dict[str, Any] | None, entry: ModelConfig | None) -> EmbedPlan | None:

@@ -53,7 +53,7 @@ from passerelle.proxy.attempt import fetch, outcome_of
 from passerelle.proxy.call import Call
 from passerelle.proxy.capabilities import capabilities_needed, check_media, fit_request
 from passerelle.proxy.deadline import Deadline
-from passerelle.proxy.embed_split import fetch_embeddings, plan_of
+from passerelle.proxy.embed_split import check_input, fetch_embeddings, plan_of
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.intake import (
     affinity_key,
@@ -254,6 +254,8 @@ class Gateway:
         pool = route.pool
         check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
         ex.warnings += fit_request(route, api.name, needs)  # tools to a model that cannot use them: 400 or warned
+        if api.name == "embeddings" and route.data is not None:
+            check_input(route.data)  # a shape no runtime embeds: the client's 400, not the runtime's 500
         data = req.data
         if data is not None:  # (a form's model field is rewritten per attempt: upstream_request.py)
             data = route.data
