@@ -65,8 +65,6 @@ class ModelRoute:
     rewritten: bool = False
     applied: list[str] = field(default_factory=list)  # parameter changes, for the log
     capabilities: tuple[str, ...] = ()  # what the model serving it declares it can do; () = not declared
-    # every capability: true, false, or None (unknown), from the catalogue and the runtimes (model_caps.py)
-    caps: dict[str, bool | None] = field(default_factory=dict)
     entry: ModelConfig | None = None  # the catalogue entry that serves it
     unfit: list[str] = field(default_factory=list)  # capabilities needed that no replica of the pool has
 
@@ -156,7 +154,6 @@ class Catalogue:
         route = self._apply(chosen, pool, endpoint, data, body)
         route.requested = requested
         route.capabilities = chosen.capabilities
-        route.caps = model_capabilities(chosen, self._backends(chosen))
         route.entry, route.unfit = chosen, unfit
         if chosen is not entry:
             route.fallback_from = entry.name
