@@ -142,3 +142,46 @@ def test_normalise_and_needs() -> None:
     assert capabilities_needed("chat", {"tools": [TOOL]}, b"") == {"tools"}
     assert capabilities_needed("chat", {"tools": []}, b"") == set()
     assert capabilities_needed("completions", {"tools": [TOOL]}, b"") == set()
+
+
+# /props of the pinned llama-server with SmolLM2 (its template drops tools), abridged
+SMOL_PROPS = {"total_slots": 1, "modalities": {"vision": False, "video": False, "audio": False},
+              "chat_template": "{% for message in messages %}<|im_start|>...",
+              "chat_template_caps": {"supports_tools": False, "supports_tool_calls": False}}
+
+
+def test_traits_from_props_and_the_rendered_probe() -> None:
+    from passerelle.runtimes.llama_server import PROBE_TOOL, traits_of
+
+    rendered_without = "<|im_start|>user\nWhat is the weather?<|im_end|>\n<|im_start|>assistant\n"
+    assert traits_of(SMOL_PROPS, rendered_without) == {"vision": False, "audio": False, "reasoning": False,
+                                                       "tools": False}
+    # the template renders the tool: whatever chat_template_caps says, the rendering decides
+    assert traits_of(SMOL_PROPS, f"<tools>{PROBE_TOOL}</tools>")["tools"] is True
+    # no answer from /apply-template: chat_template_caps decides
+    lying = {**SMOL_PROPS, "chat_template_caps": {"supports_tools": True}}
+    assert traits_of(lying, None)["tools"] is True
+    thinking = {**SMOL_PROPS, "chat_template": "{% if enable_thinking %}<think>{% endif %}"}
+    assert traits_of(thinking, None)["reasoning"] is True
+    assert traits_of({}, None) == {}
+
+
+def test_model_capabilities_are_true_false_or_unknown() -> None:
+    from passerelle.config import BackendConfig, TimeoutConfig
+    from passerelle.runtimes.kinds import make_backend
+    from passerelle.runtimes.model_caps import model_capabilities, replica_has
+
+    a = make_backend(BackendConfig(name="a", kind="llama-server", url="http://h:1", models=("m",)), TimeoutConfig())
+    b = make_backend(BackendConfig(name="b", kind="llama-server", url="http://h:2", models=("m",)), TimeoutConfig())
+    plain = ModelConfig(name="m")
+    assert model_capabilities(plain, [a, b])["tools"] is None  # nobody said
+    a.traits = {"tools": False}
+    assert model_capabilities(plain, [a, b])["tools"] is None  # b has not said
+    b.traits = {"tools": True}
+    assert model_capabilities(plain, [a, b])["tools"] is True
+    assert not replica_has(plain, a, "tools") and replica_has(plain, b, "tools")
+    b.traits = {"tools": False}
+    assert model_capabilities(plain, [a, b])["tools"] is False
+    declared = ModelConfig(name="m", capabilities=("chat", "tools"))  # the catalogue's word wins
+    assert model_capabilities(declared, [a, b])["tools"] is True and replica_has(declared, a, "tools")
+    assert model_capabilities(declared, [a, b])["vision"] is False
