@@ -185,3 +185,12 @@ def test_model_capabilities_are_true_false_or_unknown() -> None:
     declared = ModelConfig(name="m", capabilities=("chat", "tools"))  # the catalogue's word wins
     assert model_capabilities(declared, [a, b])["tools"] is True and replica_has(declared, a, "tools")
     assert model_capabilities(declared, [a, b])["vision"] is False
+
+
+async def test_a_stream_served_without_its_tools_carries_the_warning_too() -> None:
+    async with fake_runtime() as fake:
+        models = (ModelConfig(name="fake-model", capabilities=("chat",), tools="ignore"),)
+        async with gateway(fake.backend_config(endpoints=ENDPOINTS), models=models) as gw:
+            r = await gw.post("/v1/chat/completions", {**WITH_TOOLS["/v1/chat/completions"], "stream": True})
+            assert r.status == 200 and r.events()[-1] == b"[DONE]"
+            assert r.headers.get(b"x-passerelle-warning") == b"tools ignored: model fake-model cannot use tools"
