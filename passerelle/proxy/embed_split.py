@@ -109,7 +109,13 @@ async def fetch_embeddings(ex: Exchange, req: UpstreamRequest, backend: Backend,
                 cut = await _truncated(backend, chunk, err.limit)
                 return await _embed(ex, req, backend, deadline, base, cut)
 
-    answers = await asyncio.gather(*(one(c) for c in chunks))
+    tasks = [asyncio.ensure_future(one(c)) for c in chunks]
+    try:
+        answers = await asyncio.gather(*tasks)
+    finally:  # one failed (or the client left): the others stop, their connections closed
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return _merge(answers, [len(c) for c in chunks], ex), b"application/json"
 
 

@@ -90,3 +90,16 @@ async def test_no_input_shape_gets_a_5xx(value: Any, truncate: Any) -> None:
             r = await gw.post("/v1/embeddings", body)
             assert r.status < 500, r.body
             assert gw.records[-1].cause is not Cause.INTERNAL_ERROR
+
+
+async def test_a_sub_request_refused_ends_the_whole_request_with_its_error() -> None:
+    # the fourth input is too long for the runtime and no truncation is asked: the client's 400,
+    # and no sub-request is left running
+    inputs = ["a b"] * 9 + ["w " * 40] + ["c"] * 5
+    async with fake_runtime(embed_batch=16) as fake:
+        models = (ModelConfig(name="fake-model", embed_batch=3),)
+        async with gateway(fake.backend_config(), models=models) as gw:
+            r = await gw.post("/v1/embeddings", {"model": "fake-model", "input": inputs})
+            assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert gw.records[-1].cause is Cause.INVALID_REQUEST
+            assert gw.app.gateway.registry.backends[0].in_flight == 0  # its slot came back
