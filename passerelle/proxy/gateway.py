@@ -77,6 +77,7 @@ from passerelle.tenants.names import forwarded_user, user_tenant
 from passerelle.tenants.policy import KeyPolicy
 from passerelle.tenants.sessions import SessionGate
 
+_MEDIA = frozenset({"vision", "audio"})
 log = logging.getLogger("passerelle.proxy.gateway")
 
 # A request the gateway makes itself (a batch line, batches/internal.py) names in its scope the key
@@ -252,7 +253,8 @@ class Gateway:
                                        path=scope["path"], routes_of=self._routes_of, needs=needs)
         rec.model = model = route.name
         pool = route.pool
-        check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
+        if needs & _MEDIA:
+            check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
         ex.warnings += fit_request(route, api.name, needs)  # tools to a model that cannot use them: 400 or warned
         if api.name == "embeddings" and route.data is not None:
             check_input(route.data)  # a shape no runtime embeds: the client's 400, not the runtime's 500
