@@ -339,6 +339,7 @@ class RuntimesConfig:
 MEMORY_KINDS = ("total", "ram", "gpu")
 SWAP_POLICIES = ("fair", "naive")
 CAPABILITIES = ("chat", "completions", "embeddings", "rerank", "vision", "tools", "reasoning", "audio")
+TOOLS_MODES = ("refuse", "ignore")
 
 
 @dataclass(frozen=True)
@@ -374,6 +375,11 @@ class ModelConfig:
     context_length: int = 0  # tokens; 0 = as the runtime reports
     capabilities: tuple[str, ...] = ()  # default: from the backends' endpoints
     fallbacks: tuple[str, ...] = ()  # other models tried in order when this one cannot serve
+    # A request with tools to a model that cannot use them: "refuse" (a 400 naming the model and
+    # the capability) or "ignore" (served without them, with an X-Passerelle-Warning header)
+    tools: str = "refuse"
+    truncate_input: bool = False  # embeddings: an input past the context is cut to it (else a 400)
+    embed_batch: int = 32  # embeddings: inputs per request to the runtime; more are split and run at once
     owned_by: str = "passerelle"
     description: str = ""
 
@@ -876,6 +882,10 @@ def _load_models(raw: Any, *, file: str, text: str) -> tuple[ModelConfig, ...]:
                key=f"{key}.capabilities", field_name="capabilities", **ck)
         _check(m.context_length >= 0, "expected a positive number of tokens", key=f"{key}.context_length",
                field_name="context_length", **ck)
+        _check(m.tools in TOOLS_MODES, f"expected one of {', '.join(TOOLS_MODES)}", key=f"{key}.tools",
+               field_name="tools", **ck)
+        _check(m.embed_batch >= 1, "expected at least 1 input per request", key=f"{key}.embed_batch",
+               field_name="embed_batch", **ck)
         taken = {n for o in out for n in (o.name, *o.aliases)}
         clash = next((n for n in (m.name, *m.aliases) if n in taken), None)
         where = "name" if clash == m.name else "aliases"

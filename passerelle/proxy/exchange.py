@@ -93,7 +93,7 @@ class StreamGate:
 class Exchange:
     __slots__ = ("_aborted", "_asgi_send", "_cancel_pending", "_cancelled", "_gate", "_loop", "_watcher",
                  "disconnected", "errors", "finishing", "grammar", "held", "rec", "receive", "scope", "stalled",
-                 "started", "task", "writing_since")
+                 "started", "task", "warnings", "writing_since")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         client = scope.get("client")
@@ -104,6 +104,7 @@ class Exchange:
         self.finishing = False
         self.disconnected = False
         self.stalled = False  # the client took no byte for too long; its connection is cut
+        self.warnings: list[str] = []  # sent as X-Passerelle-Warning headers (a request served otherwise than asked)
         self.held: Any = None  # an answer being assembled: its share of the gateway's budget (answer.AnswerShare)
         self._cancelled = False  # this exchange cancelled its task (once at most: see ``_cancel``)
         self._cancel_pending = False  # ... and the request's task has not caught it yet
@@ -230,6 +231,7 @@ class Exchange:
         self.started = True
         rid = self.rec.id.encode()
         headers = [*headers, (b"x-request-id", rid)]
+        headers += [(b"x-passerelle-warning", w.encode("utf-8", "replace")) for w in self.warnings]
         if self.errors != OPENAI:
             headers.append((b"request-id", rid))  # where Anthropic's SDKs and Claude Code read it
         await self.send({"type": "http.response.start", "status": status, "headers": headers})

@@ -49,11 +49,12 @@ from passerelle.observe.accesslog import AccessLog
 from passerelle.observe.metrics import Metrics
 from passerelle.observe.record import RequestRecord, State
 from passerelle.observe.tracing import RequestTracer
-from passerelle.proxy.answer import AnswerBudget, size_of
+from passerelle.proxy.answer import AnswerBudget, Piece, size_of
 from passerelle.proxy.attempt import fetch, outcome_of
 from passerelle.proxy.call import Call
-from passerelle.proxy.capabilities import check_media
+from passerelle.proxy.capabilities import capabilities_needed, check_media, fit_request
 from passerelle.proxy.deadline import Deadline
+from passerelle.proxy.embed_split import check_input, fetch_embeddings, plan_of
 from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.frontend import person_of, task_class, task_of
 from passerelle.proxy.intake import (
@@ -78,6 +79,7 @@ from passerelle.tenants.names import user_tenant
 from passerelle.tenants.policy import KeyPolicy
 from passerelle.tenants.sessions import SessionGate
 
+_MEDIA = frozenset({"vision", "audio"})
 log = logging.getLogger("passerelle.proxy.gateway")
 
 # A request the gateway makes itself (a batch line, batches/internal.py) names in its scope the key
@@ -257,11 +259,16 @@ class Gateway:
         rec.session = session_hash(session[1])
         # Model catalogue (runtimes/catalogue.py): name or alias -> public name, pool, served name;
         # parameter defaults/overrides applied; a fallback model when the pool cannot serve in time.
+        needs = capabilities_needed(api.name, req.data, body)
         route = self.catalogue.resolve(model, api.name, req.data, body, wait_s=cls.max_queue_wait_s,
-                                       path=scope["path"], routes_of=self._routes_of)
+                                       path=scope["path"], routes_of=self._routes_of, needs=needs)
         rec.model = model = route.name
         pool = route.pool
-        check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
+        if needs & _MEDIA:
+            check_media(model, route.capabilities, route.data, route.body)  # images to a text model: 400
+        ex.warnings += fit_request(route, api.name, needs)  # tools to a model that cannot use them: 400 or warned
+        if api.name == "embeddings" and route.data is not None:
+            check_input(route.data)  # a shape no runtime embeds: the client's 400, not the runtime's 500
         data = req.data
         if data is not None:  # (a form's model field is rewritten per attempt: upstream_request.py)
             data = route.data
@@ -418,8 +425,13 @@ class Gateway:
         if req.collect and ex.held is None:  # (the answers assembled at once share a budget: answer.py)
             ex.held = self.answers.hold()
             ex.held.check()
+        plan = plan_of(call.route.data, call.route.entry) if call.api.name == "embeddings" else None
+        answer: tuple[bytes | list[Piece], bytes] | None
         try:
-            answer = await fetch(ex, req, backend, call.deadline)
+            if plan is not None:  # a large array split across the runtime's slots; truncation asked
+                answer = await fetch_embeddings(ex, req, backend, call.deadline, plan)
+            else:
+                answer = await fetch(ex, req, backend, call.deadline)
         finally:
             if splice is not None:
                 self.scheduler.forbid_suspend(call.job)

@@ -75,6 +75,10 @@ class Backend:
         self.draining = False  # removed by a reload: finishes its requests, takes no new one
         self.fenced = False  # being swapped out: finishes its requests, takes no new one
         self.context_length: int | None = None  # tokens per request, where the runtime says
+        # What the runtime says its model can do ("tools", "vision", "audio", "reasoning" -> bool),
+        # asked once per start (probe_traits); a trait it does not say is absent (unknown)
+        self.traits: dict[str, bool] = {}
+        self._asked_traits = False
         self.last_used = time.monotonic()  # last dispatch or release, for idle stop and LRU eviction
         self.stats = BackendStats()
         # Passive ejection: after a few failures in a row the replica gets no requests for a while;
@@ -232,10 +236,13 @@ class Backend:
                     self._asked_routes = True  # once per start, like its size
                     gone = await self.unserved()
                     self.endpoints = tuple(e for e in self.declared_endpoints if e not in gone)
+                if not self._asked_traits:
+                    self._asked_traits = True  # once per start: a model's template does not change while it runs
+                    self.traits = await self.probe_traits()
                 await self._scrape_load(stats)
                 self._follow_queue(stats)
             else:
-                self._asked_capacity = self._asked_routes = False
+                self._asked_capacity = self._asked_routes = self._asked_traits = False
         except Exception as exc:  # garbage from a runtime must never break the gateway
             stats.error = f"{exc.__class__.__name__}: {exc}"
         self.stats = stats
@@ -250,6 +257,12 @@ class Backend:
         forwarded. Asked once per start, for a backend without an ``endpoints`` list; empty where
         the kind cannot tell."""
         return set()
+
+    async def probe_traits(self) -> dict[str, bool]:
+        """What the runtime's model can do, where the runtime can say (``tools``, ``vision``,
+        ``audio``, ``reasoning``); asked once per start. Empty where the kind cannot tell: then the
+        catalogue's ``[[models]] capabilities`` alone decide."""
+        return {}
 
     async def _probe(self, path: str, body: bytes, timeout: float = 2.0) -> int | None:
         """POST ``body`` (a request the runtime refuses before any work) and return the status;

@@ -33,6 +33,7 @@ from passerelle.config import ModelConfig
 from passerelle.endpoints import ENDPOINTS
 from passerelle.errors import InvalidRequest, UnknownModel, clip, encode_request
 from passerelle.runtimes.kinds import Backend
+from passerelle.runtimes.model_caps import capability_list, model_capabilities, replica_has, ui_meta
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.supervisor import ProcState, Supervisor
 
@@ -41,11 +42,6 @@ log = logging.getLogger("passerelle.runtimes.catalogue")
 # The public path of each inference API, as the route table serves it (the runtime's too): what
 # /v1/models lists (endpoints.py).
 ROUTES = {e.name: e.upstream for e in ENDPOINTS}
-# What a model can do, by default, from its backends' endpoints: the classic three from any, the
-# others only from an `endpoints` list the operator wrote (a llama-server answers /v1/rerank and
-# /v1/audio/transcriptions whatever its model, with a 501 when the model cannot).
-_CLASSIC = ("chat", "completions", "embeddings")
-_CAPABILITY = {e.name: e.capability for e in ENDPOINTS if e.capability}
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 # A cap on the output limit bounds each API's own field (set there when the client sent none):
 # Responses names it max_output_tokens; routes that generate nothing get none.
@@ -69,6 +65,8 @@ class ModelRoute:
     rewritten: bool = False
     applied: list[str] = field(default_factory=list)  # parameter changes, for the log
     capabilities: tuple[str, ...] = ()  # what the model serving it declares it can do; () = not declared
+    entry: ModelConfig | None = None  # the catalogue entry that serves it
+    unfit: list[str] = field(default_factory=list)  # capabilities needed that no replica of the pool has
 
 
 class Catalogue:
@@ -122,7 +120,7 @@ class Catalogue:
     # -- a request -----------------------------------------------------------------------------
     def resolve(self, requested: str, endpoint: str, data: dict[str, Any] | None, body: bytes, *,
                 wait_s: float = float("inf"), path: str = "",
-                routes_of: Callable[[str], str] | None = None) -> ModelRoute:
+                routes_of: Callable[[str], str] | None = None, needs: frozenset[str] = frozenset()) -> ModelRoute:
         """Route a request for ``requested`` on ``endpoint``; raise UnknownModel (404) or
         InvalidRequest (400: the model is not served on this endpoint).
 
@@ -131,29 +129,40 @@ class Catalogue:
         ``data`` is None for a multipart form (an upload): the route names the served model and
         the body is left as it is (the gateway rewrites the form's ``model`` field alone; the
         entry's parameter rules apply to JSON bodies only).
-        ``path`` and ``routes_of`` (model id -> the routes it is served on) word the 400."""
+        ``path`` and ``routes_of`` (model id -> the routes it is served on) word the 400.
+        ``needs``: the capabilities the request needs (tools, vision...): a fallback that lacks
+        one is not taken, and the pool keeps only the replicas that have them (model_caps.py);
+        where none has, ``route.unfit`` names what is missing (the caller refuses or serves it)."""
         entry = self.lookup(requested)
         if entry is None:
             raise UnknownModel(requested, self.names)
         chosen, pool = entry, self.pool(entry, endpoint)
         if entry.fallbacks:
-            chosen, pool = self._first_able(entry, endpoint, wait_s)
+            chosen, pool = self._first_able(entry, endpoint, wait_s, needs)
         if not pool:
             where = path or ROUTES.get(endpoint, f"/v1/{endpoint}")
             served = f" It is served on: {routes_of(chosen.target)}." if routes_of is not None else ""
             raise InvalidRequest(f"The model '{clip(requested)}' is not served on {clip(where)}: no backend of it "
                                  f"serves that route.{served}", param="model")
+        unfit: list[str] = []
+        for need in sorted(needs):
+            fit = [b for b in pool if replica_has(chosen, b, need)]
+            if fit:
+                pool = fit
+            else:
+                unfit.append(need)
         route = self._apply(chosen, pool, endpoint, data, body)
         route.requested = requested
         route.capabilities = chosen.capabilities
+        route.entry, route.unfit = chosen, unfit
         if chosen is not entry:
             route.fallback_from = entry.name
             log.info("model %s cannot serve within %g s; fallback %s serves the request", entry.name, wait_s,
                      chosen.name)
         return route
 
-    def _first_able(self, entry: ModelConfig, endpoint: str,
-                    wait_s: float) -> tuple[ModelConfig, list[Backend] | None]:
+    def _first_able(self, entry: ModelConfig, endpoint: str, wait_s: float,
+                    needs: frozenset[str] = frozenset()) -> tuple[ModelConfig, list[Backend] | None]:
         first_pool = self.pool(entry, endpoint)
         seen = set()
         for name in (entry.name, *entry.fallbacks):
@@ -164,6 +173,10 @@ class Catalogue:
             pool = self.pool(m, endpoint)
             if not pool:
                 continue
+            if m is not entry and needs:  # a fallback that cannot do what the request needs is no fallback
+                pool = [b for b in pool if all(replica_has(m, b, n) for n in needs)]
+                if not pool:
+                    continue
             eta = self._eta(pool)
             if eta is not None and eta <= wait_s:
                 return m, pool
@@ -236,9 +249,7 @@ class Catalogue:
             return None
         backends = self._backends(m)
         served = {e for b in backends for e in b.endpoints}
-        # (what a runtime said it does not serve is neither a route nor a capability of it)
-        declared = {e for b in backends for e in b.cfg.endpoints if e in b.endpoints} | (served & set(_CLASSIC))
-        capabilities = list(m.capabilities) or [c for e, c in _CAPABILITY.items() if e in declared]
+        caps = model_capabilities(m, backends)
         # every route it is served on: the APIs its backends declare or their kind serves, then the
         # operator's extra routes
         routes = [path for e, path in ROUTES.items() if e in served]
@@ -251,9 +262,14 @@ class Catalogue:
             procs = [p for p in (sup.get(b.name) for b in backends) if p is not None]
             if procs:
                 memory = round(max(sup.need_gib(p) for p in procs), 3)
+        meta = ui_meta(caps, ctx)
         return {"id": m.name, "object": "model", "created": created, "owned_by": m.owned_by,
                 "description": m.description or None, "aliases": list(m.aliases), "served_name": m.target,
-                "context_length": ctx, "capabilities": capabilities, "loaded": state == "loaded", "state": state,
+                "context_length": ctx, "capabilities": capability_list(caps),
+                # the same, in the shapes front-ends read: true/false per capability (unknown: false)
+                "meta": {**meta, "llamaswap": {"aliases": list(m.aliases)}},
+                "info": {"meta": {"capabilities": meta["capabilities"]}},
+                "loaded": state == "loaded", "state": state,
                 "routes": routes, "backends": [b.name for b in backends],
                 "flavours": sorted({b.cfg.flavour for b in backends if b.cfg.flavour}),
                 "fallbacks": list(m.fallbacks), "memory_gib": memory}

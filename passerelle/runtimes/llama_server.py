@@ -3,16 +3,49 @@ its size from ``/props`` (``total_slots``, the ``-np`` it was started with)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from typing import Any
+
 import orjson
 
 from passerelle.errors import encode_request
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.prom import parse_samples
+from passerelle.upstream.client import HTTPClientError
 
 # (endpoint, path, a body refused before any work): llama-server checks that it can serve the
 # route before it reads the body (tools/server/server-context.cpp)
 PROBES = (("embeddings", "/v1/embeddings", b"{}"), ("rerank", "/v1/rerank", b"{}"),
            ("infill", "/infill", b'{"input_extra": 0}'))
+
+
+# A request whose rendered prompt names the tool when the template renders tools
+PROBE_TOOL = "passerelle_probe_tool"
+TOOL_PROBE = orjson.dumps({
+    "messages": [{"role": "user", "content": "What is the weather?"}],
+    "tools": [{"type": "function", "function": {"name": PROBE_TOOL, "description": "Probe.",
+                                                 "parameters": {"type": "object", "properties": {}}}}]})
+_THINKING = ("<think>", "reasoning_content", "enable_thinking", "<|channel|>")
+
+
+def traits_of(props: dict[str, Any], rendered: str | None) -> dict[str, bool]:
+    """The traits llama-server's ``/props`` (and the probe's rendered prompt) say."""
+    out: dict[str, bool] = {}
+    modalities = props.get("modalities")
+    if isinstance(modalities, dict):
+        for name in ("vision", "audio"):
+            if isinstance(modalities.get(name), bool):
+                out[name] = modalities[name]
+    template = props.get("chat_template")
+    if isinstance(template, str) and template:
+        out["reasoning"] = any(t in template for t in _THINKING)
+    caps = props.get("chat_template_caps")
+    if rendered is not None:
+        out["tools"] = PROBE_TOOL in rendered
+    elif isinstance(caps, dict) and isinstance(caps.get("supports_tools"), bool):
+        out["tools"] = caps["supports_tools"]
+    return out
 
 
 class LlamaServerBackend(Backend):
@@ -58,6 +91,36 @@ class LlamaServerBackend(Backend):
             if endpoint in declared and await self._probe(path, probe) == 501:
                 gone.add(endpoint)
         return gone
+
+    async def probe_traits(self) -> dict[str, bool]:
+        """From ``/props``: ``modalities`` (vision, audio) and the chat template (reasoning: it
+        knows a thinking block); tools from ``/apply-template`` rendering a request with a tool:
+        a template that drops tools (SmolLM2's) renders no tool name, whatever
+        ``chat_template_caps`` says; where that probe gets no answer, ``supports_tools`` decides."""
+        status, body = await self._get("/props")
+        props = orjson.loads(body) if status == 200 else None
+        if not isinstance(props, dict):
+            return {}
+        return traits_of(props, await self._render(TOOL_PROBE))
+
+    async def _render(self, body: bytes, timeout: float = 5.0) -> str | None:
+        """``/apply-template``'s prompt for ``body``; None without an answer."""
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await self.client.request(b"POST", "/apply-template", body,
+                                                 headers=b"Content-Type: application/json\r\n")
+                try:
+                    raw = await resp.read(1 << 20)
+                finally:
+                    resp.close()
+        except (TimeoutError, HTTPClientError, OSError):
+            return None
+        if resp.status != 200:
+            return None
+        with contextlib.suppress(orjson.JSONDecodeError):
+            prompt = orjson.loads(raw).get("prompt") if raw.startswith(b"{") else None
+            return prompt if isinstance(prompt, str) else None
+        return None
 
     async def _report_capacity(self) -> tuple[int | None, str]:
         status, body = await self._get("/props")

@@ -100,6 +100,8 @@ class FakeConfig:
     # like llama-server without room in its physical batch: an input to embed longer than this many
     # tokens gets its 500 "input (N tokens) is too large to process" (0: no limit)
     embed_batch: int = 0
+    # what /props says of its chat template's tools (chat_template_caps.supports_tools): None says nothing
+    tools: bool | None = None
     # like llama-server: drop the connection this long after each streamed answer, ignoring any
     # request already sent on it (None: keep it alive)
     close_after_stream_ms: float | None = None
@@ -438,6 +440,7 @@ class FakeBackend:
             (b"GET", b"/slots"): self.slots_view,
             (b"GET", b"/metrics"): self.metrics,
             (b"GET", b"/props"): self.props,
+            (b"POST", b"/tokenize"): self.tokenize,
             (b"GET", b"/fake/stats"): self.stats,
         }
         if self.config.openai_only:
@@ -471,8 +474,23 @@ class FakeBackend:
     async def props(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
         from passerelle import __version__
 
-        conn.respond(200, _dumps({"build_info": f"passerelle-fake-backend {__version__}",
-                                  "model_path": self.config.model, "total_slots": self.config.slots}), keep_alive)
+        props: dict[str, Any] = {"build_info": f"passerelle-fake-backend {__version__}",
+                                 "model_path": self.config.model, "total_slots": self.config.slots}
+        if self.config.tools is not None:
+            props["chat_template"] = "fake"
+            props["chat_template_caps"] = {"supports_tools": self.config.tools}
+        conn.respond(200, _dumps(props), keep_alive)
+
+    async def tokenize(self, conn: Connection, raw: bytes, keep_alive: bool) -> None:
+        """A token id per word of ``content`` (the fake's tokenizer, as embeddings count them)."""
+        try:
+            content = self._body(raw).get("content")
+            if not isinstance(content, str):
+                raise BadRequest("'content' must be a string")
+        except BadRequest as exc:
+            conn.respond(400, _error_body(str(exc), "invalid_request_error", 400), keep_alive)
+            return
+        conn.respond(200, _dumps({"tokens": list(range(1, _count_words(content) + 1))}), keep_alive)
 
     async def stats(self, conn: Connection, body: bytes, keep_alive: bool) -> None:
         conn.respond(200, _dumps({**vars(self.counters), "distinct_prompts": len(self.prompts_seen),

@@ -306,6 +306,13 @@ def test_embedded_default_serves_the_whole_api(gateway):
     model = next(m for m in httpx.get(gw.url + "/v1/models").json()["data"] if m["id"] == DEFAULT)
     assert "/infill" not in model["routes"] and "/v1/audio/transcriptions" not in model["routes"]
     assert "/v1/embeddings" in model["routes"] and model["context_length"] == 8192
+    # its template drops tools: it says so, and a request that needs them is refused, never answered
+    # with plain text as if the tools had been seen (it was a 200 even with tool_choice "required")
+    assert "tools" not in model["capabilities"] and model["meta"]["capabilities"]["function_calling"] is False
+    tools = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+        "model": DEFAULT, "max_tokens": 8, "tool_choice": "required", "messages": MSG,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]})
+    assert tools.status_code == 400 and "cannot use tools" in tools.json()["error"]["message"], tools.text
     # a coding agent's first request (Claude Code's: about 4,200 tokens with its tools) fits a slot
     big = c.chat.completions.create(model=DEFAULT, max_tokens=1, messages=[
         {"role": "user", "content": "Summarise: " + "the lighthouse keeper lit the lamp at dusk. " * 500}])

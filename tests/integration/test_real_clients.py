@@ -261,6 +261,9 @@ rerank = false
 name = "{EMBEDDED_MODEL}"
 aliases = {json.dumps(list(EmbeddedConfig().aliases))}
 set = {{ temperature = 0, stop = {json.dumps(STOPS)}, stop_sequences = {json.dumps(STOPS)} }}
+# SmolLM2's template drops tools, so a request with tools is refused (400) unless the entry says to
+# serve it without them (with an X-Passerelle-Warning header): the agents send their tools every turn.
+tools = "ignore"
 """
 
 

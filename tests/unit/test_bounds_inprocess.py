@@ -199,7 +199,9 @@ async def test_media_passes_to_a_model_that_declares_it_or_declares_nothing(path
 ])
 async def test_text_only_requests_pass_a_text_model(body):
     path = "/v1/messages" if "max_tokens" in body else "/v1/chat/completions"
-    async with fake_runtime() as fake, _media_gateway(fake, ("chat",)) as gw:
+    # (with tools declared: a model without them refuses a request with tools, whatever their schemas)
+    caps = ("chat", "tools") if "tools" in body else ("chat",)
+    async with fake_runtime() as fake, _media_gateway(fake, caps) as gw:
         resp = await gw.post(path, {"model": "fake-model", **body})
         assert resp.status == 200, resp.body
 

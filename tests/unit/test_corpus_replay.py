@@ -23,6 +23,7 @@ import pytest
 from passerelle.config import ModelConfig
 from passerelle.errors import Cause
 from passerelle.runtimes.llama_server import PROBES as LLAMA_PROBES
+from passerelle.runtimes.llama_server import TOOL_PROBE
 from tests.inprocess import fake_runtime, gateway
 
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
@@ -52,9 +53,17 @@ def expected_upstream(recorded: dict[str, Any], api: str, kind: str, capped: boo
        chunk is removed again for a client that did not ask for it).
     4. llama-server: ``id_slot`` names the slot passerelle chose, for a request that takes one
        (runtimes/llama_server.py ``prepare``).
+    5. An empty tool list, and a tool choice with no tools, are dropped (docs/api.md; proxy/capabilities.py).
     """
     body = copy.deepcopy(recorded)
     body["model"] = SERVED
+    if api in ("chat", "responses", "messages"):
+        for f in ("tools", "functions"):
+            if body.get(f) == []:
+                del body[f]
+        if not body.get("tools") and not body.get("functions"):
+            for f in ("tool_choice", "function_call", "parallel_tool_calls"):
+                body.pop(f, None)
     if capped and api not in ("embeddings", "count_tokens", "responses_input_tokens"):
         fields = ("max_output_tokens",) if api == "responses" else ("max_tokens", "max_completion_tokens")
         sent = [f for f in fields if body.get(f) is not None]
@@ -106,7 +115,7 @@ def test_no_key_was_recorded() -> None:
         assert not re.search(rb"(?<![A-Za-z])sk-[A-Za-z0-9_-]{8,}", raw), path
 
 
-PROBES = {(path, probe) for _, path, probe in LLAMA_PROBES}
+PROBES = {(path, probe) for _, path, probe in LLAMA_PROBES} | {("/apply-template", TOOL_PROBE)}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
