@@ -101,7 +101,7 @@ EXAMPLES = toml_examples()
 
 def test_the_examples_are_found():
     assert len(EXAMPLES["config"]) >= 8 and any(n.startswith("README.md") for n, _ in EXAMPLES["config"])
-    assert EXAMPLES["scenario"] and [n for n, _ in EXAMPLES["other"]] == ["clients.md#0"]
+    assert EXAMPLES["scenario"] and [n for n, _ in EXAMPLES["other"]] == ["clients.md#1"]
 
 
 # Programs a configuration may launch by name that `make setup` does not put on PATH: vLLM is
