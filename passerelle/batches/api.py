@@ -13,7 +13,8 @@
 Who sees what: a key sees its own files and batches only (another's answer 404, as if it did not
 exist); the admin key (``[admin] key``) sees all, but only from ``[admin] allow``'s networks and
 through the admin key's one check (tenants/admin_key.py: throttled before it is compared); from
-elsewhere it is the unknown key it is there. Without keys in use, everyone is one owner.
+elsewhere it is the unknown key it is there. Without keys in use, everyone is one owner and the
+admin key is not asked for (the placeholder key a client sends then is no attempt at it).
 
 Bounds: an upload is held once (its file part is a view of the body, checked a line at a time,
 written from that view); batches in progress are limited per key and in all (``[batches]
@@ -200,6 +201,10 @@ class BatchApi:
     def caller(self, scope: Scope) -> Caller:
         if not self.cfg.enabled:
             raise NotFound("The Batch API is turned off on this gateway ([batches] enabled = false).")
+        if not self.parts.keys.in_use:
+            # Everyone is the one owner and the admin key would see nothing more; the placeholder key
+            # an SDK must send ("sk-none") is no guess at it, and must not lock the admin out.
+            return Caller("", None)
         presented = presented_key(scope)
         # (only from [admin] allow, never an API key of ours; RateLimited while throttled, nothing compared)
         if self.admin.candidate(scope, presented) and self.admin.verify(scope, "batches", key=presented.encode()):

@@ -138,6 +138,19 @@ async def test_the_batch_api_takes_the_admin_key_only_from_admin_allow_and_throt
         assert (await gw.get("/v1/batches", headers={"authorization": f"Bearer {KEY}"})).status == 200
 
 
+async def test_a_placeholder_key_on_the_batch_api_without_keys_in_use_is_no_admin_guess(tmp_path):
+    # No API key yet, an admin key for the dashboard: an SDK on this host must send some key, and
+    # twenty Batch API calls with it neither get 429 nor lock the admin out of /admin.
+    async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "k.db",
+                                               admin=AdminConfig(key=KEY)) as gw:
+        frozen(gw)
+        placeholder = {"authorization": "Bearer sk-no-key-required"}
+        assert [(await gw.get("/v1/files", headers=placeholder)).status for _ in range(20)] == [200] * 20
+        assert (await gw.get("/v1/batches", headers=placeholder)).status == 200
+        assert gw.app.admin_guard.key_check.throttle.failures == 0 and refused(gw, "batches", "throttled") == 0
+        assert (await gw.get("/admin/stats", headers={"authorization": f"Bearer {KEY}"})).status == 200
+
+
 def test_a_spray_of_addresses_does_not_grow_the_throttle_past_its_bound():
     now = [0.0]
     check = AdminKeyCheck(AdminConfig(key=KEY, allow=("0.0.0.0/0", "::/0")), clock=lambda: now[0])
