@@ -24,7 +24,7 @@ from passerelle.errors import ClientDisconnect, GatewayError, InvalidRequest, Ra
 from passerelle.proxy.exchange import Receive, Scope, Send
 from passerelle.proxy.intake import read_request_body
 from passerelle.server.admin import COOKIE, AdminGuard
-from passerelle.server.connections import RequestTimeout
+from passerelle.server.connections import BodyBudget, RequestTimeout
 from passerelle.server.responses import raw_response
 
 MAX_FORM_BYTES = 4096
@@ -46,9 +46,9 @@ async def read_form(scope: Scope, receive: Receive, timeout_s: float) -> dict[st
 
 
 class AdminLogin:
-    def __init__(self, guard: AdminGuard, *, body_timeout_s: float) -> None:
+    def __init__(self, guard: AdminGuard, budget: BodyBudget) -> None:
         self.guard = guard
-        self.body_timeout_s = body_timeout_s
+        self.budget = budget  # (its ``timeout_s``: [server] body_timeout_s, as every body has)
         self._page: str | None = None
 
     async def page(self, send: Send, status: int, message: str = "", *, retry_after: bytes | None = None) -> None:
@@ -84,7 +84,7 @@ class AdminLogin:
         if scope["method"] != "POST":
             await self.page(send, 200)
             return
-        form = await read_form(scope, receive, self.body_timeout_s)
+        form = await read_form(scope, receive, self.budget.timeout_s)
         try:  # (throttled: 429, the key not compared)
             right = self.guard.key_check.verify(scope, "login", key=form.get("key", "").encode())
         except RateLimited as err:
