@@ -35,9 +35,9 @@ from passerelle.tenants.pgusage import PgUsage, PgUsageReader
 from passerelle.tenants.quota import Limit, window
 from passerelle.tenants.stores import Stores
 from passerelle.tenants.usage import UsageRecorder
-from tests.conftest import wait_until
 from tests.integration.test_store_postgres import Postgres, chat, shared
 from tests.integration.test_store_postgres_ha import burst, make_key, metric
+from tests.waiting import until, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -204,9 +204,7 @@ async def test_sqlite_usage_that_fails_to_commit_on_a_full_disk_is_kept_and_writ
         rec.record(finished(n))
         n += 1
     small_disk.free()
-    deadline = time.monotonic() + 20
-    while stored() < n and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    await until(lambda: stored() >= n, 20, "every row in the database", interval=0.05)
     got = sorted(r[0] for r in conn.execute("SELECT completion_tokens FROM usage"))
     assert got == list(range(n))  # none lost, none twice
     assert rec.held == 0 and not rec.failing and rec.dropped == 0

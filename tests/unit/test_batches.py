@@ -4,7 +4,6 @@ resume after a stop, and every line answered exactly once at the batch class."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -14,6 +13,7 @@ from passerelle.config import AdminConfig, BatchesConfig
 from passerelle.errors import Cause
 from passerelle.tenants.keys import KeyStore
 from passerelle.tenants.quota import parse_quota
+from tests import waiting
 from tests.inprocess import InProcessGateway, fake_runtime, gateway
 
 BOUNDARY = "passerelle-test-boundary"
@@ -53,15 +53,18 @@ async def create(gw: InProcessGateway, file_id: str, key: str | None = None, end
                                          "metadata": {"job": "test"}}, headers=auth(key))
 
 
+async def completed(gw: InProcessGateway, batch_id: str, n: int) -> bool:
+    """At least ``n`` of the batch's lines are completed."""
+    return bool((await gw.get(f"/v1/batches/{batch_id}")).json()["request_counts"]["completed"] >= n)
+
+
 async def settle(gw: InProcessGateway, batch_id: str, key: str | None = None, timeout: float = 20.0,
                  until: tuple[str, ...] = ("completed", "failed", "expired", "cancelled")) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
+    async def ended() -> dict[str, Any] | None:
         doc = (await gw.get(f"/v1/batches/{batch_id}", headers=auth(key))).json()
-        if doc["status"] in until:
-            return doc  # type: ignore[no-any-return]
-        assert time.monotonic() < deadline, doc
-        await asyncio.sleep(0.02)
+        return doc if doc["status"] in until else None  # type: ignore[no-any-return]
+
+    return await waiting.until(ended, timeout, f"batch {batch_id} {' or '.join(until)}", interval=0.02)
 
 
 async def lines_of(gw: InProcessGateway, file_id: str | None, key: str | None = None) -> list[dict[str, Any]]:
@@ -204,10 +207,7 @@ async def test_cancel_answers_each_line_once_done_or_cancelled(tmp_path):
         f = (await upload(gw, jsonl(rows))).json()
         b = (await create(gw, f["id"])).json()
         await settle(gw, b["id"], until=("in_progress",))
-        deadline = time.monotonic() + 10
-        while (await gw.get(f"/v1/batches/{b['id']}")).json()["request_counts"]["completed"] < 2:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await waiting.until(lambda: completed(gw, b["id"], 2), 10)
         cancelled = await gw.post(f"/v1/batches/{b['id']}/cancel", {})
         assert cancelled.status == 200 and cancelled.json()["status"] in ("cancelling", "cancelled")
         done = await settle(gw, b["id"])
@@ -248,13 +248,11 @@ async def test_a_batch_that_would_pass_its_keys_quota_pauses_instead_of_failing(
     async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "k.db") as gw:
         f = (await upload(gw, jsonl(rows), key=secret)).json()
         b = (await create(gw, f["id"], key=secret)).json()
-        deadline = time.monotonic() + 10
-        while True:
+        async def paused() -> bool:
             snap = (await gw.get("/admin/stats")).json()["batches"]["batches"]
-            if snap and snap[0]["paused"] == "quota_exceeded":
-                break
-            assert time.monotonic() < deadline, snap
-            await asyncio.sleep(0.02)
+            return bool(snap) and snap[0]["paused"] == "quota_exceeded"
+
+        await waiting.until(paused, 10, "the batch paused for its quota", interval=0.02)
         now = (await gw.get(f"/v1/batches/{b['id']}", headers=auth(secret))).json()
         assert now["status"] == "in_progress" and now["request_counts"]["failed"] == 0
         assert now["request_counts"]["completed"] < 10
@@ -271,10 +269,7 @@ async def test_a_batch_resumes_after_the_gateway_stops_each_line_once(tmp_path):
         async with gateway(fake.backend_config(), db=tmp_path / "k.db", batches=cfg) as gw:
             f = (await upload(gw, jsonl(rows))).json()
             b = (await create(gw, f["id"])).json()
-            deadline = time.monotonic() + 10
-            while (await gw.get(f"/v1/batches/{b['id']}")).json()["request_counts"]["completed"] < 3:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
+            await waiting.until(lambda: completed(gw, b["id"], 3), 10)
         async with gateway(fake.backend_config(), db=tmp_path / "k.db", batches=cfg) as gw:
             done = await settle(gw, b["id"])
             assert done["status"] == "completed" and done["request_counts"]["completed"] == 40

@@ -27,6 +27,7 @@ from passerelle.errors import Cause
 from passerelle.tenants.keys import KeyStore
 from tests.inprocess import fake_runtime, gateway
 from tests.unit.test_batches import auth, create, jsonl, line, settle, upload
+from tests.waiting import until
 
 
 def test_a_batch_moves_only_as_its_diagram_says_and_old_rows_still_load():
@@ -197,11 +198,8 @@ async def test_a_batch_whose_store_fails_can_be_cancelled_and_ends_cancelled(sma
         b = (await create(gw, (await upload(gw, jsonl(rows))).json()["id"])).json()["id"]
         filler = fill(small_disk)
         filled_at = time.perf_counter()
-        deadline = time.monotonic() + 20
-        while not (any(r.endpoint == "chat" and r.t_end > filled_at for r in gw.records)
-                   and not gw.app.gateway.open):
-            assert time.monotonic() < deadline, "no line answered on the full disk"
-            await asyncio.sleep(0.02)
+        await until(lambda: any(r.endpoint == "chat" and r.t_end > filled_at for r in gw.records)
+                    and not gw.app.gateway.open, 20, "a line answered on the full disk", interval=0.02)
         # lines were answered on the full disk, their rows could not be written, and no line runs
         cancel = await gw.post(f"/v1/batches/{b}/cancel", {})
         assert cancel.status == 200 and cancel.json()["status"] == "cancelling"
