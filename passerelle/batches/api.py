@@ -353,7 +353,7 @@ class BatchApi:
         if not isinstance(data, dict):
             raise InvalidRequest("The request body must be a JSON object.")
         endpoint = data.get("endpoint")
-        if endpoint not in ENDPOINTS:
+        if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:  # (a list or an object is unhashable)
             raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
         name = ENDPOINTS[endpoint]
         if not self.parts.registry.models_on(name):

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import orjson
+import pytest
 
 from passerelle.config import AdminConfig, BatchesConfig
 from passerelle.errors import Cause
@@ -276,3 +277,14 @@ async def test_a_batch_resumes_after_the_gateway_stops_each_line_once(tmp_path):
             out = await lines_of(gw, done["output_file_id"])
             assert [o["custom_id"] for o in out] == [r["custom_id"] for r in rows]
             assert len(gw.records) < 40  # the lines answered before the stop were not run again
+
+
+@pytest.mark.parametrize("wrong", [["/v1/chat/completions"], {"path": "/v1/chat/completions"}])
+async def test_an_endpoint_or_url_that_is_a_list_or_an_object_is_a_400_not_a_gateway_error(wrong):
+    # An unhashable value tested against the table of endpoints raised TypeError: internal_error (500).
+    async with fake_runtime() as fake, gateway(fake.backend_config()) as gw:
+        bad_line = await upload(gw, jsonl([{**line("a"), "url": wrong}]))
+        assert bad_line.status == 400 and "'url' must be one of" in bad_line.json()["error"]["message"]
+        f = (await upload(gw, jsonl([line("a")]))).json()
+        bad = await gw.post("/v1/batches", {"input_file_id": f["id"], "endpoint": wrong, "completion_window": "24h"})
+        assert bad.status == 400 and "'endpoint' must be one of" in bad.json()["error"]["message"]
