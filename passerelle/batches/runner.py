@@ -475,6 +475,8 @@ class Runner:
                 await self.sweep_once()
             except STORE_ERRORS as exc:  # (tried again at the next round)
                 log.warning("batch retention: the store failed (%s: %s)", exc.__class__.__name__, exc)
+            except Exception:  # a fault of the gateway must not end retention for good: the next round
+                log.exception("batch retention failed inside the gateway; tried again in %g s", every)
             await asyncio.sleep(every)
 
     async def sweep_once(self, now: float | None = None) -> tuple[int, int]:

@@ -4,6 +4,8 @@ resume after a stop, and every line answered exactly once at the batch class."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -288,3 +290,24 @@ async def test_an_endpoint_or_url_that_is_a_list_or_an_object_is_a_400_not_a_gat
         f = (await upload(gw, jsonl([line("a")]))).json()
         bad = await gw.post("/v1/batches", {"input_file_id": f["id"], "endpoint": wrong, "completion_window": "24h"})
         assert bad.status == 400 and "'endpoint' must be one of" in bad.json()["error"]["message"]
+
+
+async def test_a_fault_in_one_retention_round_does_not_end_retention(caplog):
+    # The sweeper caught only the store's errors: anything else ended its task, silently, and
+    # finished batches and files were never deleted again until a restart.
+    async with fake_runtime() as fake, gateway(fake.backend_config()) as gw:
+        runner = gw.app.batches.runner
+        runner._sweeper.cancel()
+        calls: list[int] = []
+
+        async def sweep_once(now: float | None = None) -> tuple[int, int]:
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyError("a bug")
+            return (0, 0)
+
+        runner.sweep_once = sweep_once  # type: ignore[method-assign]
+        runner.cfg = dataclasses.replace(runner.cfg, retention_h=0.01 / 360)  # a round every 10 ms
+        runner._sweeper = asyncio.ensure_future(runner._sweep())
+        await waiting.until(lambda: len(calls) >= 3, 5, "retention rounds after the fault")
+        assert not runner._sweeper.done() and "batch retention failed inside the gateway" in caplog.text
