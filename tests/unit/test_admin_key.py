@@ -9,6 +9,7 @@ In process, against the fake runtime (tests/inprocess.py); time is the throttle'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -149,6 +150,26 @@ async def test_a_placeholder_key_on_the_batch_api_without_keys_in_use_is_no_admi
         assert (await gw.get("/v1/batches", headers=placeholder)).status == 200
         assert gw.app.admin_guard.key_check.throttle.failures == 0 and refused(gw, "batches", "throttled") == 0
         assert (await gw.get("/admin/stats", headers={"authorization": f"Bearer {KEY}"})).status == 200
+
+
+async def test_a_dashboard_left_open_after_a_key_change_does_not_lock_its_admin_out():
+    # The dashboard polls /admin/stats every second with its login cookie. After the key changed,
+    # each poll counted as a wrong attempt: ten seconds later the admin's own address was
+    # throttled, and each token that came back went to the next poll, not to the login.
+    async with fake_runtime() as fake, gateway(fake.backend_config(), admin=AdminConfig(key=KEY)) as gw:
+        frozen(gw)
+        old = (await login(gw, KEY)).headers[b"set-cookie"].split(b";")[0].decode()
+        assert (await gw.get("/admin/stats", headers={"cookie": old})).status == 200
+        new_key = "9c1e5b2d8046ae19c3f77f3a"
+        gw.app.service.configure(dataclasses.replace(gw.app.cfg, admin=AdminConfig(key=new_key)))
+        polls = [(await gw.get("/admin/stats", headers={"cookie": old})).status for _ in range(60)]
+        assert polls == [401] * 60
+        assert gw.app.admin_guard.key_check.throttle.failures == 0 and refused(gw, "admin", "former_key") == 60
+        assert (await login(gw, new_key)).status == 303
+        # a cookie of no key of this gateway is still a guess (an HMAC computed for a guessed key)
+        forged = [(await gw.get("/admin/stats", headers={"cookie": "passerelle_admin=" + "ab" * 32})).status
+                  for _ in range(PER_ADDRESS_PER_MINUTE + 1)]
+        assert forged == [401] * PER_ADDRESS_PER_MINUTE + [429]
 
 
 def test_a_spray_of_addresses_does_not_grow_the_throttle_past_its_bound():
