@@ -41,7 +41,10 @@ async def read_form(scope: Scope, receive: Receive, timeout_s: float) -> dict[st
         raise RequestTimeout(timeout_s) from None
     except ClientDisconnect:
         raise InvalidRequest("The client left while sending the form.") from None
-    fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
+    try:
+        fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
+    except ValueError:  # (more than 8 fields: parse_qs refuses, and that is the client's doing)
+        raise InvalidRequest("The form has too many fields; it takes the admin key only.") from None
     return {k: v[-1] for k, v in fields.items()}
 
 

@@ -78,6 +78,15 @@ async def test_a_login_guesser_is_refused_before_any_comparison_even_with_the_ri
         assert ok.status == 303 and b"passerelle_admin=" in ok.headers[b"set-cookie"]
 
 
+async def test_a_login_form_with_too_many_fields_is_a_400_not_a_gateway_error():
+    # parse_qs's ValueError (more than 8 fields) left the app: uvicorn's bare 500.
+    async with fake_runtime() as fake, gateway(fake.backend_config(), admin=AdminConfig(key=KEY)) as gw:
+        r = await gw.request("POST", "/admin/login", b"key=a&" * 100, headers=FORM)
+        assert r.status == 400 and r.json()["error"]["code"] == "invalid_request"
+        assert gw.app.admin_guard.key_check.throttle.failures == 0  # (nothing was compared)
+        assert (await login(gw, KEY)).status == 303
+
+
 async def test_wrong_bearer_keys_and_cookies_on_admin_routes_are_throttled():
     admin = AdminConfig(key=KEY, allow=("127.0.0.0/8", "10.0.0.0/8"))
     async with fake_runtime() as fake, gateway(fake.backend_config(), admin=admin) as gw:
