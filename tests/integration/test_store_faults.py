@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import os
 import signal
 import subprocess
@@ -35,6 +34,7 @@ from passerelle.tenants.pgusage import PgUsage, PgUsageReader
 from passerelle.tenants.quota import Limit, window
 from passerelle.tenants.stores import Stores
 from passerelle.tenants.usage import UsageRecorder
+from tests.disk import small_disk as mounted
 from tests.integration.test_store_postgres import Postgres, chat, shared
 from tests.integration.test_store_postgres_ha import burst, make_key, metric
 from tests.waiting import until, wait_until
@@ -47,42 +47,10 @@ def postgres():
     pg.close()
 
 
-class SmallDisk:
-    """A 256 KiB tmpfs: ``fill()`` takes every free block, ``free()`` gives them back."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.filler = path / "filler"
-
-    def fill(self) -> None:
-        with open(self.filler, "ab", buffering=0) as f:
-            while True:
-                try:
-                    if f.write(b"\0" * 512) < 512:
-                        break
-                except OSError as exc:
-                    assert exc.errno == errno.ENOSPC, exc
-                    break
-        with pytest.raises(OSError), open(self.path / "probe", "wb", buffering=0) as f:  # full: not one block
-            f.write(b"x" * 8192)
-        with contextlib.suppress(FileNotFoundError):
-            (self.path / "probe").unlink()
-
-    def free(self) -> None:
-        self.filler.unlink()
-
-
 @pytest.fixture
 def small_disk(tmp_path):
-    assert os.geteuid() == 0, "the full-disk tests mount a tmpfs: run them as root (.ci/run does)"
-    path = tmp_path / "disk"
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(path)], check=True,
-                   timeout=30)
-    try:
-        yield SmallDisk(path)
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, timeout=30)
+    with mounted(tmp_path / "disk", "256k") as disk:
+        yield disk
 
 
 def finished(i: int, key_id: str = "k1") -> RequestRecord:
