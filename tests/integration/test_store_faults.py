@@ -36,7 +36,7 @@ from passerelle.tenants.stores import Stores
 from passerelle.tenants.usage import UsageRecorder
 from tests.disk import small_disk as mounted
 from tests.integration.test_store_postgres import Postgres, chat, shared
-from tests.integration.test_store_postgres_ha import burst, make_key, metric
+from tests.integration.test_store_postgres_ha import burst, make_key, metric, two_gateways
 from tests.waiting import until, wait_until
 
 
@@ -198,13 +198,7 @@ def test_a_transient_error_on_a_reservation_is_tried_again_before_counting_alone
 def test_transient_errors_on_reservations_never_let_two_gateways_past_a_shared_quota(postgres, gateway,
                                                                                    fake_backend, tmp_path):
     url = postgres.new_database()
-    fake = fake_backend(ttft_ms=5, itl_ms=1, slots=64)
-    a = gateway(shared(fake.url, url, slots=64))
-    b = gateway(shared(fake.url, url, slots=64), env={"PASSERELLE_STATE": str(tmp_path / "state-b")})
-    secret, key_id = make_key(a, "--quota", "50 requests/day")
-    for gw in (a, b):
-        wait_until(lambda gw=gw: httpx.get(gw.url + "/v1/me", headers={"Authorization": f"Bearer {secret}"},
-                                           timeout=10).status_code == 200, 10, what="the key on both gateways")
+    a, b, secret, key_id = two_gateways(gateway, fake_backend, url, tmp_path, "50 requests/day")
     with psycopg.connect(url, autocommit=True) as conn:  # a few updates of the counters fail, as under contention
         conn.execute("CREATE SEQUENCE fault_seq")
         conn.execute("""CREATE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS $$
