@@ -160,9 +160,8 @@ class BatchApi:
     """The routes' handlers; ``start()`` opens the store in ``root`` and resumes the batches in it."""
 
     def __init__(self, cfg: BatchesConfig, root: Path, parts: Parts, registry: CollectorRegistry,
-                 admin: AdminKeyCheck, class_name: str) -> None:
+                 admin: AdminKeyCheck) -> None:
         self.cfg, self.root, self.parts, self.admin = cfg, root, parts, admin
-        self.class_name = class_name
         self.metrics = BatchMetrics(registry)
         self._store: BatchStore | None = None
         self._runner: Runner | None = None
@@ -184,7 +183,7 @@ class BatchApi:
         if not self.cfg.enabled:
             return
         self._store = store = await asyncio.to_thread(BatchStore, self.root)
-        self._runner = Runner(store, self.parts, self.cfg, self.class_name, self.metrics)
+        self._runner = Runner(store, self.parts, self.cfg, self.metrics)
         await self._runner.start()
 
     async def stop(self) -> None:

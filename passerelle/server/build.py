@@ -110,7 +110,6 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
         loader=loader, backends_configured=backends_configured)
     # The Batch API: its store beside the keys' database, its lines at the least urgent class; it
     # reads the service's parts (batches/parts.py), so a reload's are the ones it sees.
-    service.batches = BatchApi(cfg.batches, cfg.db_path().parent, service, metrics.registry, admin_key_check,
-                               max(cfg.classes, key=lambda c: c.rank).name)
+    service.batches = BatchApi(cfg.batches, cfg.db_path().parent, service, metrics.registry, admin_key_check)
     service.configure(cfg)  # (the call a reload makes)
     return service

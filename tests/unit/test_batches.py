@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from passerelle.config import AdminConfig, BatchesConfig
+from passerelle.config import AdminConfig, BatchesConfig, ClassConfig
 from passerelle.errors import Cause
 from passerelle.tenants.keys import KeyStore
 from passerelle.tenants.quota import parse_quota
@@ -311,3 +311,16 @@ async def test_a_fault_in_one_retention_round_does_not_end_retention(caplog):
         runner._sweeper = asyncio.ensure_future(runner._sweep())
         await waiting.until(lambda: len(calls) >= 3, 5, "retention rounds after the fault")
         assert not runner._sweeper.done() and "batch retention failed inside the gateway" in caplog.text
+
+
+async def test_batch_lines_run_at_the_least_urgent_class_of_a_reloaded_configuration():
+    # [[classes]] apply at a reload, but the Batch API kept the class name it was built with: once
+    # a reload renamed the batch class, every line was refused (400, X-Priority) and counted failed.
+    async with fake_runtime() as fake, gateway(fake.backend_config()) as gw:
+        svc = gw.app.service
+        classes = (ClassConfig("interactive", 0), ClassConfig("standard", 1), ClassConfig("bulk", 2, preemptible=True))
+        svc.configure(dataclasses.replace(svc.cfg, classes=classes))  # (what a reload applies)
+        f = (await upload(gw, jsonl([line(f"r{i}") for i in range(3)]))).json()
+        done = await settle(gw, (await create(gw, f["id"])).json()["id"])
+        assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+        assert {r.priority for r in gw.records if r.client == "batch"} == {"bulk"}
