@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from passerelle.batches.parts import batch_class
 from passerelle.cli import build_app
 from passerelle.config import (
     DEFAULT_CLASSES,
@@ -136,7 +137,8 @@ CHECKS: dict[str, tuple[Any, Probe]] = {
     "limits.max_event_bytes": (1000, _gw("limits", "max_event_bytes")),
     "limits.image_tokens": (5, lambda s: s.keys.media_costs("m").image_tokens),
     "limits.audio_tokens": (5, lambda s: s.keys.media_costs("m").audio_tokens),
-    "classes": (BULK, lambda s: (sorted(s.scheduler.classes), sorted(s.gateway.classes), s.key_manager.classes)),
+    "classes": (BULK, lambda s: (sorted(s.scheduler.classes), sorted(s.gateway.classes), s.key_manager.classes,
+                                 batch_class(s))),
 }
 
 LIVE = live_fields()
