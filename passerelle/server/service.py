@@ -135,6 +135,7 @@ class Service:
         self.swapper.configure(cfg.runtimes)
         self.stores.configure(cfg)
         self.key_manager.configure([c.name for c in cfg.classes])
+        self.live.configure([c.name for c in cfg.classes])  # (the dashboard's rows)
         self.admin_guard.configure(cfg.admin)  # a new key: the old one and its login cookies fail at once
         self.forwarded.configure(s)
         self.body_budget.configure(s)

@@ -138,7 +138,7 @@ CHECKS: dict[str, tuple[Any, Probe]] = {
     "limits.image_tokens": (5, lambda s: s.keys.media_costs("m").image_tokens),
     "limits.audio_tokens": (5, lambda s: s.keys.media_costs("m").audio_tokens),
     "classes": (BULK, lambda s: (sorted(s.scheduler.classes), sorted(s.gateway.classes), s.key_manager.classes,
-                                 batch_class(s))),
+                                 batch_class(s), s.live.classes)),
 }
 
 LIVE = live_fields()
