@@ -125,6 +125,15 @@ def _internal_errors_logged(gw: Gateway, since: int) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
+def own_state(tmp_path_factory, monkeypatch) -> None:
+    """Every test's gateways keep their keys, usage, batch files and learned memory in a directory
+    of the test's own ($PASSERELLE_STATE), never in the user's ~/.local/state/passerelle: that one
+    is shared by every run on the machine (SQLite files written by tests running side by side) and
+    what the tests wrote there stayed behind."""
+    monkeypatch.setenv("PASSERELLE_STATE", str(tmp_path_factory.mktemp("state")))
+
+
+@pytest.fixture(autouse=True)
 def no_internal_error(request, monkeypatch) -> Iterator[None]:
     """Fail the test when a gateway it ran ended a request with ``internal_error``: the in-process
     apps' records (every ``Gateway.account``) and the access logs of the gateway subprocesses

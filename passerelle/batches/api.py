@@ -13,7 +13,8 @@
 Who sees what: a key sees its own files and batches only (another's answer 404, as if it did not
 exist); the admin key (``[admin] key``) sees all, but only from ``[admin] allow``'s networks and
 through the admin key's one check (tenants/admin_key.py: throttled before it is compared); from
-elsewhere it is the unknown key it is there. Without keys in use, everyone is one owner.
+elsewhere it is the unknown key it is there. Without keys in use, everyone is one owner and the
+admin key is not asked for (the placeholder key a client sends then is no attempt at it).
 
 Bounds: an upload is held once (its file part is a view of the body, checked a line at a time,
 written from that view); batches in progress are limited per key and in all (``[batches]
@@ -159,9 +160,8 @@ class BatchApi:
     """The routes' handlers; ``start()`` opens the store in ``root`` and resumes the batches in it."""
 
     def __init__(self, cfg: BatchesConfig, root: Path, parts: Parts, registry: CollectorRegistry,
-                 admin: AdminKeyCheck, class_name: str) -> None:
+                 admin: AdminKeyCheck) -> None:
         self.cfg, self.root, self.parts, self.admin = cfg, root, parts, admin
-        self.class_name = class_name
         self.metrics = BatchMetrics(registry)
         self._store: BatchStore | None = None
         self._runner: Runner | None = None
@@ -183,7 +183,7 @@ class BatchApi:
         if not self.cfg.enabled:
             return
         self._store = store = await asyncio.to_thread(BatchStore, self.root)
-        self._runner = Runner(store, self.parts, self.cfg, self.class_name, self.metrics)
+        self._runner = Runner(store, self.parts, self.cfg, self.metrics)
         await self._runner.start()
 
     async def stop(self) -> None:
@@ -200,6 +200,10 @@ class BatchApi:
     def caller(self, scope: Scope) -> Caller:
         if not self.cfg.enabled:
             raise NotFound("The Batch API is turned off on this gateway ([batches] enabled = false).")
+        if not self.parts.keys.in_use:
+            # Everyone is the one owner and the admin key would see nothing more; the placeholder key
+            # an SDK must send ("sk-none") is no guess at it, and must not lock the admin out.
+            return Caller("", None)
         presented = presented_key(scope)
         # (only from [admin] allow, never an API key of ours; RateLimited while throttled, nothing compared)
         if self.admin.candidate(scope, presented) and self.admin.verify(scope, "batches", key=presented.encode()):
@@ -348,7 +352,7 @@ class BatchApi:
         if not isinstance(data, dict):
             raise InvalidRequest("The request body must be a JSON object.")
         endpoint = data.get("endpoint")
-        if endpoint not in ENDPOINTS:
+        if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:  # (a list or an object is unhashable)
             raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
         name = ENDPOINTS[endpoint]
         if not self.parts.registry.models_on(name):

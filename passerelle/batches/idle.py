@@ -18,7 +18,7 @@ end, and grows again when the others leave (looked at every ``POLL_S``; no event
 Lines held back wait here, not in the scheduler's queue; a freed place goes to the waiting line of
 the owner with the fewest lines in flight (fair share between keys' batches), then the oldest.
 
-    gate = IdleGate(service, "batch", reserve=1)
+    gate = IdleGate(service, reserve=1)
     if await gate.enter(pool, owner, lambda: run.ending != ""):
         try: ...
         finally: gate.leave(pool, owner)
@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from passerelle.batches.parts import Parts
+from passerelle.batches.parts import Parts, batch_class
 from passerelle.runtimes.kinds import Backend
 
 POLL_S = 0.02  # how often held-back lines look again at what other classes use
@@ -50,8 +50,8 @@ class _Waiter:
 
 
 class IdleGate:
-    def __init__(self, parts: Parts, class_name: str, reserve: int, poll_s: float = POLL_S) -> None:
-        self.parts, self.class_name, self.reserve, self.poll_s = parts, class_name, reserve, poll_s
+    def __init__(self, parts: Parts, reserve: int, poll_s: float = POLL_S) -> None:
+        self.parts, self.reserve, self.poll_s = parts, reserve, poll_s
         self._in: Counter[tuple[str, ...]] = Counter()  # lines let through, by the names of their pool
         self._owners: Counter[str] = Counter()
         self._waiters: list[_Waiter] = []
@@ -78,9 +78,10 @@ class IdleGate:
         sched = self.parts.scheduler
         slots = sum(b.capacity for b in up)
         reserve = sum(min(self.reserve, max(b.capacity - 1, 0)) for b in up)
-        batch = sum(sched.running.get((b.name, self.class_name), 0) for b in up)
+        cls = batch_class(self.parts)
+        batch = sum(sched.running.get((b.name, cls), 0) for b in up)
         others = max(0, sum(b.in_flight for b in up) - batch)
-        waiting = sum(1 for j in sched.waiting if j.cls.name != self.class_name and any(b in j.pool for b in up))
+        waiting = sum(1 for j in sched.waiting if j.cls.name != cls and any(b in j.pool for b in up))
         return slots - max(reserve, others) - waiting - self._mine(up)
 
     def _mine(self, up: list[Backend]) -> int:

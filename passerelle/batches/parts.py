@@ -36,3 +36,9 @@ class Parts(Protocol):
 
     @property
     def gateway(self) -> Gateway: ...  # runs a line (``handle``) and tells its finished record (``listeners``)
+
+
+def batch_class(parts: Parts) -> str:
+    """The class batch lines run at: the least urgent one of the running configuration ([[classes]]
+    apply at a reload: a class renamed or added there is the one the next line gets)."""
+    return max(parts.cfg.classes, key=lambda c: c.rank).name

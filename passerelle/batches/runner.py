@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from passerelle.batches.idle import IdleGate
 from passerelle.batches.internal import LineRecords, LineRequest
 from passerelle.batches.outcome import Outcome, answer_record, error_record, outcome_of, passes
-from passerelle.batches.parts import Parts
+from passerelle.batches.parts import Parts, batch_class
 from passerelle.batches.status import BatchStatus, move, status_of
 from passerelle.batches.store import STORE_ERRORS, BatchStore, FileRow, Result
 from passerelle.batches.validate import ENDPOINTS, Line, LineReader, max_line_bytes, parse_line
@@ -121,13 +121,12 @@ class Run:
 
 
 class Runner:
-    def __init__(self, store: BatchStore, parts: Parts, cfg: BatchesConfig, class_name: str,
-                 metrics: BatchMetrics) -> None:
-        self.store, self.parts, self.cfg, self.class_name = store, parts, cfg, class_name
+    def __init__(self, store: BatchStore, parts: Parts, cfg: BatchesConfig, metrics: BatchMetrics) -> None:
+        self.store, self.parts, self.cfg = store, parts, cfg
         self.metrics = metrics
         self.runs: dict[str, Run] = {}
         self._key_turns: dict[str, asyncio.Semaphore] = {}
-        self.idle = IdleGate(parts, class_name, cfg.reserve_slots)
+        self.idle = IdleGate(parts, cfg.reserve_slots)
         self.records = LineRecords()
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
@@ -376,7 +375,7 @@ class Runner:
             pool = self.idle.pool_of(line.body.get("model"), endpoint)
             if not await self.idle.enter(pool, doc["_owner"], lambda: bool(run.ending)):
                 return None  # the batch ends
-            request = LineRequest(line.url, body, key_id=doc["_key_id"], class_name=self.class_name,
+            request = LineRequest(line.url, body, key_id=doc["_key_id"], class_name=batch_class(self.parts),
                                   batch_id=doc["id"], records=self.records,
                                   cap=self.parts.cfg.limits.max_answer_bytes)
             run.running.add(request)
@@ -475,6 +474,8 @@ class Runner:
                 await self.sweep_once()
             except STORE_ERRORS as exc:  # (tried again at the next round)
                 log.warning("batch retention: the store failed (%s: %s)", exc.__class__.__name__, exc)
+            except Exception:  # a fault of the gateway must not end retention for good: the next round
+                log.exception("batch retention failed inside the gateway; tried again in %g s", every)
             await asyncio.sleep(every)
 
     async def sweep_once(self, now: float | None = None) -> tuple[int, int]:

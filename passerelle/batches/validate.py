@@ -89,7 +89,7 @@ def _check_line(obj: Any) -> str | None:
     if obj.get("method", "POST") != "POST":
         return "'method' must be POST"
     url = obj.get("url")
-    if url not in ENDPOINTS:
+    if not isinstance(url, str) or url not in ENDPOINTS:  # (a list or an object is unhashable)
         return f"'url' must be one of {', '.join(ENDPOINTS)}"
     body = obj.get("body")
     if not isinstance(body, dict):

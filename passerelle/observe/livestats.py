@@ -164,6 +164,14 @@ class LiveStats:
         self._errors: deque[tuple[float, dict[str, Any]]] = deque(maxlen=RECENT_ERRORS)  # (clock, record)
         self._cached: tuple[float, float, dict[str, Any]] | None = None  # (timer, reuse for s, part)
 
+    def configure(self, classes: Sequence[str]) -> None:
+        """``[[classes]]`` (a reload's too): the classes shown, in this order; a new one starts
+        empty, a removed one leaves the dashboard (a request still finishing in it brings it back)."""
+        self.classes = list(classes)
+        for cls in self.classes:
+            self._ring(cls)
+        self._cached = None
+
     def observe(self, rec: RequestRecord) -> None:
         """Add one finished request (a ``Gateway.listeners`` callable): O(1) but for its gaps."""
         now = self.clock()

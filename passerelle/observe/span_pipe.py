@@ -41,6 +41,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from passerelle.backoff import RestartBackoff
 from passerelle.observe.otlp_export import SHUTDOWN_S, env_int
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ FLUSH_SPANS = 256  # or this many, whichever comes first
 MAX_BUFFER_BYTES = 8 * 1024 * 1024  # written but not yet taken by the child
 PIPE_BYTES = 1024 * 1024  # the pipe's own buffer, asked of Linux (F_SETPIPE_SZ)
 RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0  # the backoff before a dead child is started again
-STABLE_S = 60.0  # a child that lived this long died on its own: the backoff starts afresh
 
 
 class SpanPipe:
@@ -87,7 +87,7 @@ class SpanPipe:
         self._stopping = False  # shutdown has begun: no more restarts, no more watching the pipe
         self._down = False  # the child is gone; a new one is due at _restart_at
         self._restart_at = 0.0
-        self._backoff = RESTART_MIN_S
+        self._backoff = RestartBackoff(RESTART_MIN_S, RESTART_MAX_S)  # (afresh after a child that lived a minute)
         self._spawn()
 
     # -- the child ---------------------------------------------------------------------------
@@ -130,9 +130,7 @@ class SpanPipe:
             with contextlib.suppress(OSError):
                 self.proc.kill()
         now = time.monotonic()
-        if now - self._started_at >= STABLE_S:
-            self._backoff = RESTART_MIN_S
-        delay, self._backoff = self._backoff, min(self._backoff * 2, RESTART_MAX_S)
+        delay = self._backoff.next(now - self._started_at)
         self._restart_at = now + delay
         if self._stopping:
             log.warning("traces: the exporter process %s while the gateway stopped", why)

@@ -101,17 +101,17 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
     # the admin key's one check (throttled before compared), for the admin routes, the login and batches
     admin_key_check = AdminKeyCheck(cfg.admin, failures=metrics.admin_key_failures)
     admin_guard = AdminGuard(cfg.admin, own_hosts=(cfg.server.host, cfg.admin.host), key_check=admin_key_check)
+    body_budget = BodyBudget(cfg.server)  # (the login form's body has its deadline too)
     service = Service(
         cfg, metrics=metrics, registry=registry, access_log=gateway.access_log, scheduler=scheduler,
         supervisor=supervisor, runtime_metrics=runtime_metrics, swapper=swapper, stores=stores,
         key_manager=key_manager, keys=keys, catalogue=catalogue, live=live, tracer=tracer, gateway=gateway,
-        keys_api=KeysApi(cfg.admin.key, stores.keys, key_manager, keys, stores.usage, stores.reports, people),
-        body_budget=BodyBudget(cfg.server), forwarded=ForwardedTrust(cfg.server), admin_guard=admin_guard,
-        admin_login=AdminLogin(admin_guard, body_timeout_s=cfg.server.body_timeout_s),
+        keys_api=KeysApi(admin_key_check, stores.keys, key_manager, keys, stores.usage, stores.reports, people),
+        body_budget=body_budget, forwarded=ForwardedTrust(cfg.server), admin_guard=admin_guard,
+        admin_login=AdminLogin(admin_guard, body_budget),
         loader=loader, backends_configured=backends_configured, people=people)
     # The Batch API: its store beside the keys' database, its lines at the least urgent class; it
     # reads the service's parts (batches/parts.py), so a reload's are the ones it sees.
-    service.batches = BatchApi(cfg.batches, cfg.db_path().parent, service, metrics.registry, admin_key_check,
-                               max(cfg.classes, key=lambda c: c.rank).name)
+    service.batches = BatchApi(cfg.batches, cfg.db_path().parent, service, metrics.registry, admin_key_check)
     service.configure(cfg)  # (the call a reload makes)
     return service

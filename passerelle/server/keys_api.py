@@ -34,6 +34,7 @@ import orjson
 from passerelle.errors import Forbidden, InvalidRequest, NotFound
 from passerelle.proxy.exchange import Receive, Scope, Send, header
 from passerelle.server.responses import json_response
+from passerelle.tenants.admin_key import AdminKeyCheck
 from passerelle.tenants.keys import ApiKey, KeyStore
 from passerelle.tenants.manage import KeyManager
 from passerelle.tenants.people import PeopleBook
@@ -90,7 +91,7 @@ def _activity(row: dict[str, Any]) -> dict[str, Any]:
 class KeysApi:
     """The handlers, with what they work on (the app's key store, policy and usage store)."""
 
-    admin_key: str  # [admin] key: without one, keys are not managed over HTTP
+    admin: AdminKeyCheck  # [admin] key's one check: without a key, keys are not managed over HTTP
     store: KeyStore
     manager: KeyManager
     policy: KeyPolicy
@@ -99,7 +100,7 @@ class KeysApi:
     people: PeopleBook | None = None  # names and emails beside a front-end's people (tenants/people.py)
 
     def _require_admin_key(self) -> None:
-        if not self.admin_key:
+        if not self.admin.enabled:
             raise Forbidden("Managing keys over HTTP needs an admin key: set [admin] key in the configuration "
                             "(or PASSERELLE_ADMIN_KEY), or use 'passerelle keys' on the gateway's machine.")
 

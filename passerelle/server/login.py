@@ -24,7 +24,7 @@ from passerelle.errors import ClientDisconnect, GatewayError, InvalidRequest, Ra
 from passerelle.proxy.exchange import Receive, Scope, Send
 from passerelle.proxy.intake import read_request_body
 from passerelle.server.admin import COOKIE, AdminGuard
-from passerelle.server.connections import RequestTimeout
+from passerelle.server.connections import BodyBudget, RequestTimeout
 from passerelle.server.responses import raw_response
 
 MAX_FORM_BYTES = 4096
@@ -41,14 +41,17 @@ async def read_form(scope: Scope, receive: Receive, timeout_s: float) -> dict[st
         raise RequestTimeout(timeout_s) from None
     except ClientDisconnect:
         raise InvalidRequest("The client left while sending the form.") from None
-    fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
+    try:
+        fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
+    except ValueError:  # (more than 8 fields: parse_qs refuses, and that is the client's doing)
+        raise InvalidRequest("The form has too many fields; it takes the admin key only.") from None
     return {k: v[-1] for k, v in fields.items()}
 
 
 class AdminLogin:
-    def __init__(self, guard: AdminGuard, *, body_timeout_s: float) -> None:
+    def __init__(self, guard: AdminGuard, budget: BodyBudget) -> None:
         self.guard = guard
-        self.body_timeout_s = body_timeout_s
+        self.budget = budget  # (its ``timeout_s``: [server] body_timeout_s, as every body has)
         self._page: str | None = None
 
     async def page(self, send: Send, status: int, message: str = "", *, retry_after: bytes | None = None) -> None:
@@ -84,7 +87,7 @@ class AdminLogin:
         if scope["method"] != "POST":
             await self.page(send, 200)
             return
-        form = await read_form(scope, receive, self.body_timeout_s)
+        form = await read_form(scope, receive, self.budget.timeout_s)
         try:  # (throttled: 429, the key not compared)
             right = self.guard.key_check.verify(scope, "login", key=form.get("key", "").encode())
         except RateLimited as err:

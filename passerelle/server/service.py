@@ -5,9 +5,10 @@ which applies the configuration through :meth:`Service.configure`; a reload re-r
 and calls the same method with what may apply at once. Each part takes its own section through
 its own ``configure``, so no setting is copied anywhere else:
 
-    [server]    body budget and deadline, forwarded trust, CORS, the gateway's body caps
+    [server]    body budget and deadline (the login form's too), forwarded trust, CORS, the gateway's body caps
     [timeouts]  every backend's timeouts, the gateway's deadline and write watchdog
-    [admin]     the admin guard (allow, key, hosts), the key and batch APIs' admin key
+    [admin]     the admin guard (allow, key, hosts) and its key check, which the login form, the
+                key API and the Batch API hold too (one reading of the key)
     [auth]      the key policy (throttle, anonymous classes, forwarded users), usage retention
     [scheduler] [routing] classes   the scheduler and its preemptor, the session gate
     [runtimes]  the supervisor's budget, the swapper's policy
@@ -136,6 +137,7 @@ class Service:
         self.swapper.configure(cfg.runtimes)
         self.stores.configure(cfg)
         self.key_manager.configure([c.name for c in cfg.classes])
+        self.live.configure([c.name for c in cfg.classes])  # (the dashboard's rows)
         self.admin_guard.configure(cfg.admin)  # a new key: the old one and its login cookies fail at once
         self.forwarded.configure(s)
         self.body_budget.configure(s)
@@ -143,9 +145,6 @@ class Service:
             b.configure(cfg.timeouts)
         self.cors.clear()
         self.cors.update(o.encode() for o in s.cors_origins)
-        # (plain attributes of the login form and the key API; the Batch API shares the guard's key check)
-        self.admin_login.body_timeout_s = s.body_timeout_s
-        self.keys_api.admin_key = cfg.admin.key
 
     # -- life ------------------------------------------------------------------------------
     async def start(self) -> None:

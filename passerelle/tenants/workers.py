@@ -23,10 +23,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from passerelle.backoff import CALM_S, RestartBackoff
+
 log = logging.getLogger("passerelle.tenants.workers")
 
 BACKOFF_S = (0.5, 30.0)  # first and longest wait before a failed loop runs again
-CALM_S = 60.0  # a loop that ran this long without failing starts its backoff afresh
 
 
 class Worker:
@@ -38,16 +39,14 @@ class Worker:
         self.last_error = ""
         self.failed_at: float | None = None  # time.monotonic() of the last failure
         self._thread: threading.Thread | None = None
-        self._backoff = BACKOFF_S[0]
+        self._backoff = RestartBackoff(*BACKOFF_S)  # (afresh after a loop that ran CALM_S)
 
     def failed(self, exc: BaseException, started: float) -> float:
         """Count a failure of the loop; the seconds to wait before running it again."""
         self.restarts += 1
         self.failed_at = time.monotonic()
         self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        if time.monotonic() - started > CALM_S:
-            self._backoff = BACKOFF_S[0]
-        wait, self._backoff = self._backoff, min(self._backoff * 2, BACKOFF_S[1])
+        wait = self._backoff.next(time.monotonic() - started)
         log.error("store worker %s failed (%s); restarted in %g s (%d restarts so far)", self.name,
                   self.last_error, wait, self.restarts, exc_info=exc)
         return wait

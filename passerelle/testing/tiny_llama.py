@@ -3,7 +3,7 @@
 Run with the vLLM venv's Python (it needs torch, transformers and tokenizers; it imports nothing
 from passerelle)::
 
-    ~/.cache/passerelle/vllm-venv/bin/python passerelle/tiny_llama.py --out DIR --corpus passerelle/
+    ~/.cache/passerelle/vllm-venv/bin/python passerelle/testing/tiny_llama.py --out DIR --corpus passerelle/
 
 The tokenizer is a byte-level BPE of 2,000 tokens trained on the ``.py`` and ``.md`` files under
 ``--corpus``; the weights are random (seed 0): 2 layers, hidden 128, 2 heads of 64. It generates

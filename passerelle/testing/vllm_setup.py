@@ -8,7 +8,7 @@
   unused on the CPU. The venv is ready when its stamp file names the pinned version.
 * a tiny Llama, ``~/.cache/passerelle/models/tiny-llama-vllm``: random weights (2 layers, hidden 128)
   and a 2,000-token byte-level BPE tokenizer trained on passerelle's own source files, written by
-  ``passerelle/tiny_llama.py`` run with the vLLM venv's Python. Nothing comes from a model hub.
+  ``passerelle/testing/tiny_llama.py`` run with the vLLM venv's Python. Nothing comes from a model hub.
 
 A second run finds both stamps and returns at once. Run vLLM from that venv with
 ``python -m vllm.entrypoints.openai.api_server`` (not ``vllm serve``: the distribution is named

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import os
 import signal
 import subprocess
@@ -35,9 +34,10 @@ from passerelle.tenants.pgusage import PgUsage, PgUsageReader
 from passerelle.tenants.quota import Limit, window
 from passerelle.tenants.stores import Stores
 from passerelle.tenants.usage import UsageRecorder
-from tests.conftest import wait_until
+from tests.disk import small_disk as mounted
 from tests.integration.test_store_postgres import Postgres, chat, shared
-from tests.integration.test_store_postgres_ha import burst, make_key, metric
+from tests.integration.test_store_postgres_ha import burst, make_key, metric, two_gateways
+from tests.waiting import until, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -47,42 +47,10 @@ def postgres():
     pg.close()
 
 
-class SmallDisk:
-    """A 256 KiB tmpfs: ``fill()`` takes every free block, ``free()`` gives them back."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.filler = path / "filler"
-
-    def fill(self) -> None:
-        with open(self.filler, "ab", buffering=0) as f:
-            while True:
-                try:
-                    if f.write(b"\0" * 512) < 512:
-                        break
-                except OSError as exc:
-                    assert exc.errno == errno.ENOSPC, exc
-                    break
-        with pytest.raises(OSError), open(self.path / "probe", "wb", buffering=0) as f:  # full: not one block
-            f.write(b"x" * 8192)
-        with contextlib.suppress(FileNotFoundError):
-            (self.path / "probe").unlink()
-
-    def free(self) -> None:
-        self.filler.unlink()
-
-
 @pytest.fixture
 def small_disk(tmp_path):
-    assert os.geteuid() == 0, "the full-disk tests mount a tmpfs: run them as root (.ci/run does)"
-    path = tmp_path / "disk"
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(path)], check=True,
-                   timeout=30)
-    try:
-        yield SmallDisk(path)
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, timeout=30)
+    with mounted(tmp_path / "disk", "256k") as disk:
+        yield disk
 
 
 def finished(i: int, key_id: str = "k1") -> RequestRecord:
@@ -204,9 +172,7 @@ async def test_sqlite_usage_that_fails_to_commit_on_a_full_disk_is_kept_and_writ
         rec.record(finished(n))
         n += 1
     small_disk.free()
-    deadline = time.monotonic() + 20
-    while stored() < n and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    await until(lambda: stored() >= n, 20, "every row in the database", interval=0.05)
     got = sorted(r[0] for r in conn.execute("SELECT completion_tokens FROM usage"))
     assert got == list(range(n))  # none lost, none twice
     assert rec.held == 0 and not rec.failing and rec.dropped == 0
@@ -232,13 +198,7 @@ def test_a_transient_error_on_a_reservation_is_tried_again_before_counting_alone
 def test_transient_errors_on_reservations_never_let_two_gateways_past_a_shared_quota(postgres, gateway,
                                                                                    fake_backend, tmp_path):
     url = postgres.new_database()
-    fake = fake_backend(ttft_ms=5, itl_ms=1, slots=64)
-    a = gateway(shared(fake.url, url, slots=64))
-    b = gateway(shared(fake.url, url, slots=64), env={"PASSERELLE_STATE": str(tmp_path / "state-b")})
-    secret, key_id = make_key(a, "--quota", "50 requests/day")
-    for gw in (a, b):
-        wait_until(lambda gw=gw: httpx.get(gw.url + "/v1/me", headers={"Authorization": f"Bearer {secret}"},
-                                           timeout=10).status_code == 200, 10, what="the key on both gateways")
+    a, b, secret, key_id = two_gateways(gateway, fake_backend, url, tmp_path, "50 requests/day")
     with psycopg.connect(url, autocommit=True) as conn:  # a few updates of the counters fail, as under contention
         conn.execute("CREATE SEQUENCE fault_seq")
         conn.execute("""CREATE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS $$

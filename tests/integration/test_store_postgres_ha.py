@@ -46,15 +46,22 @@ async def burst(urls: list[str], secret: str, n: int) -> list[int]:
         return await asyncio.gather(*(one(u) for u in urls for _ in range(n)))
 
 
-def test_two_gateways_never_let_a_key_past_its_request_quota(postgres, gateway, fake_backend, tmp_path):
-    url = postgres.new_database()
+def two_gateways(gateway, fake_backend, url: str, tmp_path, quota: str):
+    """Two gateways sharing the database ``url``, and a key with ``quota`` that both know:
+    (a, b, secret, key id)."""
     fake = fake_backend(ttft_ms=5, itl_ms=1, slots=64)
     a = gateway(shared(fake.url, url, slots=64))
     b = gateway(shared(fake.url, url, slots=64), env={"PASSERELLE_STATE": str(tmp_path / "state-b")})
-    secret, key_id = make_key(a, "--quota", "60 requests/day")
+    secret, key_id = make_key(a, "--quota", quota)
     for gw in (a, b):
         wait_until(lambda gw=gw: httpx.get(gw.url + "/v1/me", headers={"Authorization": f"Bearer {secret}"},
                                            timeout=10).status_code == 200, 10, what="the key on both gateways")
+    return a, b, secret, key_id
+
+
+def test_two_gateways_never_let_a_key_past_its_request_quota(postgres, gateway, fake_backend, tmp_path):
+    url = postgres.new_database()
+    a, b, secret, key_id = two_gateways(gateway, fake_backend, url, tmp_path, "60 requests/day")
     statuses = asyncio.run(burst([a.url, b.url], secret, 50))
     served = statuses.count(200)
     print(f"\n2 gateways x 50 concurrent requests, a quota of 60 requests a day: {served} served, "

@@ -9,6 +9,7 @@ In process, against the fake runtime (tests/inprocess.py); time is the throttle'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -77,6 +78,15 @@ async def test_a_login_guesser_is_refused_before_any_comparison_even_with_the_ri
         assert ok.status == 303 and b"passerelle_admin=" in ok.headers[b"set-cookie"]
 
 
+async def test_a_login_form_with_too_many_fields_is_a_400_not_a_gateway_error():
+    # parse_qs's ValueError (more than 8 fields) left the app: uvicorn's bare 500.
+    async with fake_runtime() as fake, gateway(fake.backend_config(), admin=AdminConfig(key=KEY)) as gw:
+        r = await gw.request("POST", "/admin/login", b"key=a&" * 100, headers=FORM)
+        assert r.status == 400 and r.json()["error"]["code"] == "invalid_request"
+        assert gw.app.admin_guard.key_check.throttle.failures == 0  # (nothing was compared)
+        assert (await login(gw, KEY)).status == 303
+
+
 async def test_wrong_bearer_keys_and_cookies_on_admin_routes_are_throttled():
     admin = AdminConfig(key=KEY, allow=("127.0.0.0/8", "10.0.0.0/8"))
     async with fake_runtime() as fake, gateway(fake.backend_config(), admin=admin) as gw:
@@ -136,6 +146,39 @@ async def test_the_batch_api_takes_the_admin_key_only_from_admin_allow_and_throt
         assert (await gw.get("/v1/files", headers={"authorization": f"Bearer {secret}"})).status == 200
         now[0] += 60.0
         assert (await gw.get("/v1/batches", headers={"authorization": f"Bearer {KEY}"})).status == 200
+
+
+async def test_a_placeholder_key_on_the_batch_api_without_keys_in_use_is_no_admin_guess(tmp_path):
+    # No API key yet, an admin key for the dashboard: an SDK on this host must send some key, and
+    # twenty Batch API calls with it neither get 429 nor lock the admin out of /admin.
+    async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "k.db",
+                                               admin=AdminConfig(key=KEY)) as gw:
+        frozen(gw)
+        placeholder = {"authorization": "Bearer sk-no-key-required"}
+        assert [(await gw.get("/v1/files", headers=placeholder)).status for _ in range(20)] == [200] * 20
+        assert (await gw.get("/v1/batches", headers=placeholder)).status == 200
+        assert gw.app.admin_guard.key_check.throttle.failures == 0 and refused(gw, "batches", "throttled") == 0
+        assert (await gw.get("/admin/stats", headers={"authorization": f"Bearer {KEY}"})).status == 200
+
+
+async def test_a_dashboard_left_open_after_a_key_change_does_not_lock_its_admin_out():
+    # The dashboard polls /admin/stats every second with its login cookie. After the key changed,
+    # each poll counted as a wrong attempt: ten seconds later the admin's own address was
+    # throttled, and each token that came back went to the next poll, not to the login.
+    async with fake_runtime() as fake, gateway(fake.backend_config(), admin=AdminConfig(key=KEY)) as gw:
+        frozen(gw)
+        old = (await login(gw, KEY)).headers[b"set-cookie"].split(b";")[0].decode()
+        assert (await gw.get("/admin/stats", headers={"cookie": old})).status == 200
+        new_key = "9c1e5b2d8046ae19c3f77f3a"
+        gw.app.service.configure(dataclasses.replace(gw.app.cfg, admin=AdminConfig(key=new_key)))
+        polls = [(await gw.get("/admin/stats", headers={"cookie": old})).status for _ in range(60)]
+        assert polls == [401] * 60
+        assert gw.app.admin_guard.key_check.throttle.failures == 0 and refused(gw, "admin", "former_key") == 60
+        assert (await login(gw, new_key)).status == 303
+        # a cookie of no key of this gateway is still a guess (an HMAC computed for a guessed key)
+        forged = [(await gw.get("/admin/stats", headers={"cookie": "passerelle_admin=" + "ab" * 32})).status
+                  for _ in range(PER_ADDRESS_PER_MINUTE + 1)]
+        assert forged == [401] * PER_ADDRESS_PER_MINUTE + [429]
 
 
 def test_a_spray_of_addresses_does_not_grow_the_throttle_past_its_bound():

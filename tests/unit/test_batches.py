@@ -5,15 +5,18 @@ resume after a stop, and every line answered exactly once at the batch class."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
 import orjson
+import pytest
 
-from passerelle.config import AdminConfig, BatchesConfig
+from passerelle.config import AdminConfig, BatchesConfig, ClassConfig
 from passerelle.errors import Cause
 from passerelle.tenants.keys import KeyStore
 from passerelle.tenants.quota import parse_quota
+from tests import waiting
 from tests.inprocess import InProcessGateway, fake_runtime, gateway
 
 BOUNDARY = "passerelle-test-boundary"
@@ -53,15 +56,18 @@ async def create(gw: InProcessGateway, file_id: str, key: str | None = None, end
                                          "metadata": {"job": "test"}}, headers=auth(key))
 
 
+async def completed(gw: InProcessGateway, batch_id: str, n: int) -> bool:
+    """At least ``n`` of the batch's lines are completed."""
+    return bool((await gw.get(f"/v1/batches/{batch_id}")).json()["request_counts"]["completed"] >= n)
+
+
 async def settle(gw: InProcessGateway, batch_id: str, key: str | None = None, timeout: float = 20.0,
                  until: tuple[str, ...] = ("completed", "failed", "expired", "cancelled")) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
+    async def ended() -> dict[str, Any] | None:
         doc = (await gw.get(f"/v1/batches/{batch_id}", headers=auth(key))).json()
-        if doc["status"] in until:
-            return doc  # type: ignore[no-any-return]
-        assert time.monotonic() < deadline, doc
-        await asyncio.sleep(0.02)
+        return doc if doc["status"] in until else None  # type: ignore[no-any-return]
+
+    return await waiting.until(ended, timeout, f"batch {batch_id} {' or '.join(until)}", interval=0.02)
 
 
 async def lines_of(gw: InProcessGateway, file_id: str | None, key: str | None = None) -> list[dict[str, Any]]:
@@ -204,10 +210,7 @@ async def test_cancel_answers_each_line_once_done_or_cancelled(tmp_path):
         f = (await upload(gw, jsonl(rows))).json()
         b = (await create(gw, f["id"])).json()
         await settle(gw, b["id"], until=("in_progress",))
-        deadline = time.monotonic() + 10
-        while (await gw.get(f"/v1/batches/{b['id']}")).json()["request_counts"]["completed"] < 2:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await waiting.until(lambda: completed(gw, b["id"], 2), 10)
         cancelled = await gw.post(f"/v1/batches/{b['id']}/cancel", {})
         assert cancelled.status == 200 and cancelled.json()["status"] in ("cancelling", "cancelled")
         done = await settle(gw, b["id"])
@@ -248,13 +251,11 @@ async def test_a_batch_that_would_pass_its_keys_quota_pauses_instead_of_failing(
     async with fake_runtime() as fake, gateway(fake.backend_config(), db=tmp_path / "k.db") as gw:
         f = (await upload(gw, jsonl(rows), key=secret)).json()
         b = (await create(gw, f["id"], key=secret)).json()
-        deadline = time.monotonic() + 10
-        while True:
+        async def paused() -> bool:
             snap = (await gw.get("/admin/stats")).json()["batches"]["batches"]
-            if snap and snap[0]["paused"] == "quota_exceeded":
-                break
-            assert time.monotonic() < deadline, snap
-            await asyncio.sleep(0.02)
+            return bool(snap) and snap[0]["paused"] == "quota_exceeded"
+
+        await waiting.until(paused, 10, "the batch paused for its quota", interval=0.02)
         now = (await gw.get(f"/v1/batches/{b['id']}", headers=auth(secret))).json()
         assert now["status"] == "in_progress" and now["request_counts"]["failed"] == 0
         assert now["request_counts"]["completed"] < 10
@@ -271,13 +272,55 @@ async def test_a_batch_resumes_after_the_gateway_stops_each_line_once(tmp_path):
         async with gateway(fake.backend_config(), db=tmp_path / "k.db", batches=cfg) as gw:
             f = (await upload(gw, jsonl(rows))).json()
             b = (await create(gw, f["id"])).json()
-            deadline = time.monotonic() + 10
-            while (await gw.get(f"/v1/batches/{b['id']}")).json()["request_counts"]["completed"] < 3:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
+            await waiting.until(lambda: completed(gw, b["id"], 3), 10)
         async with gateway(fake.backend_config(), db=tmp_path / "k.db", batches=cfg) as gw:
             done = await settle(gw, b["id"])
             assert done["status"] == "completed" and done["request_counts"]["completed"] == 40
             out = await lines_of(gw, done["output_file_id"])
             assert [o["custom_id"] for o in out] == [r["custom_id"] for r in rows]
             assert len(gw.records) < 40  # the lines answered before the stop were not run again
+
+
+@pytest.mark.parametrize("wrong", [["/v1/chat/completions"], {"path": "/v1/chat/completions"}])
+async def test_an_endpoint_or_url_that_is_a_list_or_an_object_is_a_400_not_a_gateway_error(wrong):
+    # An unhashable value tested against the table of endpoints raised TypeError: internal_error (500).
+    async with fake_runtime() as fake, gateway(fake.backend_config()) as gw:
+        bad_line = await upload(gw, jsonl([{**line("a"), "url": wrong}]))
+        assert bad_line.status == 400 and "'url' must be one of" in bad_line.json()["error"]["message"]
+        f = (await upload(gw, jsonl([line("a")]))).json()
+        bad = await gw.post("/v1/batches", {"input_file_id": f["id"], "endpoint": wrong, "completion_window": "24h"})
+        assert bad.status == 400 and "'endpoint' must be one of" in bad.json()["error"]["message"]
+
+
+async def test_a_fault_in_one_retention_round_does_not_end_retention(caplog):
+    # The sweeper caught only the store's errors: anything else ended its task, silently, and
+    # finished batches and files were never deleted again until a restart.
+    async with fake_runtime() as fake, gateway(fake.backend_config()) as gw:
+        runner = gw.app.batches.runner
+        runner._sweeper.cancel()
+        calls: list[int] = []
+
+        async def sweep_once(now: float | None = None) -> tuple[int, int]:
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyError("a bug")
+            return (0, 0)
+
+        runner.sweep_once = sweep_once  # type: ignore[method-assign]
+        runner.cfg = dataclasses.replace(runner.cfg, retention_h=0.01 / 360)  # a round every 10 ms
+        runner._sweeper = asyncio.ensure_future(runner._sweep())
+        await waiting.until(lambda: len(calls) >= 3, 5, "retention rounds after the fault")
+        assert not runner._sweeper.done() and "batch retention failed inside the gateway" in caplog.text
+
+
+async def test_batch_lines_run_at_the_least_urgent_class_of_a_reloaded_configuration():
+    # [[classes]] apply at a reload, but the Batch API kept the class name it was built with: once
+    # a reload renamed the batch class, every line was refused (400, X-Priority) and counted failed.
+    async with fake_runtime() as fake, gateway(fake.backend_config()) as gw:
+        svc = gw.app.service
+        classes = (ClassConfig("interactive", 0), ClassConfig("standard", 1), ClassConfig("bulk", 2, preemptible=True))
+        svc.configure(dataclasses.replace(svc.cfg, classes=classes))  # (what a reload applies)
+        f = (await upload(gw, jsonl([line(f"r{i}") for i in range(3)]))).json()
+        done = await settle(gw, (await create(gw, f["id"])).json()["id"])
+        assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+        assert {r.priority for r in gw.records if r.client == "batch"} == {"bulk"}

@@ -7,11 +7,7 @@ are removed at start."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import gc
-import os
-import subprocess
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -25,8 +21,11 @@ from passerelle.batches.validate import BLOCK
 from passerelle.config import BatchesConfig
 from passerelle.errors import Cause
 from passerelle.tenants.keys import KeyStore
+from tests.disk import SmallDisk
+from tests.disk import small_disk as mounted
 from tests.inprocess import fake_runtime, gateway
 from tests.unit.test_batches import auth, create, jsonl, line, settle, upload
+from tests.waiting import until
 
 
 def test_a_batch_moves_only_as_its_diagram_says_and_old_rows_still_load():
@@ -147,45 +146,20 @@ async def test_many_batches_of_one_file_cost_little_and_give_it_back_once_cancel
 # -- a real full disk ---------------------------------------------------------------------------------
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 16 MiB tmpfs (we are root), unmounted at the end."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], check=True)
-    try:
+def small_disk(tmp_path: Path) -> Iterator[SmallDisk]:
+    with mounted(tmp_path / "disk", "16m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
-
-
-def fill(disk: Path) -> Path:
-    """Fill ``disk`` to its last byte with one file; returns it (unlink it to free the disk)."""
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for size in (1 << 20, 4096, 1):
-            with contextlib.suppress(OSError):
-                while os.write(fd, b"\0" * size):
-                    pass
-    finally:
-        os.close(fd)
-    with pytest.raises(OSError) as err:
-        os.write(fd := os.open(disk / "probe", os.O_WRONLY | os.O_CREAT, 0o600), b"\0" * 4096)
-    os.close(fd)
-    assert err.value.errno == errno.ENOSPC
-    (disk / "probe").unlink()
-    return filler
 
 
 async def test_an_upload_on_a_full_disk_gets_a_json_507_and_leaves_no_part_file(small_disk):
     async with fake_runtime() as fake, gateway(fake.backend_config(), db=small_disk / "k.db") as gw:
         assert (await upload(gw, jsonl([line("before")]))).status == 200
-        filler = fill(small_disk)
+        small_disk.fill()
         resp = await upload(gw, jsonl([line(f"f{i}", pad="q" * 1000) for i in range(200)]))
         assert resp.status == 507 and resp.headers[b"content-type"] == b"application/json"
         assert resp.json()["error"]["code"] == "disk_full"
         assert list((small_disk / "batch-files").glob("*.part")) == []
-        filler.unlink()
+        small_disk.free()
         assert (await upload(gw, jsonl([line("after")]))).status == 200
 
 
@@ -195,19 +169,16 @@ async def test_a_batch_whose_store_fails_can_be_cancelled_and_ends_cancelled(sma
     async with fake_runtime(ttft_ms=150) as fake, \
             gateway(fake.backend_config(), db=small_disk / "k.db", batches=limits) as gw:
         b = (await create(gw, (await upload(gw, jsonl(rows))).json()["id"])).json()["id"]
-        filler = fill(small_disk)
+        small_disk.fill()
         filled_at = time.perf_counter()
-        deadline = time.monotonic() + 20
-        while not (any(r.endpoint == "chat" and r.t_end > filled_at for r in gw.records)
-                   and not gw.app.gateway.open):
-            assert time.monotonic() < deadline, "no line answered on the full disk"
-            await asyncio.sleep(0.02)
+        await until(lambda: any(r.endpoint == "chat" and r.t_end > filled_at for r in gw.records)
+                    and not gw.app.gateway.open, 20, "a line answered on the full disk", interval=0.02)
         # lines were answered on the full disk, their rows could not be written, and no line runs
         cancel = await gw.post(f"/v1/batches/{b}/cancel", {})
         assert cancel.status == 200 and cancel.json()["status"] == "cancelling"
         got = await gw.get(f"/v1/batches/{b}")
         assert got.status == 200 and got.json()["status"] == "cancelling"
-        filler.unlink()  # space again: the batch ends
+        small_disk.free()  # space again: the batch ends
         done = await settle(gw, b, timeout=60)
         assert done["status"] == "cancelled"
         counts = done["request_counts"]

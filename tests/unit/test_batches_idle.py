@@ -5,7 +5,6 @@ use or wait for, and every idle slot when nothing else runs."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from passerelle.errors import ConfigError
 from passerelle.scheduling.scheduler import Job
 from tests.inprocess import InProcessGateway, fake_runtime, gateway
 from tests.unit.test_batches import create, jsonl, line, settle, upload
+from tests.waiting import until
 
 SLOTS = 4  # the fake backend's max_concurrency (tests/inprocess.py)
 
@@ -64,10 +64,8 @@ class Watch:
 
 
 async def batch_lines_running(gw: InProcessGateway, n: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while sum(len(r.running) for r in gw.app.batches.runner.runs.values()) < n:
-        assert time.monotonic() < deadline, "the batch never had its lines running"
-        await asyncio.sleep(0.005)
+    await until(lambda: sum(len(r.running) for r in gw.app.batches.runner.runs.values()) >= n, timeout,
+                "the batch's lines running")
 
 
 async def interactive(gw: InProcessGateway, tokens: int = 8) -> Any:
@@ -130,10 +128,7 @@ async def test_cancel_ends_the_lines_held_back(tmp_path):
         b = (await create(gw, f["id"])).json()
         await batch_lines_running(gw, 1)  # one line runs (4 slots - 3 kept), seven wait in the gate
         runner = gw.app.batches.runner
-        deadline = time.monotonic() + 10
-        while len(runner.idle._waiters) < 7:
-            assert time.monotonic() < deadline, runner.idle._waiters
-            await asyncio.sleep(0.005)
+        await until(lambda: len(runner.idle._waiters) >= 7, 10)
         assert sum(len(r.running) for r in runner.runs.values()) == 1 and len(runner.idle._waiters) == 7
         await gw.post(f"/v1/batches/{b['id']}/cancel", {})
         done = await settle(gw, b["id"])

@@ -99,6 +99,17 @@ def toml_examples() -> dict[str, list[tuple[str, str]]]:
 EXAMPLES = toml_examples()
 
 
+MODULE = re.compile(r"(?<![\w./-])((?:passerelle/|tests/|bench/)?[a-z_]+(?:/[a-z_]+)*/[a-z_]+\.py)\b")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_module_a_page_names_exists(page: Path):
+    # A page that names a module a change moved or removed sends its reader to nothing.
+    gone = sorted({m for m in MODULE.findall(page.read_text())
+                   if not any((ROOT / base / m).is_file() for base in ("", "passerelle", "tests"))})
+    assert not gone, f"{page.name} names modules that do not exist: {gone}"
+
+
 def test_the_examples_are_found():
     assert len(EXAMPLES["config"]) >= 8 and any(n.startswith("README.md") for n, _ in EXAMPLES["config"])
     assert EXAMPLES["scenario"] and [n for n, _ in EXAMPLES["other"]] == ["clients.md#1"]

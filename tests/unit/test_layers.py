@@ -2,8 +2,8 @@
 two modules import each other, directly or round a circle (imports under TYPE_CHECKING and inside
 functions count too).
 
-    errors, paths, chunks, endpoints, procfs  <  config  <  upstream, observe  <  runtimes, tenants  <  scheduling
-        <  proxy  <  batches  <  server  <  testing  <  cli  <  __main__
+    errors, paths, chunks, endpoints, procfs, backoff  <  config  <  upstream, observe  <  runtimes, tenants
+        <  scheduling  <  proxy  <  batches  <  server  <  testing  <  cli  <  __main__
 
 ``bench`` is a client of a gateway, not a part of it: it imports only itself and the base (the
 base modules import no other part of passerelle, so that holds all the way down; ``chunks`` is
@@ -22,7 +22,7 @@ import passerelle
 ROOT = Path(passerelle.__file__).parent
 
 LAYER = {
-    "errors": 0, "paths": 0, "chunks": 0, "endpoints": 0, "procfs": 0, "__init__": 0, "config": 0.5,
+    "errors": 0, "paths": 0, "chunks": 0, "endpoints": 0, "procfs": 0, "backoff": 0, "__init__": 0, "config": 0.5,
     "upstream": 1, "observe": 1,
     "runtimes": 2, "tenants": 2,
     "scheduling": 3,

@@ -375,3 +375,11 @@ def test_memory_does_not_grow_with_the_request_rate():
     small, large = window_memory(2_000, pool), window_memory(100_000, pool)
     assert large < 3 * small
     assert large < 1_500_000
+
+
+def test_a_reload_of_the_classes_changes_the_dashboards_rows():
+    # [[classes]] apply at a reload; the dashboard kept the start-up classes (a renamed one stayed,
+    # the new one appeared only with its first finished request).
+    live = LiveStats(window_s=60, classes=["interactive", "standard", "batch"])
+    live.configure(["interactive", "standard", "bulk"])
+    assert list(live.snapshot()["classes"]) == ["interactive", "standard", "bulk"]

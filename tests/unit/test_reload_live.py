@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from passerelle.batches.parts import batch_class
 from passerelle.cli import build_app
 from passerelle.config import (
     DEFAULT_CLASSES,
@@ -89,7 +90,7 @@ CHECKS: dict[str, tuple[Any, Probe]] = {
     "server.max_body_bytes_total": (5000, lambda s: s.body_budget.limit),
     "server.shutdown_grace_s": (3.0, lambda s: s.cfg.server.shutdown_grace_s),  # (begin_shutdown reads it)
     "server.cors_origins": (("https://app.example",), lambda s: sorted(s.cors)),
-    "server.body_timeout_s": (7.0, lambda s: (s.body_budget.timeout_s, s.admin_login.body_timeout_s)),
+    "server.body_timeout_s": (7.0, lambda s: (s.body_budget.timeout_s, s.admin_login.budget.timeout_s)),
     "server.max_upload_bytes": (1000, _gw("server", "max_upload_bytes")),
     "server.trusted_proxies": (("10.0.0.0/8",), lambda s: [str(n) for n in s.forwarded.networks]),
     "timeouts.connect_s": (2.0, _timeout("connect_s")),
@@ -98,7 +99,7 @@ CHECKS: dict[str, tuple[Any, Probe]] = {
     "timeouts.total_s": (33.0, lambda s: (_timeout("total_s")(s), s.keys.cfg.timeouts.total_s)),
     "timeouts.client_write_s": (4.0, _gw("timeouts", "client_write_s")),
     "admin.allow": (("10.0.0.0/8",), lambda s: [str(n) for n in s.admin_guard.key_check.networks]),
-    "admin.key": ("7f3a9c1e5b2d8046ae19c3f7", lambda s: (s.admin_guard.key, s.keys_api.admin_key, s.batches.admin.key)),
+    "admin.key": ("7f3a9c1e5b2d8046ae19c3f7", lambda s: (s.admin_guard.key, s.keys_api.admin.key, s.batches.admin.key)),
     "admin.hosts": (("gpu.example.org",), lambda s: sorted(s.admin_guard.named)),
     "auth.required": (True, lambda s: s.keys.cfg.auth.required),
     "auth.anonymous_priority": ("interactive", _gw("auth", "anonymous_priority")),
@@ -143,7 +144,8 @@ CHECKS: dict[str, tuple[Any, Probe]] = {
     "limits.max_event_bytes": (1000, _gw("limits", "max_event_bytes")),
     "limits.image_tokens": (5, lambda s: s.keys.media_costs("m").image_tokens),
     "limits.audio_tokens": (5, lambda s: s.keys.media_costs("m").audio_tokens),
-    "classes": (BULK, lambda s: (sorted(s.scheduler.classes), sorted(s.gateway.classes), s.key_manager.classes)),
+    "classes": (BULK, lambda s: (sorted(s.scheduler.classes), sorted(s.gateway.classes), s.key_manager.classes,
+                                 batch_class(s), s.live.classes)),
 }
 
 LIVE = live_fields()
@@ -185,6 +187,21 @@ async def test_a_reload_changes_the_running_part_as_a_fresh_start_would(field, t
     finally:
         await running.stop()
         await fresh.stop()
+
+
+async def test_the_admin_key_and_the_body_deadline_are_held_once(tmp_path):
+    # A setting copied onto a plain attribute needs a second assignment in configure, and drifts the
+    # day one is forgotten: the admin guard, the login form, the key API and the Batch API read the
+    # one key check; the login form reads the body budget's deadline.
+    service = build_app(_base(tmp_path)).service
+    try:
+        check = service.admin_guard.key_check
+        assert service.keys_api.admin is check and service.batches.admin is check
+        assert service.admin_login.guard is service.admin_guard and service.admin_login.budget is service.body_budget
+        check.configure(dataclasses.replace(service.cfg.admin, key="7f3a9c1e5b2d8046ae19c3f7"))
+        assert service.keys_api.admin.enabled  # (no second copy left behind with the old key)
+    finally:
+        await service.stop()
 
 
 async def test_start_up_and_a_reload_take_the_same_path(tmp_path, monkeypatch):

@@ -22,6 +22,14 @@ def launched(name: str = "chat") -> BackendConfig:
                          launch=(sys.executable, "-c", "pass", "{port}"))
 
 
+async def test_a_test_gateway_writes_nothing_in_the_users_state_directory():
+    home = Config().state_path(env={})
+    async with gateway(launched()) as gw:  # (no db, no state_dir: the default an instance gets)
+        where = gw.app.cfg.db_path()
+        assert gw.app.batches.root == where.parent
+    assert not where.is_relative_to(home) and where.parent.is_dir()
+
+
 async def test_two_instances_with_a_backend_of_the_same_name_share_no_file(tmp_path):
     seen = []
     for inst in ("a", "b"):

@@ -5,7 +5,6 @@ tests/integration/test_store_faults.py."""
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 import threading
 import time
@@ -19,7 +18,7 @@ from passerelle.tenants.db import connect
 from passerelle.tenants.stores import Stores
 from passerelle.tenants.usage import UsageReader, UsageRecorder
 from passerelle.tenants.workers import Worker
-from tests.conftest import wait_until
+from tests.waiting import until, wait_until
 
 
 def finished(i: int) -> RequestRecord:
@@ -65,9 +64,7 @@ async def test_the_sqlite_usage_writer_that_fails_is_restarted_and_said_in_healt
     assert stores.describe() is None  # (SQLite, all well: nothing to say in /health)
     rec.start()
     rec.record(finished(1))
-    deadline = time.monotonic() + 5
-    while rec.held and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    await until(lambda: not rec.held, 5, "the held rows written", interval=0.02)
     assert rec.held == 0 and (await reader.report(by=("key",)))[0]["requests"] == 1  # written after the restart
     state = stores.describe()
     assert state is not None and state["workers"]["usage-writer"] == {
