@@ -83,6 +83,9 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "client": rec.client,
         **({"suspensions": rec.suspensions, "suspended_ms": _ms(rec.suspended_s),
             "resume_prompt_tokens": rec.resume_prompt_tokens} if rec.suspensions else {}),
+        **({"tool_call_format": rec.tool_call_format, "tool_calls_repaired": rec.tool_calls_repaired,
+            "tool_calls_unrepaired": rec.tool_calls_unrepaired} if rec.tool_call_format else {}),
+        **({"tool_call_failure": rec.tool_call_failure} if rec.tool_call_failure else {}),
         **({"error": clip(rec.error, 512)} if rec.error else {}),
     }
 

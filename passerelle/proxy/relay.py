@@ -43,6 +43,7 @@ from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, Upstre
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar, cached_of, token_count
+from passerelle.proxy.repair_stream import StreamRepair
 from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -150,8 +151,10 @@ class StreamRelay:
     client's (an answer assembled from a stream)."""
 
     def __init__(self, rec: RequestRecord, send: Send, timeouts: TimeoutConfig, *, strip_usage: bool,
-                 client: Client | None = None, grammar: Grammar | None = None, max_event: int = 1 << 20) -> None:
+                 client: Client | None = None, grammar: Grammar | None = None, max_event: int = 1 << 20,
+                 repair: StreamRepair | None = None) -> None:
         self.rec = rec
+        self.repair = repair  # tool calls left as text made the API's own (repair_stream.py); None: off
         self.grammar = grammar  # None: OpenAI chat/completions chunks, scanned here
         # Called once [DONE] is about to go out: a client that hangs up right after reading it
         # (the openai SDK does) has its answer, and must not count as a disconnect.
@@ -285,6 +288,7 @@ class StreamRelay:
         held: list[bytes] | None = []  # events before the first content chunk
         read = resp.readany
         send = self.send
+        repair = self.repair
         loop = asyncio.get_running_loop()
         total_at = deadline.total_at
         between = t.between_tokens_s
@@ -296,6 +300,8 @@ class StreamRelay:
                 if not data:
                     break
                 events = scanner.feed(data)
+                if repair is not None and events:  # (before the scan: it accounts what the client gets)
+                    events = repair.feed(events)
                 if not events:
                     continue
                 payload = self._scan(events, time.perf_counter())
@@ -334,7 +340,10 @@ class StreamRelay:
         tail = b""
         if not self.done and scanner.pending.strip():
             # (a last event without its blank line is delivered rather than lost)
-            tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n"
+            last = [scanner.pending + b"\n\n"]
+            if repair is not None:
+                last = repair.feed(last)
+            tail = self._scan(last, time.perf_counter()) if last else b""
         if not self.done and not self.upstream_error and self.grammar is not None and self.grammar.ends_at_close:
             self.done = True  # a grammar without an end marker: the close is the end
         if held is not None and self.done:  # a stream with no content at all, e.g. max_tokens = 0

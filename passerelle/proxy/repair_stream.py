@@ -1,0 +1,453 @@
+"""Tool-call repair of a stream (repair.py says what and when), one repairer per API.
+
+The relay (relay.py) hands a repairer each read's complete events, before it scans them; the
+repairer returns the events the client gets instead. An event with no generated text passes as
+its bytes; an event whose text the parser gives back unchanged passes as its bytes too; the rest
+are written again in the API's words:
+
+* chat: text deltas (``content``, ``reasoning_content``, ``reasoning``) minus the markup, and per
+  call a ``delta.tool_calls`` chunk with its id, type and name, then one with its arguments;
+  ``finish_reason: "tool_calls"``.
+* Responses: a message item is opened only once it has text to say (its ``output_item.added`` and
+  ``content_part.added`` held until then), closed before a call's ``function_call`` item (added,
+  arguments delta and done, item done), opened again, as a new item, for text after it; every
+  event is numbered again (``sequence_number``, ``output_index``), and ``response.completed``
+  lists the items the client was sent.
+* Messages: a text block likewise, a ``tool_use`` block per call (start, ``input_json_delta``,
+  stop), blocks numbered again, ``stop_reason: "tool_use"``.
+
+Once the runtime sends a tool call of its own, its parser did the work: from there the stream
+passes as it comes (Responses and Messages still renumbered after what was inserted before).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from passerelle.proxy.repair import Channel, Piece, ToolRepair, function_call_item, new_id, object_arguments
+from passerelle.proxy.toolcalls import ToolCall
+
+_CHAT_TEXT = ("content", "reasoning_content", "reasoning")
+
+
+def _data(ev: bytes) -> bytes | None:
+    """The data of one event (its ``data:`` lines joined), or None."""
+    lines = [line[5:].strip() for line in ev.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+def _sse(obj: Any, event: bytes = b"") -> bytes:
+    head = b"event: " + event + b"\n" if event else b""
+    return head + b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class StreamRepair:
+    """The interface the relay sees: events in, events out."""
+
+    def feed(self, events: list[bytes]) -> list[bytes]:
+        raise NotImplementedError
+
+
+def stream_repair(repair: ToolRepair, grammar: str) -> StreamRepair:
+    """A repairer for one stream (one attempt) of ``grammar`` ("chat", "responses", "messages")."""
+    if grammar == "responses":
+        return ResponsesRepair(repair)
+    if grammar == "messages":
+        return MessagesRepair(repair)
+    return ChatRepair(repair)
+
+
+# -- chat completions -----------------------------------------------------------------------------
+class _Choice:
+    __slots__ = ("calls", "channels", "done")
+
+    def __init__(self) -> None:
+        self.channels: dict[str, Channel] = {}
+        self.calls = 0
+        self.done = False
+
+
+class ChatRepair(StreamRepair):
+    def __init__(self, repair: ToolRepair) -> None:
+        self.repair = repair
+        self.choices: dict[int, _Choice] = {}
+        self.native = False  # the runtime sent tool calls itself
+        self.template: dict[str, Any] = {}  # the last chunk's own fields (id, created, model...)
+
+    def feed(self, events: list[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for ev in events:
+            if self.native:
+                out.append(ev)
+                continue
+            data = _data(ev)
+            if data is None:
+                out.append(ev)
+                continue
+            if data == b"[DONE]":
+                out += self._flush_all()
+                out.append(ev)
+                continue
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                out.append(ev)
+                continue
+            choices = obj.get("choices") if isinstance(obj, dict) else None
+            if not isinstance(choices, list) or not choices:
+                out.append(ev)  # (the usage chunk, an error)
+                continue
+            self.template = {k: v for k, v in obj.items() if k not in ("choices", "usage")}
+            out += self._event(ev, obj, choices)
+        return out
+
+    def _event(self, ev: bytes, obj: dict[str, Any], choices: list[Any]) -> list[bytes]:
+        rebuilt: list[dict[str, Any]] = []  # one chunk per delta, each with one choice
+        same = True
+        for ch in choices:
+            if not isinstance(ch, dict):
+                continue
+            idx = ch.get("index", 0)
+            idx = idx if isinstance(idx, int) else 0
+            delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
+            if delta.get("tool_calls"):
+                self.native = True
+                return [*self._flush_all(), ev]
+            state = self.choices.setdefault(idx, _Choice())
+            rest = {k: v for k, v in delta.items() if k not in _CHAT_TEXT or not isinstance(v, str)}
+            deltas: list[dict[str, Any]] = []
+            for field in _CHAT_TEXT:
+                text = delta.get(field)
+                if not isinstance(text, str) or not text:
+                    continue
+                channel = state.channels.get(field)
+                if channel is None:
+                    channel = state.channels[field] = Channel(self.repair)
+                pieces = channel.feed(text)
+                if not (len(pieces) == 1 and pieces[0] == text):
+                    same = False
+                deltas += self._deltas(state, field, pieces)
+            finish = ch.get("finish_reason")
+            if finish:
+                deltas += self._finish(state)
+                if state.calls and finish == "stop":
+                    finish = "tool_calls"
+                    same = False
+            if not deltas or rest:
+                deltas.insert(0, {})
+            deltas[0] = {**rest, **deltas[0]}
+            for i, d in enumerate(deltas):
+                last = i == len(deltas) - 1
+                rebuilt.append({**{k: v for k, v in ch.items() if k not in ("delta", "finish_reason", "logprobs")},
+                                "index": idx, "delta": d, "logprobs": ch.get("logprobs") if i == 0 else None,
+                                "finish_reason": finish if last else None})
+        if same and len(rebuilt) == len(choices):
+            return [ev]  # (nothing repaired: the runtime's bytes)
+        out: list[bytes] = []
+        for i, choice in enumerate(rebuilt):
+            if not choice["delta"] and not choice["finish_reason"] and not (i == 0 and choice["logprobs"]):
+                continue  # (all of it held back, or markup alone)
+            chunk = {**obj, "choices": [choice]}
+            if i:
+                chunk.pop("usage", None)
+            out.append(_sse(chunk))
+        if not out and "usage" in obj:
+            out.append(_sse({**obj, "choices": []}))
+        return out
+
+    def _deltas(self, state: _Choice, field: str, pieces: list[Piece]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for p in pieces:
+            if isinstance(p, str):
+                if out and field in out[-1] and len(out[-1]) == 1:
+                    out[-1][field] += p
+                else:
+                    out.append({field: p})
+                continue
+            i = state.calls
+            state.calls += 1
+            out.append({"tool_calls": [{"index": i, "id": new_id("call_"), "type": "function",
+                                        "function": {"name": p.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": p.arguments}}]})
+        return out
+
+    def _finish(self, state: _Choice) -> list[dict[str, Any]]:
+        if state.done:
+            return []
+        state.done = True
+        out: list[dict[str, Any]] = []
+        for field, channel in state.channels.items():
+            out += self._deltas(state, field, channel.finish())
+        return out
+
+    def _flush_all(self) -> list[bytes]:
+        """What is still held, before [DONE] (a runtime that sent no finish_reason) or a native call."""
+        out: list[bytes] = []
+        for idx, state in self.choices.items():
+            for d in self._finish(state):
+                out.append(_sse({**self.template, "choices": [{"index": idx, "delta": d, "logprobs": None,
+                                                               "finish_reason": None}]}))
+        return out
+
+
+# -- Responses ------------------------------------------------------------------------------------
+class ResponsesRepair(StreamRepair):
+    def __init__(self, repair: ToolRepair) -> None:
+        self.repair = repair
+        self.seq = 0
+        self.native = False
+        self.outputs: list[dict[str, Any]] = []  # the items the client was sent, done
+        self.index: dict[int, int] = {}  # the runtime's output_index -> the client's
+        self.next_out = 0
+        self.changed = False  # a call was made of text: completed's output is rebuilt
+        # the runtime's message item being repaired
+        self.msg: dict[str, Any] | None = None  # its item, as the runtime added it
+        self.part: dict[str, Any] | None = None  # its content part, as added
+        self.channel: Channel | None = None
+        self.open: dict[str, Any] | None = None  # the message item open with the client: id, out, text
+        self.pieces = 0  # messages opened for the runtime's one
+        self.diverged = False  # an event held, dropped or added: from then on every event is numbered again
+
+    def _emit(self, kind: str, obj: dict[str, Any]) -> bytes:
+        obj = {"type": kind, **{k: v for k, v in obj.items() if k not in ("type", "sequence_number")},
+               "sequence_number": self.seq}
+        self.seq += 1
+        return _sse(obj, kind.encode())
+
+    def feed(self, events: list[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for ev in events:
+            data = _data(ev)
+            obj = None
+            if data is not None:
+                try:
+                    obj = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    obj = None
+            kind = obj.get("type") if isinstance(obj, dict) else None
+            if not isinstance(obj, dict) or not isinstance(kind, str) or not kind.startswith("response."):
+                out.append(ev)  # (a comment, an error event)
+                continue
+            out += self._event(ev, kind, obj)
+        return out
+
+    def _pass(self, ev: bytes, kind: str, obj: dict[str, Any], out: int | None = None) -> list[bytes]:
+        """A runtime's event to the client: its bytes while nothing was held, dropped or added
+        before it (and its numbers are the client's), else written again with the client's."""
+        if out is None and ("output_index" in obj or "item_id" in obj):
+            out = self._out_index(obj)
+        if not self.diverged and obj.get("sequence_number") == self.seq and (
+                out is None or obj.get("output_index") == out):
+            self.seq += 1
+            return [ev]
+        return [self._emit(kind, obj if out is None else {**obj, "output_index": out})]
+
+    def _out_index(self, obj: dict[str, Any]) -> int:
+        at = obj.get("output_index")
+        return self.index.get(at, self.next_out - 1) if isinstance(at, int) else max(self.next_out - 1, 0)
+
+    def _event(self, ev: bytes, kind: str, obj: dict[str, Any]) -> list[bytes]:
+        item = obj.get("item") if isinstance(obj.get("item"), dict) else None
+        if kind == "response.output_item.added" and item is not None:
+            at = obj.get("output_index")
+            if item.get("type") == "message" and not self.native:
+                self.msg, self.part, self.channel, self.open = item, None, Channel(self.repair), None
+                self.pieces = 0
+                self.diverged = True
+                if isinstance(at, int):
+                    self.index[at] = -1  # (its events follow the message open with the client)
+                return []
+            if item.get("type") == "function_call":
+                self.native = True
+            if isinstance(at, int):
+                self.index[at] = self.next_out
+            self.next_out += 1
+            return self._pass(ev, kind, obj, self.next_out - 1)
+        mine = self.msg is not None and obj.get("item_id") == self.msg.get("id")
+        if mine and kind == "response.content_part.added":
+            part = obj.get("part")
+            self.part = part if isinstance(part, dict) else {"type": "output_text", "text": "", "annotations": []}
+            return []
+        if mine and kind == "response.output_text.delta":
+            delta = obj.get("delta")
+            assert self.channel is not None
+            return self._pieces(self.channel.feed(delta) if isinstance(delta, str) else [])
+        if kind == "response.output_item.done" and item is not None and self.msg is not None \
+                and item.get("id") == self.msg.get("id"):
+            assert self.channel is not None
+            out = self._pieces(self.channel.finish())
+            out += self._close(item)
+            self.msg = None
+            return out
+        if mine:  # (its text's done, its part's done: said by _close, with the text the client got)
+            return []
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            resp = obj.get("response")
+            if self.changed and isinstance(resp, dict):
+                return [self._emit(kind, {**obj, "response": {**resp, "output": self.outputs}})]
+            return self._pass(ev, kind, obj)
+        if kind == "response.output_item.done" and item is not None:
+            self.outputs.append(item)
+        return self._pass(ev, kind, obj)
+
+    def _pieces(self, pieces: list[Piece]) -> list[bytes]:
+        out: list[bytes] = []
+        for p in pieces:
+            if isinstance(p, str):
+                out += self._say(p)
+            else:
+                out += self._call(p)
+        return out
+
+    def _say(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        msg = self.msg
+        assert msg is not None
+        if self.open is None:
+            item_id = msg.get("id") if self.pieces == 0 else new_id("msg_")
+            self.pieces += 1
+            self.open = {"id": item_id, "out": self.next_out, "text": []}
+            self.next_out += 1
+            out.append(self._emit("response.output_item.added", {
+                "output_index": self.open["out"], "item": {**msg, "id": item_id, "content": []}}))
+            part = {**(self.part or {"type": "output_text", "annotations": []}), "text": ""}
+            out.append(self._emit("response.content_part.added", {
+                "item_id": item_id, "output_index": self.open["out"], "content_index": 0, "part": part}))
+        self.open["text"].append(text)
+        out.append(self._emit("response.output_text.delta", {
+            "item_id": self.open["id"], "output_index": self.open["out"], "content_index": 0, "delta": text,
+            "logprobs": []}))
+        return out
+
+    def _close(self, done: dict[str, Any] | None = None) -> list[bytes]:
+        op = self.open
+        if op is None:
+            return []
+        self.open = None
+        text = "".join(op["text"])
+        part = {**(self.part or {"type": "output_text", "annotations": []}), "text": text}
+        where = {"item_id": op["id"], "output_index": op["out"], "content_index": 0}
+        item = {**(done or self.msg or {}), "id": op["id"], "status": "completed", "content": [part]}
+        self.outputs.append(item)
+        return [self._emit("response.output_text.done", {**where, "text": text, "logprobs": []}),
+                self._emit("response.content_part.done", {**where, "part": part}),
+                self._emit("response.output_item.done", {"output_index": op["out"], "item": item})]
+
+    def _call(self, call: ToolCall) -> list[bytes]:
+        self.changed = True
+        out = self._close()
+        item = function_call_item(call)
+        at = self.next_out
+        self.next_out += 1
+        where = {"item_id": item["id"], "output_index": at}
+        out.append(self._emit("response.output_item.added", {
+            "output_index": at, "item": {**item, "arguments": "", "status": "in_progress"}}))
+        out.append(self._emit("response.function_call_arguments.delta", {**where, "delta": item["arguments"]}))
+        out.append(self._emit("response.function_call_arguments.done", {
+            **where, "name": item["name"], "arguments": item["arguments"]}))
+        out.append(self._emit("response.output_item.done", {"output_index": at, "item": item}))
+        self.outputs.append(item)
+        return out
+
+
+# -- Anthropic Messages ---------------------------------------------------------------------------
+class MessagesRepair(StreamRepair):
+    def __init__(self, repair: ToolRepair) -> None:
+        self.repair = repair
+        self.native = False
+        self.index: dict[int, int] = {}  # the runtime's block index -> the client's
+        self.blocks = 0  # blocks started with the client
+        self.started = 0  # blocks the runtime started
+        self.text_at: int | None = None  # the runtime's text block being repaired
+        self.channel: Channel | None = None
+        self.open: int | None = None  # the text block open with the client
+        self.calls = 0
+
+    def feed(self, events: list[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for ev in events:
+            data = _data(ev)
+            obj = None
+            if data is not None:
+                try:
+                    obj = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    obj = None
+            kind = obj.get("type") if isinstance(obj, dict) else None
+            if not isinstance(obj, dict) or not isinstance(kind, str):
+                out.append(ev)
+                continue
+            out += self._event(ev, kind, obj)
+        return out
+
+    def _event(self, ev: bytes, kind: str, obj: dict[str, Any]) -> list[bytes]:
+        at = obj.get("index")
+        if not isinstance(at, int):  # (llama-server leaves it out: the block started last, or the next)
+            at = self.started if kind == "content_block_start" else max(self.started - 1, 0)
+        if kind == "content_block_start":
+            self.started = max(self.started, at + 1)
+            block = obj.get("content_block") if isinstance(obj.get("content_block"), dict) else {}
+            if block.get("type") == "text" and not self.native:
+                self.text_at, self.channel, self.open = at, Channel(self.repair), None
+                return []
+            if block.get("type") == "tool_use":
+                self.native = True
+            self.index[at] = self.blocks
+            self.blocks += 1
+            if obj.get("index") == self.blocks - 1:
+                return [ev]
+            return [_sse({**obj, "index": self.blocks - 1}, b"content_block_start")]
+        if at == self.text_at and self.channel is not None:
+            if kind == "content_block_delta":
+                delta = obj.get("delta") if isinstance(obj.get("delta"), dict) else {}
+                text = delta.get("text")
+                if delta.get("type") == "text_delta" and isinstance(text, str):
+                    return self._pieces(self.channel.feed(text))
+                return []
+            if kind == "content_block_stop":
+                out = self._pieces(self.channel.finish())
+                out += self._stop()
+                self.text_at = self.channel = None
+                return out
+        if kind == "message_delta" and self.calls:
+            delta = obj.get("delta") if isinstance(obj.get("delta"), dict) else {}
+            if delta.get("stop_reason") in ("end_turn", None):
+                return [_sse({**obj, "delta": {**delta, "stop_reason": "tool_use"}}, b"message_delta")]
+            return [ev]
+        if kind in ("content_block_delta", "content_block_stop"):
+            new = self.index.get(at, at)
+            return [ev] if new == obj.get("index") else [_sse({**obj, "index": new}, kind.encode())]
+        return [ev]
+
+    def _pieces(self, pieces: list[Piece]) -> list[bytes]:
+        out: list[bytes] = []
+        for p in pieces:
+            if isinstance(p, str):
+                if self.open is None:
+                    self.open = self.blocks
+                    self.blocks += 1
+                    out.append(_sse({"type": "content_block_start", "index": self.open,
+                                     "content_block": {"type": "text", "text": ""}}, b"content_block_start"))
+                out.append(_sse({"type": "content_block_delta", "index": self.open,
+                                 "delta": {"type": "text_delta", "text": p}}, b"content_block_delta"))
+            elif object_arguments(p):
+                out += self._stop()
+                self.calls += 1
+                at = self.blocks
+                self.blocks += 1
+                out.append(_sse({"type": "content_block_start", "index": at, "content_block": {
+                    "type": "tool_use", "id": new_id("toolu_"), "name": p.name, "input": {}}}, b"content_block_start"))
+                out.append(_sse({"type": "content_block_delta", "index": at, "delta": {
+                    "type": "input_json_delta", "partial_json": p.arguments}}, b"content_block_delta"))
+                out.append(_sse({"type": "content_block_stop", "index": at}, b"content_block_stop"))
+            else:  # (arguments that are no object: a tool_use cannot carry them; said as they came)
+                out += self._pieces([p.arguments])
+        return out
+
+    def _stop(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        at, self.open = self.open, None
+        return [_sse({"type": "content_block_stop", "index": at}, b"content_block_stop")]

@@ -1,0 +1,315 @@
+"""Tool calls a runtime left as text, delivered as each API's own (proxy/repair.py, repair_stream.py).
+
+For each format, a runtime's text with its calls (:data:`SAMPLES`) goes through the relay on the
+three APIs, the text cut between every two characters (two deltas) and one character a delta, the
+runtime's bytes read one byte at a time: every call arrives as a tool call with valid arguments,
+no markup is left in the text, and the client's view is the same whatever the cuts. Then through
+the gateway (in-process, a scripted runtime): streamed, whole, and assembled from a stream; the
+official SDKs' stream helpers; repair off (byte-identical) and a runtime that parsed the calls itself
+(untouched); markup that cannot be repaired (passed through, counted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import orjson
+import pytest
+
+from passerelle.config import TimeoutConfig
+from passerelle.observe.record import RequestRecord, State
+from passerelle.proxy.grammars import make
+from passerelle.proxy.relay import StreamRelay
+from passerelle.proxy.repair import ToolRepair, repair_body, repair_for
+from passerelle.proxy.repair_stream import stream_repair
+from passerelle.proxy.toolcalls import FORMATS
+from passerelle.testing import tool_markup
+from tests.unit.test_relay import Client, FakeResponse, deadline
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "required": ["city"], "properties": {
+                                               "city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+MESSAGES_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                   "input_schema": t["function"]["parameters"]} for t in TOOLS]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+ASK = {"chat": {"model": "m", "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS},
+       "responses": {"model": "m", "input": "Weather?", "tools": RESPONSES_TOOLS},
+       "messages": {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Weather?"}],
+                    "tools": MESSAGES_TOOLS}}
+PARIS, LYON = {"city": "Paris", "days": 2}, {"city": "Lyon", "days": 1}
+
+# What a model writes in each format (from the formats' documentation), the text the client
+# should see of it, and its calls. The XML formats' values are untyped: "2" is coerced to 2.
+SAMPLES: dict[str, tuple[str, str, list[dict[str, Any]]]] = {
+    "hermes": ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon", "days": 1}}\n'
+               "</tool_call>", "Let me check.", [PARIS, LYON]),
+    "qwen3-xml": ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                  "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>", "Checking.", [PARIS]),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+                '{"name": "get_weather", "arguments": {"city": "Lyon", "days": 1}}]', "", [PARIS, LYON]),
+    "llama3": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', "", [PARIS]),
+    "harmony": ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                '{"city": "Paris", "days": 2}<|call|>', "", [PARIS]),
+}
+FORMATS_HERE = [f for f in SAMPLES if f in FORMATS]
+MARKUP = ("<tool_call", "</tool_call", "<function=", "<parameter", "[TOOL_CALLS]", "<|python_tag|>", "<|channel|>",
+          "<|call|>", "<|message|>", '"arguments"', '"parameters"')
+
+
+def record(api: str, stream: bool = True) -> RequestRecord:
+    rec = RequestRecord(id="r", endpoint=api, stream=stream, backend="b")
+    rec.to(State.DISPATCHED)
+    return rec
+
+
+def repair_of(fmt: str, api: str, rec: RequestRecord) -> ToolRepair:
+    repair = repair_for(fmt, api, ASK[api], rec)
+    assert repair is not None
+    return repair
+
+
+def events_of(body: bytes) -> list[dict[str, Any]]:
+    out = []
+    for ev in body.split(b"\n\n"):
+        data = [line[5:].strip() for line in ev.split(b"\n") if line.startswith(b"data:")]
+        if data and data[0] != b"[DONE]":
+            out.append(orjson.loads(b"\n".join(data)))
+    return out
+
+
+# -- what a client makes of an answer -------------------------------------------------------------
+@dataclasses.dataclass
+class View:
+    text: str
+    calls: list[tuple[str, Any]]  # (name, arguments decoded)
+    ids: list[str]
+    end: Any  # finish_reason / the completed response's status / stop_reason
+
+
+def chat_view(body: bytes, stream: bool) -> View:
+    if not stream:
+        obj = orjson.loads(body)
+        choice = obj["choices"][0]
+        msg = choice["message"]
+        calls = msg.get("tool_calls") or []
+        if calls:
+            assert msg["content"] is None or msg["content"].strip()
+        return View(msg["content"] or "", [(c["function"]["name"], orjson.loads(c["function"]["arguments"]))
+                                           for c in calls], [c["id"] for c in calls], choice["finish_reason"])
+    text, calls, finish = [], {}, None
+    for ev in events_of(body):
+        for ch in ev.get("choices") or ():
+            delta = ch["delta"]
+            text.append(delta.get("content") or "")
+            for tc in delta.get("tool_calls") or ():
+                if tc["index"] not in calls:
+                    assert tc["id"].startswith("call_") and tc["type"] == "function" and tc["function"]["name"]
+                    calls[tc["index"]] = [tc["id"], tc["function"]["name"], ""]
+                calls[tc["index"]][2] += tc["function"].get("arguments") or ""
+            finish = ch.get("finish_reason") or finish
+    ordered = [calls[i] for i in sorted(calls)]
+    assert sorted(calls) == list(range(len(calls)))
+    return View("".join(text), [(n, orjson.loads(a)) for _, n, a in ordered], [i for i, _, _ in ordered], finish)
+
+
+def responses_output_view(output: list[dict[str, Any]], status: Any) -> View:
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [item for item in output if item["type"] == "function_call"]
+    return View(text, [(c["name"], orjson.loads(c["arguments"])) for c in calls], [c["call_id"] for c in calls],
+                status)
+
+
+def responses_view(body: bytes, stream: bool) -> View:
+    if not stream:
+        obj = orjson.loads(body)
+        return responses_output_view(obj["output"], obj["status"])
+    events = events_of(body)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    done: dict[int, dict[str, Any]] = {}
+    added: dict[int, str] = {}
+    deltas: dict[str, list[str]] = {}
+    for e in events:
+        if e["type"] == "response.output_item.added":
+            assert e["output_index"] == len(added)  # items numbered in the order they come
+            added[e["output_index"]] = e["item"]["id"]
+        elif e["type"] == "response.output_item.done":
+            assert added[e["output_index"]] == e["item"]["id"]
+            done[e["output_index"]] = e["item"]
+        elif e["type"].endswith(".delta"):
+            assert added[e["output_index"]] == e["item_id"]
+            deltas.setdefault(e["item_id"], []).append(e["delta"])
+    completed = events[-1]
+    assert completed["type"] == "response.completed"
+    output = [done[i] for i in sorted(done)]
+    assert completed["response"]["output"] == output
+    for item in output:  # the deltas say what the item says
+        said = "".join(deltas.get(item["id"], []))
+        assert said == (item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"])
+    return responses_output_view(output, completed["response"]["status"])
+
+
+def messages_blocks_view(blocks: list[dict[str, Any]], stop: Any) -> View:
+    text = "".join(b["text"] for b in blocks if b["type"] == "text")
+    calls = [b for b in blocks if b["type"] == "tool_use"]
+    assert all(c["id"].startswith("toolu_") for c in calls)
+    return View(text, [(c["name"], c["input"]) for c in calls], [c["id"] for c in calls], stop)
+
+
+def messages_view(body: bytes, stream: bool) -> View:
+    if not stream:
+        obj = orjson.loads(body)
+        return messages_blocks_view(obj["content"], obj["stop_reason"])
+    blocks: dict[int, dict[str, Any]] = {}
+    stop, open_ = None, set()
+    for e in events_of(body):
+        if e["type"] == "content_block_start":
+            assert e["index"] == len(blocks) and not open_
+            blocks[e["index"]] = {**e["content_block"], "json": ""}
+            open_.add(e["index"])
+        elif e["type"] == "content_block_delta":
+            assert e["index"] in open_
+            d = e["delta"]
+            if d["type"] == "text_delta":
+                blocks[e["index"]]["text"] += d["text"]
+            elif d["type"] == "input_json_delta":
+                blocks[e["index"]]["json"] += d["partial_json"]
+        elif e["type"] == "content_block_stop":
+            open_.remove(e["index"])
+        elif e["type"] == "message_delta":
+            stop = e["delta"]["stop_reason"]
+    assert not open_
+    for b in blocks.values():
+        if b["type"] == "tool_use":
+            b["input"] = orjson.loads(b["json"])
+    return messages_blocks_view([blocks[i] for i in sorted(blocks)], stop)
+
+
+VIEWS = {"chat": chat_view, "responses": responses_view, "messages": messages_view}
+ENDS = {"chat": "tool_calls", "responses": "completed", "messages": "tool_use"}
+
+
+def check(api: str, view: View, fmt: str) -> None:
+    _, said, calls = SAMPLES[fmt]
+    assert [c for _, c in view.calls] == calls and all(n == "get_weather" for n, _ in view.calls)
+    assert len(set(view.ids)) == len(view.ids)
+    assert view.text.strip() == said
+    assert not [m for m in MARKUP if m in view.text]
+    assert view.end == ENDS[api]
+
+
+async def relayed(api: str, events: list[bytes], repair: ToolRepair | None, rec: RequestRecord,
+                  parts: list[bytes] | None = None) -> bytes:
+    whole = b"".join(events)
+    client = Client()
+    relay = StreamRelay(rec, client, TimeoutConfig(), strip_usage=False, grammar=make(api),
+                        repair=stream_repair(repair, api) if repair is not None else None)
+    await relay.run(FakeResponse(parts if parts is not None else [whole]), deadline(rec, TimeoutConfig()))
+    return client.body
+
+
+# -- the relay, cut everywhere ----------------------------------------------------------------------
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+@pytest.mark.parametrize("fmt", FORMATS_HERE)
+async def test_every_call_arrives_as_a_tool_call_wherever_the_text_is_cut(fmt, api):
+    text, _, calls = SAMPLES[fmt]
+    cuts = [[text[:k], text[k:]] for k in range(1, len(text))] + [list(text)]
+    seen = set()
+    for deltas in cuts:
+        rec = record(api)
+        body = await relayed(api, tool_markup.stream(api, deltas), repair_of(fmt, api, rec), rec)
+        view = VIEWS[api](body, True)
+        check(api, view, fmt)
+        assert rec.tool_calls_repaired == len(calls) and rec.tool_calls_unrepaired == 0
+        seen.add((view.text, repr(view.calls)))
+    assert len(seen) == 1  # the same answer, whatever the cuts
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+@pytest.mark.parametrize("fmt", FORMATS_HERE)
+async def test_the_runtimes_bytes_read_one_at_a_time(fmt, api):
+    text, _, _ = SAMPLES[fmt]
+    events = tool_markup.stream(api, [text[i:i + 3] for i in range(0, len(text), 3)])
+    whole = b"".join(events)
+    rec = record(api)
+    body = await relayed(api, events, repair_of(fmt, api, rec), rec, [whole[i:i + 1] for i in range(len(whole))])
+    check(api, VIEWS[api](body, True), fmt)
+    assert rec.content_chunks > 0 and rec.state is State.STREAMING
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+@pytest.mark.parametrize("fmt", FORMATS_HERE)
+def test_a_whole_answer_is_repaired(fmt, api):
+    rec = record(api, stream=False)
+    raw = tool_markup.body(api, SAMPLES[fmt][0])
+    check(api, VIEWS[api](repair_body(repair_of(fmt, api, rec), api, raw), False), fmt)
+    assert rec.tool_calls_repaired == len(SAMPLES[fmt][2])
+
+
+def test_calls_in_reasoning_are_repaired_too():
+    text, _, calls = SAMPLES["hermes"]
+    for where in ("reasoning_content", "reasoning"):
+        rec = record("chat", stream=False)
+        out = orjson.loads(repair_body(repair_of("hermes", "chat", rec), "chat", tool_markup.body(
+            "chat", text, where=where)))["choices"][0]
+        assert [orjson.loads(c["function"]["arguments"]) for c in out["message"]["tool_calls"]] == calls
+        assert out["message"][where] == "Let me check." and out["finish_reason"] == "tool_calls"
+
+
+async def test_calls_in_a_reasoning_stream_are_repaired():
+    text, _, calls = SAMPLES["hermes"]
+    rec = record("chat")
+    body = await relayed("chat", tool_markup.stream("chat", list(text), where="reasoning_content"),
+                         repair_of("hermes", "chat", rec), rec)
+    view = chat_view(body, True)
+    assert [c for _, c in view.calls] == calls and view.end == "tool_calls"
+    reasoning = "".join(ch["delta"].get("reasoning_content") or "" for e in events_of(body)
+                        for ch in e.get("choices") or ())
+    assert reasoning == "Let me check."
+
+
+# -- what is left alone -------------------------------------------------------------------------------
+def test_no_repair_without_tools_or_when_off():
+    rec = record("chat")
+    assert repair_for("off", "chat", ASK["chat"], rec) is None
+    assert repair_for("hermes", "chat", {**ASK["chat"], "tools": []}, rec) is None
+    assert repair_for("hermes", "completions", ASK["chat"], rec) is None
+    assert rec.tool_call_format == ""
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_text_without_markup_passes_as_the_runtimes_bytes(api):
+    rec = record(api)
+    events = tool_markup.stream(api, ["The weather", " is fine", " today."])
+    off = await relayed(api, events, None, record(api))
+    on = await relayed(api, events, repair_of("hermes", api, rec), rec)
+    assert VIEWS[api](on, True).text == "The weather is fine today."
+    if api == "chat":
+        assert on == off  # (no event's text changed: each passes as it came)
+    assert rec.tool_calls_repaired == rec.tool_calls_unrepaired == 0
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_markup_that_cannot_be_repaired_passes_through_as_text(api):
+    bad = '<tool_call>\n{"name": "no_such_tool", "arguments": {}}\n</tool_call>'
+    rec = record(api)
+    body = await relayed(api, tool_markup.stream(api, [bad[:9], bad[9:]]), repair_of("hermes", api, rec), rec)
+    view = VIEWS[api](body, True)
+    assert view.text == bad and not view.calls
+    assert rec.tool_calls_unrepaired == 1 and rec.tool_calls_repaired == 0 and rec.tool_call_failure
+    rec = record(api, stream=False)
+    out = repair_body(repair_of("hermes", api, rec), api, tool_markup.body(api, bad))
+    assert out == tool_markup.body(api, bad) and rec.tool_calls_unrepaired == 1
+
+
+async def test_a_runtime_that_made_the_calls_itself_is_left_untouched():
+    from passerelle.testing.answers import Call, Turn, build
+    turn = Turn(call=Call("get_weather", '{"city": "Paris"}', "call_rt1"))
+    for api in ("chat", "responses", "messages"):
+        events = build(api, {**ASK[api], "stream": True}, turn).events
+        rec = record(api)
+        assert await relayed(api, events, repair_of("hermes", api, rec), rec) == \
+            await relayed(api, events, None, record(api))
+        whole = build(api, ASK[api], turn).body
+        assert repair_body(repair_of("hermes", api, record(api, False)), api, whole) == whole
