@@ -1,0 +1,317 @@
+"""One reader per kind of call markup, each taking over from the text scan at its opening marker.
+
+A reader is handed the held buffer, which starts at its marker, and answers ``None`` (the call has
+not ended: hold it all) or a step: the pieces it made, how many characters of the buffer they
+stand for, and the reader that goes on (``None``: back to text). Each step consumes characters or
+changes the reader; at the end of the stream (``final``) a reader always answers a step. Readers
+keep where they stopped scanning (``scan.py``) so that a call fed in small pieces costs linear time.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+from passerelle.proxy.toolcalls.calls import (
+    Bad,
+    Calls,
+    Found,
+    found_in_body,
+    found_in_json,
+    found_in_object,
+    found_in_xml,
+)
+from passerelle.proxy.toolcalls.pieces import Piece, Reasoning, Text, Unrepaired
+from passerelle.proxy.toolcalls.scan import JsonEnd, TagEnd, TooDeep, loads_bounded
+
+Step = tuple[list[Piece], int, "Reader | None"]
+
+
+class Reader(Protocol):
+    def step(self, buf: str, final: bool) -> Step | None: ...
+
+
+def _skip_space(buf: str, pos: int) -> int:
+    n = len(buf)
+    while pos < n and buf[pos].isspace():
+        pos += 1
+    return pos
+
+
+def held_suffix(buf: str, tokens: tuple[str, ...], firsts: str) -> int:
+    """How many characters at the end of ``buf`` could begin one of ``tokens`` (to hold back)."""
+    longest = max(len(t) for t in tokens)
+    for j in range(max(0, len(buf) - longest + 1), len(buf)):
+        if buf[j] in firsts:
+            tail = buf[j:]
+            if any(t.startswith(tail) for t in tokens):
+                return len(buf) - j
+    return 0
+
+
+def _unrepaired_all(buf: str, reason: str) -> Step:
+    return [Unrepaired(buf, reason)], len(buf), None
+
+
+class Tagged:
+    """``<tool_call>BODY</tool_call>``: the body is Hermes' JSON or Qwen3-Coder's ``<function=...>``.
+    At the end of the stream a missing closing tag is forgiven when the body reads whole."""
+
+    CLOSE = "</tool_call>"
+
+    def __init__(self, calls: Calls, opened: int) -> None:
+        self._calls = calls
+        self._opened = opened
+        self._end = TagEnd(self.CLOSE, opened)
+
+    def step(self, buf: str, final: bool) -> Step | None:
+        at = self._end.scan(buf)
+        if at is None:
+            if not final:
+                return None
+            return self._calls.read(buf, found_in_body, buf[self._opened:]), len(buf), None
+        end = at + len(self.CLOSE)
+        return self._calls.read(buf[:end], found_in_body, buf[self._opened:at]), end, None
+
+
+class BareFunction:
+    """Qwen3-Coder's ``<function=NAME>...</function>`` without its wrapper (as Ollama's qwen3-coder
+    prints it), taking a stray ``</tool_call>`` after it along."""
+
+    CLOSE = "</function>"
+    STRAY = "</tool_call>"
+
+    def __init__(self, calls: Calls) -> None:
+        self._calls = calls
+        self._end = TagEnd(self.CLOSE, 1)
+        self._closed: int | None = None
+
+    def step(self, buf: str, final: bool) -> Step | None:
+        if self._closed is None:
+            at = self._end.scan(buf)
+            if at is None:
+                if not final:
+                    return None
+                return self._calls.read(buf, found_in_xml, buf), len(buf), None
+            self._closed = at + len(self.CLOSE)
+        closed = self._closed
+        after = _skip_space(buf, closed)
+        end = closed
+        if buf.startswith(self.STRAY, after):
+            end = after + len(self.STRAY)
+        elif not final and self.STRAY.startswith(buf[after:after + len(self.STRAY)]):
+            return None
+        return self._calls.read(buf[:end], found_in_xml, buf[:closed]), end, None
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,256}")
+_CALL_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}")
+
+
+class Mistral:
+    """``[TOOL_CALLS][{"name", "arguments"}, ...]`` (or one object), and the newer
+    ``[TOOL_CALLS]NAME[ARGS]{...}`` (``[CALL_ID]ID`` before ``[ARGS]`` allowed)."""
+
+    MARK = "[TOOL_CALLS]"
+
+    def __init__(self, calls: Calls) -> None:
+        self._calls = calls
+        self._span: JsonEnd | None = None
+
+    def step(self, buf: str, final: bool) -> Step | None:
+        j = _skip_space(buf, len(self.MARK))
+        if j == len(buf):
+            return _unrepaired_all(buf, "no call after [TOOL_CALLS]") if final else None
+        name = ""
+        start = j
+        if buf[j] not in "[{":
+            m = _NAME.match(buf, j)
+            if m is None:
+                return [Unrepaired(buf[:j], "no call after [TOOL_CALLS]")], j, None
+            name = m.group()
+            k = m.end()
+            if k == len(buf) or (len(name) == 256 and _NAME.match(buf, k)):
+                if not final and len(name) < 256:
+                    return None
+                return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
+            rest = buf[k:k + 9]
+            if not final and len(rest) < 9 and ("[CALL_ID]".startswith(rest) or "[ARGS]".startswith(rest)):
+                return None
+            if rest == "[CALL_ID]":
+                c = _CALL_ID.match(buf, k + 9)
+                if c is None or (c.end() == len(buf) and len(c.group()) < 64):
+                    if not final and (c is not None or k + 9 == len(buf)):
+                        return None
+                    return [Unrepaired(buf[:k], "bad [CALL_ID]")], k, None
+                k = c.end()
+            if not buf.startswith("[ARGS]", k):
+                if not final and "[ARGS]".startswith(buf[k:]):
+                    return None
+                return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
+            start = _skip_space(buf, k + 6)
+            if start == len(buf):
+                return _unrepaired_all(buf, "no arguments after [ARGS]") if final else None
+            if buf[start] != "{":
+                return [Unrepaired(buf[:start], "arguments are not an object")], start, None
+        if self._span is None:
+            self._span = JsonEnd(start)
+        try:
+            end = self._span.scan(buf)
+        except TooDeep:
+            return _unrepaired_all(buf, "arguments nested too deep")
+        if end is None:
+            return _unrepaired_all(buf, "unterminated call") if final else None
+        if name:
+            return self._calls.pieces(buf[:end], [Found(name, buf[start:end])]), end, None
+        return self._calls.read(buf[:end], found_in_json, buf[start:end]), end, None
+
+
+class LlamaJson:
+    """Llama 3's JSON calls: ``{"name", "parameters" | "arguments"}``, several separated by ``;``.
+    After ``<|python_tag|>`` (``bare`` False) the objects are a call; ``bare``, they are one only
+    as the whole answer and naming the request's tools, else they are text (an answer in JSON)."""
+
+    def __init__(self, calls: Calls, opened: int, bare: bool) -> None:
+        self._calls = calls
+        self._pos = opened
+        self._bare = bare
+        self._objects: list[tuple[int, int]] = []
+        self._span: JsonEnd | None = None
+        self._start = opened
+
+    def step(self, buf: str, final: bool) -> Step | None:
+        while True:
+            if self._span is None:
+                j = _skip_space(buf, self._pos)
+                if self._objects:
+                    if j == len(buf) and not final:
+                        return None
+                    if j < len(buf) and buf[j] == ";":
+                        k = _skip_space(buf, j + 1)
+                        if k == len(buf) and not final:
+                            return None
+                        if k < len(buf) and buf[k] == "{":
+                            self._span = JsonEnd(k)
+                            self._start = k
+                            continue
+                    return self._done(buf, j, final)
+                if j == len(buf):
+                    return _unrepaired_all(buf, "no call after <|python_tag|>") if final else None
+                if buf[j] != "{":
+                    return [Unrepaired(buf[:j], "<|python_tag|> not followed by a JSON call")], j, None
+                self._span = JsonEnd(j)
+                self._start = j
+            try:
+                end = self._span.scan(buf)
+            except TooDeep:
+                return self._give_up(buf, "nested too deep")
+            if end is None:
+                return self._give_up(buf, "unterminated call") if final else None
+            self._objects.append((self._start, end))
+            self._span = None
+            self._pos = end
+
+    def _give_up(self, buf: str, reason: str) -> Step:
+        if self._bare:
+            return [Text(buf)], len(buf), None
+        return _unrepaired_all(buf, reason)
+
+    def _done(self, buf: str, after: int, final: bool) -> Step:
+        end = self._objects[-1][1]
+        markup = buf[:end]
+        if self._bare:
+            if after < len(buf):
+                return [Text(buf[:after])], after, None
+            try:
+                found = [found_in_object(loads_bounded(buf[s:e])) for s, e in self._objects]
+            except (Bad, ValueError, RecursionError):
+                return [Text(buf)], len(buf), None
+            if not all(self._calls.is_tool(f.name) for f in found):
+                return [Text(buf)], len(buf), None
+            return [*self._calls.pieces(markup, found), Text(buf[end:])], len(buf), None
+        try:
+            found = [found_in_object(loads_bounded(buf[s:e])) for s, e in self._objects]
+        except (Bad, ValueError, RecursionError) as e:
+            return [Unrepaired(markup, str(e)[:80] or "not a call")], end, None
+        return self._calls.pieces(markup, found), end, None
+
+
+_TERMINATORS = ("<|end|>", "<|return|>", "<|call|>")
+_STARTS = ("<|start|>", "<|channel|>")
+_BODY_END = re.compile(r"<\|(?:end|return|call)\|>|<\|start\|>|<\|channel\|>")
+_RECIPIENT = re.compile(r"to=([^\s<]{1,256})")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]{1,64})")
+HEADER_CAP = 4096
+
+
+class Harmony:
+    """One gpt-oss (Harmony) message from ``<|start|>`` or ``<|channel|>``: a header up to
+    ``<|message|>``, then a body up to ``<|end|>``, ``<|return|>``, ``<|call|>`` or the next
+    message. With a recipient (``to=functions.NAME``, before or after the channel, with or without
+    ``<|constrain|>json``) the body is a call's arguments; else it is text, streamed as it comes
+    (``analysis`` as Reasoning, other channels as Text) and the framing tokens are dropped."""
+
+    def __init__(self, calls: Calls, opened: int) -> None:
+        self._calls = calls
+        self._header = TagEnd("<|message|>", opened)
+        self._opened = opened
+        self._body_from: int | None = None
+        self._name: str | None = None
+        self._reasoning = False
+        self._scan = 0
+
+    def step(self, buf: str, final: bool) -> Step | None:
+        if self._body_from is None:
+            return self._head(buf, final)
+        if self._name is not None:
+            return self._call(buf, final)
+        return self._text(buf, final)
+
+    def _head(self, buf: str, final: bool) -> Step | None:
+        at = self._header.scan(buf)
+        cut = buf.find("<|start|>", self._opened, at if at is not None else len(buf))
+        if cut >= 0:
+            return [Unrepaired(buf[:cut], "Harmony header without <|message|>")], cut, None
+        if at is None:
+            if final or len(buf) > HEADER_CAP:
+                return _unrepaired_all(buf, "Harmony header without <|message|>")
+            return None
+        header = buf[:at]
+        body = at + len("<|message|>")
+        recipient = _RECIPIENT.search(header)
+        if recipient is not None:
+            name = recipient.group(1)
+            self._name = name[len("functions."):] if name.startswith("functions.") else name
+            self._body_from = body
+            self._scan = body
+            return self._call(buf, final)
+        channel = _CHANNEL.search(header)
+        self._reasoning = channel is not None and channel.group(1) == "analysis"
+        self._body_from = 0
+        return [], body, self
+
+    def _call(self, buf: str, final: bool) -> Step | None:
+        assert self._name is not None and self._body_from is not None
+        m = _BODY_END.search(buf, self._scan)
+        if m is None:
+            self._scan = max(self._scan, len(buf) - 11)
+            if not final:
+                return None
+            stop = end = len(buf)
+        else:
+            stop = m.start()
+            end = m.end() if m.group() in _TERMINATORS else m.start()
+        found = Found(self._name, buf[self._body_from:stop].strip())
+        return self._calls.pieces(buf[:end], [found]), end, None
+
+    def _text(self, buf: str, final: bool) -> Step | None:
+        kind = Reasoning if self._reasoning else Text
+        m = _BODY_END.search(buf)
+        if m is not None:
+            end = m.end() if m.group() in _TERMINATORS else m.start()
+            return ([kind(buf[:m.start()])] if m.start() else []), end, None
+        if final:
+            return ([kind(buf)] if buf else []), len(buf), None
+        keep = held_suffix(buf, _TERMINATORS + _STARTS, "<")
+        n = len(buf) - keep
+        return ([kind(buf[:n])], n, self) if n else None
