@@ -30,16 +30,26 @@ Example::
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from passerelle.observe.record import RequestRecord, clip
+from passerelle.proxy.toolcalls import Reasoning, ToolCall, Unrepaired, parser_for, tool_schemas
 from passerelle.proxy.toolcalls import Text as Said
-from passerelle.proxy.toolcalls import ToolCall, Unrepaired, parser_for, tool_schemas
 
 _APIS = ("chat", "responses", "messages")
-Piece = str | ToolCall  # what a channel gives: text to say, or a call
+
+
+@dataclass(frozen=True, slots=True)
+class Thought:
+    """Reasoning found in the text itself (Harmony's ``analysis`` channel): said as the API's reasoning."""
+
+    text: str
+
+
+Piece = str | ToolCall | Thought  # what a channel gives: text to say, a call, reasoning
 
 
 def new_id(prefix: str) -> str:
@@ -89,12 +99,11 @@ class Channel:
     what follows a call starts at its first non-blank character, so the result does not depend on
     where the runtime's chunks were cut."""
 
-    __slots__ = ("after_call", "blank", "calls", "fmt", "parser", "repair")
+    __slots__ = ("after_call", "blank", "calls", "parser", "repair")
 
     def __init__(self, repair: ToolRepair) -> None:
         self.repair = repair
         self.parser = parser_for(repair.fmt, repair.tools)
-        self.fmt = str(getattr(self.parser, "format", repair.fmt))
         self.blank = ""  # trailing whitespace held back
         self.after_call = False
         self.calls = 0
@@ -115,7 +124,7 @@ class Channel:
         out: list[Piece] = []
         for p in pieces:
             if isinstance(p, ToolCall):
-                self.repair.repaired(self.fmt)
+                self.repair.repaired(self.parser.format if self.parser is not None else "")
                 self.calls += 1
                 self.blank, self.after_call = "", True
                 out.append(p)
@@ -124,6 +133,11 @@ class Channel:
                 self._text(p.text, out, strip=False)
             elif isinstance(p, Said):
                 self._text(p.text, out)
+            elif isinstance(p, Reasoning) and p.text:
+                if out and isinstance(out[-1], Thought):
+                    out[-1] = Thought(out[-1].text + p.text)
+                else:
+                    out.append(Thought(p.text))
         return out
 
     def _text(self, text: str, out: list[Piece], *, strip: bool = True) -> list[Piece]:
@@ -191,12 +205,16 @@ def _chat_body(repair: ToolRepair, obj: dict[str, Any]) -> bool:
             if not isinstance(text, str) or not text:
                 continue
             pieces = split_text(repair, text)
-            if not any(isinstance(p, ToolCall) for p in pieces):
+            if all(isinstance(p, str) for p in pieces):
                 continue
             said = "".join(p for p in pieces if isinstance(p, str))
             msg[field] = said if said or field != "content" else None
             if field != "content" and not said:
                 del msg[field]
+            if thought := "".join(p.text for p in pieces if isinstance(p, Thought)):
+                into = "reasoning_content" if field == "content" else field
+                msg[into] = (msg.get(into) or "") + thought
+                changed = True
             calls += [{"id": new_id("call_"), "type": "function",
                        "function": {"name": p.name, "arguments": p.arguments}}
                       for p in pieces if isinstance(p, ToolCall)]
@@ -215,6 +233,11 @@ def function_call_item(call: ToolCall) -> dict[str, Any]:
             "arguments": call.arguments, "status": "completed"}
 
 
+def reasoning_item(text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": new_id("rs_"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
 def _responses_body(repair: ToolRepair, obj: dict[str, Any]) -> bool:
     output = obj.get("output")
     if not isinstance(output, list) or any(isinstance(i, dict) and i.get("type") == "function_call"
@@ -231,7 +254,7 @@ def _responses_body(repair: ToolRepair, obj: dict[str, Any]) -> bool:
         for part in parts:
             text = part.get("text") if isinstance(part, dict) and part.get("type") == "output_text" else None
             pieces = split_text(repair, text) if isinstance(text, str) and text else []
-            if not any(isinstance(p, ToolCall) for p in pieces):
+            if all(isinstance(p, str) for p in pieces):
                 current.append(part)
                 continue
             changed = True
@@ -242,7 +265,7 @@ def _responses_body(repair: ToolRepair, obj: dict[str, Any]) -> bool:
                 if current:
                     out.append({**item, "content": current})
                     current = []
-                out.append(function_call_item(p))
+                out.append(function_call_item(p) if isinstance(p, ToolCall) else reasoning_item(p.text))
         if current:
             again = any(o.get("id") == item.get("id") for o in out if isinstance(o, dict))
             out.append({**item, "content": current, **({"id": new_id("msg_")} if again else {})})
@@ -260,13 +283,15 @@ def _messages_body(repair: ToolRepair, obj: dict[str, Any]) -> bool:
     for block in content:
         text = block.get("text") if isinstance(block, dict) and block.get("type") == "text" else None
         pieces = split_text(repair, text) if isinstance(text, str) and text else []
-        if not any(isinstance(p, ToolCall) for p in pieces):
+        if all(isinstance(p, str) for p in pieces):
             out.append(block)
             continue
         changed = True
         for p in pieces:
             if isinstance(p, str):
                 out.append({**block, "text": p})
+            elif isinstance(p, Thought):
+                out.append({"type": "thinking", "thinking": p.text, "signature": ""})
             elif object_arguments(p):
                 out.append({"type": "tool_use", "id": new_id("toolu_"), "name": p.name,
                             "input": orjson.loads(p.arguments)})

@@ -26,7 +26,16 @@ from typing import Any
 
 import orjson
 
-from passerelle.proxy.repair import Channel, Piece, ToolRepair, function_call_item, new_id, object_arguments
+from passerelle.proxy.repair import (
+    Channel,
+    Piece,
+    Thought,
+    ToolRepair,
+    function_call_item,
+    new_id,
+    object_arguments,
+    reasoning_item,
+)
 from passerelle.proxy.toolcalls import ToolCall
 
 _CHAT_TEXT = ("content", "reasoning_content", "reasoning")
@@ -36,6 +45,10 @@ def _data(ev: bytes) -> bytes | None:
     """The data of one event (its ``data:`` lines joined), or None."""
     lines = [line[5:].strip() for line in ev.splitlines() if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _sse(obj: Any, event: bytes = b"") -> bytes:
@@ -111,7 +124,7 @@ class ChatRepair(StreamRepair):
                 continue
             idx = ch.get("index", 0)
             idx = idx if isinstance(idx, int) else 0
-            delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
+            delta = _dict(ch.get("delta"))
             if delta.get("tool_calls"):
                 self.native = True
                 return [*self._flush_all(), ev]
@@ -160,11 +173,13 @@ class ChatRepair(StreamRepair):
     def _deltas(self, state: _Choice, field: str, pieces: list[Piece]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for p in pieces:
-            if isinstance(p, str):
-                if out and field in out[-1] and len(out[-1]) == 1:
-                    out[-1][field] += p
+            if not isinstance(p, ToolCall):
+                into, text = (field, p) if isinstance(p, str) else (
+                    "reasoning_content" if field == "content" else field, p.text)
+                if out and into in out[-1] and len(out[-1]) == 1:
+                    out[-1][into] += text
                 else:
-                    out.append({field: p})
+                    out.append({into: text})
                 continue
             i = state.calls
             state.calls += 1
@@ -208,6 +223,7 @@ class ResponsesRepair(StreamRepair):
         self.channel: Channel | None = None
         self.open: dict[str, Any] | None = None  # the message item open with the client: id, out, text
         self.pieces = 0  # messages opened for the runtime's one
+        self.thinking: dict[str, Any] | None = None  # a reasoning item open with the client (Harmony's analysis)
         self.diverged = False  # an event held, dropped or added: from then on every event is numbered again
 
     def _emit(self, kind: str, obj: dict[str, Any]) -> bytes:
@@ -278,6 +294,7 @@ class ResponsesRepair(StreamRepair):
                 and item.get("id") == self.msg.get("id"):
             assert self.channel is not None
             out = self._pieces(self.channel.finish())
+            out += self._close_thinking()
             out += self._close(item)
             self.msg = None
             return out
@@ -297,12 +314,41 @@ class ResponsesRepair(StreamRepair):
         for p in pieces:
             if isinstance(p, str):
                 out += self._say(p)
+            elif isinstance(p, Thought):
+                out += self._think(p.text)
             else:
                 out += self._call(p)
         return out
 
+    def _think(self, text: str) -> list[bytes]:
+        self.changed = True
+        out = self._close()
+        th = self.thinking
+        if th is None:
+            item = reasoning_item("")
+            th = self.thinking = {"item": item, "out": self.next_out, "text": []}
+            self.next_out += 1
+            out.append(self._emit("response.output_item.added", {
+                "output_index": th["out"], "item": {**item, "content": [], "status": "in_progress"}}))
+        th["text"].append(text)
+        out.append(self._emit("response.reasoning_text.delta", {
+            "item_id": th["item"]["id"], "output_index": th["out"], "content_index": 0, "delta": text}))
+        return out
+
+    def _close_thinking(self) -> list[bytes]:
+        th = self.thinking
+        if th is None:
+            return []
+        self.thinking = None
+        text = "".join(th["text"])
+        item = {**th["item"], "content": [{"type": "reasoning_text", "text": text}]}
+        self.outputs.append(item)
+        return [self._emit("response.reasoning_text.done", {
+                    "item_id": item["id"], "output_index": th["out"], "content_index": 0, "text": text}),
+                self._emit("response.output_item.done", {"output_index": th["out"], "item": item})]
+
     def _say(self, text: str) -> list[bytes]:
-        out: list[bytes] = []
+        out = self._close_thinking()
         msg = self.msg
         assert msg is not None
         if self.open is None:
@@ -337,7 +383,7 @@ class ResponsesRepair(StreamRepair):
 
     def _call(self, call: ToolCall) -> list[bytes]:
         self.changed = True
-        out = self._close()
+        out = self._close_thinking() + self._close()
         item = function_call_item(call)
         at = self.next_out
         self.next_out += 1
@@ -362,7 +408,8 @@ class MessagesRepair(StreamRepair):
         self.started = 0  # blocks the runtime started
         self.text_at: int | None = None  # the runtime's text block being repaired
         self.channel: Channel | None = None
-        self.open: int | None = None  # the text block open with the client
+        self.open: int | None = None  # the text (or thinking) block open with the client
+        self.open_kind = "text"
         self.calls = 0
 
     def feed(self, events: list[bytes]) -> list[bytes]:
@@ -388,7 +435,7 @@ class MessagesRepair(StreamRepair):
             at = self.started if kind == "content_block_start" else max(self.started - 1, 0)
         if kind == "content_block_start":
             self.started = max(self.started, at + 1)
-            block = obj.get("content_block") if isinstance(obj.get("content_block"), dict) else {}
+            block = _dict(obj.get("content_block"))
             if block.get("type") == "text" and not self.native:
                 self.text_at, self.channel, self.open = at, Channel(self.repair), None
                 return []
@@ -401,7 +448,7 @@ class MessagesRepair(StreamRepair):
             return [_sse({**obj, "index": self.blocks - 1}, b"content_block_start")]
         if at == self.text_at and self.channel is not None:
             if kind == "content_block_delta":
-                delta = obj.get("delta") if isinstance(obj.get("delta"), dict) else {}
+                delta = _dict(obj.get("delta"))
                 text = delta.get("text")
                 if delta.get("type") == "text_delta" and isinstance(text, str):
                     return self._pieces(self.channel.feed(text))
@@ -412,7 +459,7 @@ class MessagesRepair(StreamRepair):
                 self.text_at = self.channel = None
                 return out
         if kind == "message_delta" and self.calls:
-            delta = obj.get("delta") if isinstance(obj.get("delta"), dict) else {}
+            delta = _dict(obj.get("delta"))
             if delta.get("stop_reason") in ("end_turn", None):
                 return [_sse({**obj, "delta": {**delta, "stop_reason": "tool_use"}}, b"message_delta")]
             return [ev]
@@ -424,14 +471,21 @@ class MessagesRepair(StreamRepair):
     def _pieces(self, pieces: list[Piece]) -> list[bytes]:
         out: list[bytes] = []
         for p in pieces:
-            if isinstance(p, str):
+            if isinstance(p, str | Thought):
+                kind = "text" if isinstance(p, str) else "thinking"
+                if self.open is not None and self.open_kind != kind:
+                    out += self._stop()
                 if self.open is None:
-                    self.open = self.blocks
+                    self.open, self.open_kind = self.blocks, kind
                     self.blocks += 1
+                    start = {"type": "text", "text": ""} if kind == "text" else \
+                        {"type": "thinking", "thinking": "", "signature": ""}
                     out.append(_sse({"type": "content_block_start", "index": self.open,
-                                     "content_block": {"type": "text", "text": ""}}, b"content_block_start"))
-                out.append(_sse({"type": "content_block_delta", "index": self.open,
-                                 "delta": {"type": "text_delta", "text": p}}, b"content_block_delta"))
+                                     "content_block": start}, b"content_block_start"))
+                delta = {"type": "text_delta", "text": p} if isinstance(p, str) else \
+                    {"type": "thinking_delta", "thinking": p.text}
+                out.append(_sse({"type": "content_block_delta", "index": self.open, "delta": delta},
+                                b"content_block_delta"))
             elif object_arguments(p):
                 out += self._stop()
                 self.calls += 1

@@ -60,7 +60,7 @@ def stream(api: str, deltas: list[str], *, where: str = "content", model: str = 
                 ev("response.completed", response={**base, "status": "completed", "output": [done],
                                                    "usage": {"input_tokens": 12, "output_tokens": 30,
                                                              "total_tokens": 42}})]
-    message = {"id": "msg_t", "type": "message", "role": "assistant", "model": model, "content": [],
+    message: dict[str, Any] = {"id": "msg_t", "type": "message", "role": "assistant", "model": model, "content": [],
                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 12, "output_tokens": 1}}
     return [sse({"type": "message_start", "message": message}, "message_start"),
             sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
@@ -76,7 +76,7 @@ def stream(api: str, deltas: list[str], *, where: str = "content", model: str = 
 def body(api: str, text: str, *, where: str = "content", model: str = "m") -> bytes:
     """A runtime's whole answer of ``api`` whose text is ``text``."""
     if api == "chat":
-        message = {"role": "assistant", "content": text if where == "content" else None}
+        message: dict[str, Any] = {"role": "assistant", "content": text if where == "content" else None}
         if where != "content":
             message[where] = text
         return orjson.dumps({"id": "chatcmpl-t", "object": "chat.completion", "created": 1, "model": model,

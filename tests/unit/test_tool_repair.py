@@ -313,3 +313,41 @@ async def test_a_runtime_that_made_the_calls_itself_is_left_untouched():
             await relayed(api, events, None, record(api))
         whole = build(api, ASK[api], turn).body
         assert repair_body(repair_of("hermes", api, record(api, False)), api, whole) == whole
+
+
+HARMONY = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+           'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>')
+
+
+def said_as_reasoning(api: str, body: bytes, stream: bool) -> str:
+    """The reasoning a client gets: chat's reasoning_content, Responses' reasoning items, Messages' thinking."""
+    if not stream:
+        obj = orjson.loads(body)
+        if api == "chat":
+            return str(obj["choices"][0]["message"].get("reasoning_content"))
+        if api == "responses":
+            return "".join(c["text"] for i in obj["output"] if i["type"] == "reasoning" for c in i["content"])
+        return "".join(b["thinking"] for b in obj["content"] if b["type"] == "thinking")
+    if api == "chat":
+        return "".join(ch["delta"].get("reasoning_content") or "" for e in events_of(body) for ch in e["choices"])
+    if api == "responses":
+        done = [e["item"] for e in events_of(body) if e["type"] == "response.output_item.done"]
+        deltas = "".join(e["delta"] for e in events_of(body) if e["type"] == "response.reasoning_text.delta")
+        assert deltas == "".join(c["text"] for i in done if i["type"] == "reasoning" for c in i["content"])
+        return deltas
+    return "".join(e["delta"]["thinking"] for e in events_of(body) if e["type"] == "content_block_delta"
+                   and e["delta"]["type"] == "thinking_delta")
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_harmonys_analysis_is_said_as_reasoning_and_its_call_as_a_call(api):
+    for deltas in ([HARMONY[:k], HARMONY[k:]] for k in range(1, len(HARMONY), 7)):
+        rec = record(api)
+        body = await relayed(api, tool_markup.stream(api, deltas), repair_of("harmony", api, rec), rec)
+        view = VIEWS[api](body, True)
+        assert [c for _, c in view.calls] == [PARIS] and view.text == "" and view.end == ENDS[api]
+        assert said_as_reasoning(api, body, True) == "Need the weather."
+    rec = record(api, stream=False)
+    body = repair_body(repair_of("auto", api, rec), api, tool_markup.body(api, HARMONY))
+    assert [c for _, c in VIEWS[api](body, False).calls] == [PARIS]
+    assert said_as_reasoning(api, body, False) == "Need the weather." and rec.tool_call_format == "harmony"
