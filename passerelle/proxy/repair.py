@@ -190,12 +190,18 @@ def repair_body(repair: ToolRepair, api: str, raw: bytes) -> bytes:
     if not isinstance(obj, dict):
         return raw
     fix = {"chat": _chat_body, "responses": _responses_body, "messages": _messages_body}[api]
-    return orjson.dumps(obj) if fix(repair, obj) else raw
+    if not fix(repair, obj):
+        return raw
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # (nested past what orjson writes: the runtime's answer as it came)
+        return raw
 
 
 def _chat_body(repair: ToolRepair, obj: dict[str, Any]) -> bool:
     changed = False
-    for choice in obj.get("choices") or ():
+    choices = obj.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
         msg = choice.get("message") if isinstance(choice, dict) else None
         if not isinstance(msg, dict) or msg.get("tool_calls"):
             continue
@@ -213,7 +219,8 @@ def _chat_body(repair: ToolRepair, obj: dict[str, Any]) -> bool:
                 del msg[field]
             if thought := "".join(p.text for p in pieces if isinstance(p, Thought)):
                 into = "reasoning_content" if field == "content" else field
-                msg[into] = (msg.get(into) or "") + thought
+                before = msg.get(into)
+                msg[into] = (before if isinstance(before, str) else "") + thought
                 changed = True
             calls += [{"id": new_id("call_"), "type": "function",
                        "function": {"name": p.name, "arguments": p.arguments}}
@@ -299,6 +306,7 @@ def _messages_body(repair: ToolRepair, obj: dict[str, Any]) -> bool:
                 out.append({"type": "text", "text": p.arguments})
     if changed:
         obj["content"] = out
-        if obj.get("stop_reason") in ("end_turn", None) and any(b.get("type") == "tool_use" for b in out):
+        if obj.get("stop_reason") in ("end_turn", None) and any(
+                isinstance(b, dict) and b.get("type") == "tool_use" for b in out):
             obj["stop_reason"] = "tool_use"
     return changed

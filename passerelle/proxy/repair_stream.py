@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from passerelle.errors import UpstreamError
 from passerelle.proxy.repair import (
     Channel,
     Piece,
@@ -53,7 +54,10 @@ def _dict(value: Any) -> dict[str, Any]:
 
 def _sse(obj: Any, event: bytes = b"") -> bytes:
     head = b"event: " + event + b"\n" if event else b""
-    return head + b"data: " + orjson.dumps(obj) + b"\n\n"
+    try:
+        return head + b"data: " + orjson.dumps(obj) + b"\n\n"
+    except TypeError:  # the runtime's JSON nested past what orjson writes (254 levels): its fault
+        raise UpstreamError("The model runtime's stream is nested too deeply to be repaired.") from None
 
 
 class StreamRepair:
