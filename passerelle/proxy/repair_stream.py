@@ -40,6 +40,7 @@ from passerelle.proxy.repair import (
 from passerelle.proxy.toolcalls import ToolCall
 
 _CHAT_TEXT = ("content", "reasoning_content", "reasoning")
+_MAX_CHOICES = 128  # choices repaired in one stream (n); each holds a parser
 
 
 def _data(ev: bytes) -> bytes | None:
@@ -132,7 +133,11 @@ class ChatRepair(StreamRepair):
             if delta.get("tool_calls"):
                 self.native = True
                 return [*self._flush_all(), ev]
-            state = self.choices.setdefault(idx, _Choice())
+            state = self.choices.get(idx)
+            if state is None:
+                if len(self.choices) >= _MAX_CHOICES:  # (a runtime inventing choices: passed on as they come)
+                    return [ev]
+                state = self.choices[idx] = _Choice()
             rest = {k: v for k, v in delta.items() if k not in _CHAT_TEXT or not isinstance(v, str)}
             deltas: list[dict[str, Any]] = []
             for field in _CHAT_TEXT:

@@ -408,3 +408,20 @@ def test_any_whole_answer_is_repaired_or_passed_never_an_exception(data):
         raw = encode(obj)
         out = repair_body(repair_of("auto", api, record(api, False)), api, raw)
         assert out == raw or isinstance(orjson.loads(out), dict)
+
+
+@REPAIR_FUZZ
+@given(data=st.data())
+async def test_any_cuts_give_the_same_answer(data):
+    """Hypothesis over the cuts: the text in deltas cut anywhere, the bytes read in pieces cut anywhere."""
+    fmt = data.draw(st.sampled_from(FORMATS_HERE))
+    api = data.draw(st.sampled_from(["chat", "responses", "messages"]))
+    text = SAMPLES[fmt][0]
+    at = sorted(data.draw(st.sets(st.integers(1, len(text) - 1), max_size=12)))
+    deltas = [text[a:b] for a, b in zip([0, *at], [*at, len(text)], strict=True)]
+    whole = b"".join(tool_markup.stream(api, deltas))
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(whole) - 1), max_size=40)))
+    parts = [whole[a:b] for a, b in zip([0, *cuts], [*cuts, len(whole)], strict=True)]
+    rec = record(api)
+    body = await relayed(api, [whole], repair_of(fmt, api, rec), rec, parts)
+    check(api, VIEWS[api](body, True), fmt)
