@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -31,8 +32,8 @@ from passerelle.proxy.repair import ToolRepair, repair_body, repair_for
 from passerelle.proxy.repair_stream import stream_repair
 from passerelle.proxy.toolcalls import FORMATS
 from passerelle.testing import tool_markup
-from tests.jsonvalues import STREAMS_OUT, encode, mutated, sse
-from tests.unit.test_fuzz_readers import FUZZ
+from tests.jsonvalues import STREAMS_OUT, decoded, encode, mutated, sse
+from tests.unit.test_fuzz_readers import FUZZ, request_body
 from tests.unit.test_relay import Client, FakeResponse, deadline
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
@@ -425,3 +426,38 @@ async def test_any_cuts_give_the_same_answer(data):
     rec = record(api)
     body = await relayed(api, [whole], repair_of(fmt, api, rec), rec, parts)
     check(api, VIEWS[api](body, True), fmt)
+
+
+# -- what clients really send: every request of the corpus, and any request ----------------------------
+CORPUS = sorted((Path(__file__).resolve().parent.parent / "corpus").glob("*/*.json"))
+
+
+def test_the_tools_real_clients_offer_are_read_for_repair():
+    """Claude Code's, Codex's (custom and built-in tools too), opencode's, the SDKs' and frameworks'
+    tools: each request offering tools gets a repair, whose parser takes text."""
+    offered = 0
+    for path in CORPUS:
+        rec = orjson.loads(path.read_bytes())
+        body = rec.get("body")
+        if rec.get("api") not in ("chat", "responses", "messages") or not isinstance(body, dict):
+            continue
+        repair = repair_for("auto", rec["api"], body, record(rec["api"]))
+        if repair is not None:
+            offered += 1
+            channel = repair.channel()
+            assert "".join(map(str, channel.feed("Hello <tool") + channel.finish())) == "Hello <tool"
+    assert offered >= 10
+
+
+@REPAIR_FUZZ
+@given(data=st.data())
+def test_any_request_gets_a_repair_or_none_never_an_exception(data):
+    for api in ("chat", "responses", "messages"):
+        body = data.draw(request_body(api))
+        try:
+            body = decoded(body)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(body, dict):
+            repair = repair_for("auto", api, body, record(api))
+            assert repair is None or isinstance(repair.tools, list)
