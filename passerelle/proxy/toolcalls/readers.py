@@ -180,6 +180,12 @@ class LlamaJson:
         self._start = opened
 
     def step(self, buf: str, final: bool) -> Step | None:
+        if self._bare and not self._objects and self._span is None:
+            known = _call_key(buf, 1)
+            if known is None:
+                return ([Text(buf)], len(buf), None) if final else None
+            if not known:
+                return [Text(buf[:1])], 1, None
         while True:
             if self._span is None:
                 j = _skip_space(buf, self._pos)
@@ -234,6 +240,25 @@ class LlamaJson:
         except (Bad, ValueError, RecursionError) as e:
             return [Unrepaired(markup, str(e)[:80] or "not a call")], end, None
         return self._calls.pieces(markup, found), end, None
+
+
+_CALL_KEYS = ("name", "type", "function")
+
+
+def _call_key(buf: str, pos: int) -> bool | None:
+    """Whether the object whose first key starts at ``pos`` (after its ``{``) can be a call: its
+    first key is one a call begins with; None while that cannot be told yet. A JSON answer that is
+    no call is let go at once, not held to its end."""
+    pos = _skip_space(buf, pos)
+    if pos == len(buf):
+        return None
+    if buf[pos] != '"':
+        return False
+    close = buf.find('"', pos + 1, pos + 10)
+    if close < 0:
+        typed = buf[pos + 1:pos + 10]
+        return None if len(typed) < 9 and any(k.startswith(typed) for k in _CALL_KEYS) else False
+    return buf[pos + 1:close] in _CALL_KEYS
 
 
 _TERMINATORS = ("<|end|>", "<|return|>", "<|call|>")
