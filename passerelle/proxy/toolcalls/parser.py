@@ -102,9 +102,21 @@ class ToolCallParser:
 
     def feed(self, text: str) -> list[Piece]:
         """The pieces ``text`` completes; what could still be markup is held."""
-        if self._reader is None and not self._buf and not self._at_start and self._scan.trigger(text) is None:
-            return [Text(text)] if text else []
-        self._buf += text
+        if self._reader is None and not self._buf and not self._at_start:
+            scan = self._scan
+            if scan.trigger(text) is None:
+                return [Text(text)] if text else []
+            if scan.search(text) is None:
+                keep = held_suffix(text, scan.markers, scan.firsts)
+                if keep:
+                    self._buf = text[-keep:]
+                    text = text[:-keep]
+                return [Text(text)] if text else []
+        # Appended with no other reference to the held text, so that CPython grows it in place:
+        # ``self._buf += text`` would copy it whole at every feed (quadratic in a long call).
+        held, self._buf = self._buf, ""
+        held += text
+        self._buf = held
         return self._run(final=False)
 
     def finish(self) -> list[Piece]:

@@ -40,13 +40,17 @@ def _skip_space(buf: str, pos: int) -> int:
 
 def held_suffix(buf: str, tokens: tuple[str, ...], firsts: str) -> int:
     """How many characters at the end of ``buf`` could begin one of ``tokens`` (to hold back)."""
-    longest = max(len(t) for t in tokens)
-    for j in range(max(0, len(buf) - longest + 1), len(buf)):
-        if buf[j] in firsts:
+    lo = max(0, len(buf) - max(len(t) for t in tokens) + 1)
+    earliest = len(buf)
+    for first in firsts:
+        j = buf.find(first, lo, earliest)
+        while j >= 0:
             tail = buf[j:]
             if any(t.startswith(tail) for t in tokens):
-                return len(buf) - j
-    return 0
+                earliest = j
+                break
+            j = buf.find(first, j + 1, earliest)
+    return len(buf) - earliest
 
 
 def _unrepaired_all(buf: str, reason: str) -> Step:
@@ -69,6 +73,11 @@ class Tagged:
         if at is None:
             if not final:
                 return None
+            # Unclosed at the end: a Qwen3-Coder call ends with its function, and what follows is text.
+            function_end = buf.find("</function>", self._opened)
+            if buf[self._opened:].lstrip().startswith("<function=") and function_end >= 0:
+                end = function_end + len("</function>")
+                return self._calls.read(buf[:end], found_in_body, buf[self._opened:end]), end, None
             return self._calls.read(buf, found_in_body, buf[self._opened:]), len(buf), None
         end = at + len(self.CLOSE)
         return self._calls.read(buf[:end], found_in_body, buf[self._opened:at]), end, None

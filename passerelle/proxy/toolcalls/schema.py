@@ -20,6 +20,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from passerelle.proxy.toolcalls.scan import loads_bounded
+
 MAX_DEPTH = 64
 
 Schema = Mapping[str, Any]
@@ -112,7 +114,7 @@ def _from_text(text: str, kind: str) -> tuple[bool, Any]:
             return (True, number) if math.isfinite(number) else (False, None)
     if kind in ("object", "array"):
         try:
-            value = json.loads(word)
+            value = loads_bounded(word)
         except (ValueError, RecursionError):
             return False, None
         return (True, value) if isinstance(value, dict if kind == "object" else list) else (False, None)
@@ -125,7 +127,7 @@ def coerce_text(text: str, schema: Schema | None) -> Any:
     boolean, null, object, array) is read as one, anything else stays text."""
     if schema is None:
         try:
-            return json.loads(text) if text.strip()[:1] in ("{", "[") or text.strip().lower() in _LITERALS \
+            return loads_bounded(text) if text.strip()[:1] in ("{", "[") or text.strip().lower() in _LITERALS \
                 or _is_number(text) else text
         except (ValueError, RecursionError):
             return text
@@ -195,7 +197,7 @@ def validate(value: Any, schema: Schema | None, where: str = "arguments", depth:
         return f"{where}: expected {' or '.join(kinds)}, got {_json_type(value)}"
     enum = schema.get("enum")
     if isinstance(enum, list) and not any(_same(value, e) for e in enum):
-        return f"{where}: {json.dumps(value)[:60]} is not one of {json.dumps(enum)[:120]}"
+        return f"{where}: {_dumps(value)[:60]} is not one of {_dumps(enum)[:120]}"
     if isinstance(value, dict):
         required = schema.get("required")
         if isinstance(required, list):
@@ -218,6 +220,10 @@ def validate(value: Any, schema: Schema | None, where: str = "arguments", depth:
                 if fault:
                     return fault
     return None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _same(value: Any, wanted: Any) -> bool:
