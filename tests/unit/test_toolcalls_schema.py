@@ -45,6 +45,12 @@ def test_the_parser_takes_tools_in_any_shape(tools: list[dict[str, Any]]):
     ("42", {"type": "integer"}, 42),
     (" 7.0 ", {"type": "integer"}, 7),
     ("7.5", {"type": "integer"}, "7.5"),
+    ("+5", {"type": "integer"}, 5),
+    ("1_000", {"type": "integer"}, "1_000"),
+    ("\u0663", {"type": "integer"}, "\u0663"),
+    ("1" * 5000, {"type": "integer"}, "1" * 5000),
+    ("1e999", {"type": "number"}, "1e999"),
+    ("NaN", None, "NaN"),
     ("-3.25", {"type": "number"}, -3.25),
     ("1e3", {"type": "number"}, 1000.0),
     ("nan", {"type": "number"}, "nan"),
@@ -126,7 +132,9 @@ def test_a_functions_namespace_is_taken_off_a_known_name():
 
 
 def test_arguments_that_are_no_object_are_unrepaired():
-    for args in ('"just text"', "[1, 2]", '"{not json"', "3"):
+    # NaN and Infinity: Python reads them, a client's JSON parser would not read the arguments.
+    for args in ('"just text"', "[1, 2]", '"{not json"', "3", '{"x": NaN}', '"{\\"x\\": -Infinity}"',
+                 '{"x": ' + "9" * 5000 + "}"):
         text = f'<tool_call>{{"name": "read", "arguments": {args}}}</tool_call>'
         [piece] = parse_all("hermes", None, text)
         assert isinstance(piece, Unrepaired) and piece.text == text, args

@@ -30,10 +30,10 @@ from collections.abc import Callable
 from typing import Any
 
 from passerelle.proxy.toolcalls.calls import Calls
+from passerelle.proxy.toolcalls.harmony import Harmony
 from passerelle.proxy.toolcalls.pieces import Piece, Text, Unrepaired, coalesce
 from passerelle.proxy.toolcalls.readers import (
     BareFunction,
-    Harmony,
     LlamaJson,
     Mistral,
     Reader,

@@ -21,7 +21,7 @@ from passerelle.proxy.toolcalls.calls import (
     found_in_object,
     found_in_xml,
 )
-from passerelle.proxy.toolcalls.pieces import Piece, Reasoning, Text, Unrepaired
+from passerelle.proxy.toolcalls.pieces import Piece, Text, Unrepaired
 from passerelle.proxy.toolcalls.scan import JsonEnd, TagEnd, TooDeep, loads_bounded
 
 Step = tuple[list[Piece], int, "Reader | None"]
@@ -53,7 +53,7 @@ def held_suffix(buf: str, tokens: tuple[str, ...], firsts: str) -> int:
     return len(buf) - earliest
 
 
-def _unrepaired_all(buf: str, reason: str) -> Step:
+def unrepaired_all(buf: str, reason: str) -> Step:
     return [Unrepaired(buf, reason)], len(buf), None
 
 
@@ -130,7 +130,7 @@ class Mistral:
     def step(self, buf: str, final: bool) -> Step | None:
         j = _skip_space(buf, len(self.MARK))
         if j == len(buf):
-            return _unrepaired_all(buf, "no call after [TOOL_CALLS]") if final else None
+            return unrepaired_all(buf, "no call after [TOOL_CALLS]") if final else None
         name = ""
         start = j
         if buf[j] not in "[{":
@@ -159,7 +159,7 @@ class Mistral:
                 return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
             start = _skip_space(buf, k + 6)
             if start == len(buf):
-                return _unrepaired_all(buf, "no arguments after [ARGS]") if final else None
+                return unrepaired_all(buf, "no arguments after [ARGS]") if final else None
             if buf[start] != "{":
                 return [Unrepaired(buf[:start], "arguments are not an object")], start, None
         if self._span is None:
@@ -167,9 +167,9 @@ class Mistral:
         try:
             end = self._span.scan(buf)
         except TooDeep:
-            return _unrepaired_all(buf, "arguments nested too deep")
+            return unrepaired_all(buf, "arguments nested too deep")
         if end is None:
-            return _unrepaired_all(buf, "unterminated call") if final else None
+            return unrepaired_all(buf, "unterminated call") if final else None
         if name:
             return self._calls.pieces(buf[:end], [Found(name, buf[start:end])]), end, None
         return self._calls.read(buf[:end], found_in_json, buf[start:end]), end, None
@@ -211,7 +211,7 @@ class LlamaJson:
                             continue
                     return self._done(buf, j, final)
                 if j == len(buf):
-                    return _unrepaired_all(buf, "no call after <|python_tag|>") if final else None
+                    return unrepaired_all(buf, "no call after <|python_tag|>") if final else None
                 if buf[j] != "{":
                     return [Unrepaired(buf[:j], "<|python_tag|> not followed by a JSON call")], j, None
                 self._span = JsonEnd(j)
@@ -229,7 +229,7 @@ class LlamaJson:
     def _give_up(self, buf: str, reason: str) -> Step:
         if self._bare:
             return [Text(buf)], len(buf), None
-        return _unrepaired_all(buf, reason)
+        return unrepaired_all(buf, reason)
 
     def _done(self, buf: str, after: int, final: bool) -> Step:
         end = self._objects[-1][1]
@@ -268,84 +268,3 @@ def _call_key(buf: str, pos: int) -> bool | None:
         typed = buf[pos + 1:pos + 10]
         return None if len(typed) < 9 and any(k.startswith(typed) for k in _CALL_KEYS) else False
     return buf[pos + 1:close] in _CALL_KEYS
-
-
-_TERMINATORS = ("<|end|>", "<|return|>", "<|call|>")
-_STARTS = ("<|start|>", "<|channel|>")
-_BODY_END = re.compile(r"<\|(?:end|return|call)\|>|<\|start\|>|<\|channel\|>")
-_RECIPIENT = re.compile(r"to=([^\s<]{1,256})")
-_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]{1,64})")
-HEADER_CAP = 4096
-
-
-class Harmony:
-    """One gpt-oss (Harmony) message from ``<|start|>`` or ``<|channel|>``: a header up to
-    ``<|message|>``, then a body up to ``<|end|>``, ``<|return|>``, ``<|call|>`` or the next
-    message. With a recipient (``to=functions.NAME``, before or after the channel, with or without
-    ``<|constrain|>json``) the body is a call's arguments; else it is text, streamed as it comes
-    (``analysis`` as Reasoning, other channels as Text) and the framing tokens are dropped."""
-
-    def __init__(self, calls: Calls, opened: int) -> None:
-        self._calls = calls
-        self._header = TagEnd("<|message|>", opened)
-        self._opened = opened
-        self._body_from: int | None = None
-        self._name: str | None = None
-        self._reasoning = False
-        self._scan = 0
-
-    def step(self, buf: str, final: bool) -> Step | None:
-        if self._body_from is None:
-            return self._head(buf, final)
-        if self._name is not None:
-            return self._call(buf, final)
-        return self._text(buf, final)
-
-    def _head(self, buf: str, final: bool) -> Step | None:
-        at = self._header.scan(buf)
-        cut = buf.find("<|start|>", self._opened, at if at is not None else len(buf))
-        if cut >= 0:
-            return [Unrepaired(buf[:cut], "Harmony header without <|message|>")], cut, None
-        if at is None:
-            if final or len(buf) > HEADER_CAP:
-                return _unrepaired_all(buf, "Harmony header without <|message|>")
-            return None
-        header = buf[:at]
-        body = at + len("<|message|>")
-        recipient = _RECIPIENT.search(header)
-        if recipient is not None:
-            name = recipient.group(1)
-            self._name = name[len("functions."):] if name.startswith("functions.") else name
-            self._body_from = body
-            self._scan = body
-            return self._call(buf, final)
-        channel = _CHANNEL.search(header)
-        self._reasoning = channel is not None and channel.group(1) == "analysis"
-        self._body_from = 0
-        return [], body, self
-
-    def _call(self, buf: str, final: bool) -> Step | None:
-        assert self._name is not None and self._body_from is not None
-        m = _BODY_END.search(buf, self._scan)
-        if m is None:
-            self._scan = max(self._scan, len(buf) - 11)
-            if not final:
-                return None
-            stop = end = len(buf)
-        else:
-            stop = m.start()
-            end = m.end() if m.group() in _TERMINATORS else m.start()
-        found = Found(self._name, buf[self._body_from:stop].strip())
-        return self._calls.pieces(buf[:end], [found]), end, None
-
-    def _text(self, buf: str, final: bool) -> Step | None:
-        kind = Reasoning if self._reasoning else Text
-        m = _BODY_END.search(buf)
-        if m is not None:
-            end = m.end() if m.group() in _TERMINATORS else m.start()
-            return ([kind(buf[:m.start()])] if m.start() else []), end, None
-        if final:
-            return ([kind(buf)] if buf else []), len(buf), None
-        keep = held_suffix(buf, _TERMINATORS + _STARTS, "<")
-        n = len(buf) - keep
-        return ([kind(buf[:n])], n, self) if n else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,6 +80,9 @@ def _branches(schema: Schema) -> list[Schema]:
     return []
 
 
+# JSON's numbers (a leading "+" forgiven), in ASCII digits: Python's int() would also take "1_000" and "٣".
+_INTEGER = re.compile(r"[+-]?[0-9]{1,4000}")
+_NUMBER = re.compile(r"[+-]?[0-9]{1,4000}(?:\.[0-9]{1,4000})?(?:[eE][+-]?[0-9]{1,4})?")
 _LITERALS = {"true": True, "false": False, "null": None, "none": None}
 
 
@@ -95,23 +99,19 @@ def _from_text(text: str, kind: str) -> tuple[bool, Any]:
     if kind == "null":
         return (True, None) if word.lower() in ("null", "none") else (False, None)
     if kind == "integer":
-        try:
+        if _INTEGER.fullmatch(word):
             return True, int(word)
-        except ValueError:
-            try:
-                number = float(word)
-            except ValueError:
-                return False, None
+        if _NUMBER.fullmatch(word):
+            number = float(word)
             return (True, int(number)) if math.isfinite(number) and number.is_integer() else (False, None)
+        return False, None
     if kind == "number":
-        try:
+        if _INTEGER.fullmatch(word):
             return True, int(word)
-        except ValueError:
-            try:
-                number = float(word)
-            except ValueError:
-                return False, None
+        if _NUMBER.fullmatch(word):
+            number = float(word)
             return (True, number) if math.isfinite(number) else (False, None)
+        return False, None
     if kind in ("object", "array"):
         try:
             value = loads_bounded(word)
@@ -140,11 +140,7 @@ def coerce_text(text: str, schema: Schema | None) -> Any:
 
 
 def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return bool(text.strip())
+    return _NUMBER.fullmatch(text.strip()) is not None
 
 
 def coerce(value: Any, schema: Schema | None, depth: int = 0) -> Any:
