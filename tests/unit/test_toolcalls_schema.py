@@ -155,6 +155,32 @@ def test_a_call_past_the_cap_is_released_as_unrepaired_and_the_rest_is_text():
     assert parser.feed('"}}</tool_call> after') + parser.finish() == [Text('"}}</tool_call> after')]
 
 
+def test_a_json_answer_past_the_cap_goes_on_as_text():
+    parser = parser_for("llama3", [{"name": "read", "parameters": PARAMS}])
+    assert parser is not None
+    out = parser.feed('{"name": "')
+    fed = '{"name": "'
+    while not out:
+        out = parser.feed("y" * 65536)
+        fed += "y" * 65536
+    assert out == [Text(fed)]
+
+
+def test_whitespace_floods_are_scanned_once():
+    # Held whitespace after a marker or a call is not rescanned at every feed: 512 KiB of it in
+    # 8-character pieces would take minutes if it were.
+    for fmt, head in (("mistral", "[TOOL_CALLS]"), ("qwen3-xml", "<function=read><parameter=path>p</parameter>"
+                                                                  "</function>"),
+                      ("llama3", '<|python_tag|>{"name": "read", "parameters": {"path": "p"}}')):
+        parser = parser_for(fmt, [{"name": "read", "parameters": PARAMS}])
+        assert parser is not None
+        out = parser.feed(head)
+        for _ in range(65536):
+            out += parser.feed(" \n \t    ")
+        out += parser.finish()
+        assert "".join(p.text for p in out if isinstance(p, Text | Unrepaired)).strip() in ("", "[TOOL_CALLS]")
+
+
 def test_unicode_and_escapes_survive():
     text = '<tool_call>{"name": "read", "arguments": {"path": "caf\\u00e9/🙂\\n\\"q\\""}}</tool_call>'
     [call] = parse_all("hermes", [{"name": "read", "parameters": PARAMS}], text)

@@ -160,6 +160,9 @@ CASES = [
     Case("auto finds a bare llama3 call", "auto",
          '\n {"type": "function", "name": "get_time", "parameters": {}}',
          [Text("\n "), call(0, "get_time", "{}")]),
+    Case("auto: a JSON answer that is no call, then a Hermes call", "auto",
+         '{"type": "note", "text": "x"}\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+         [Text('{"type": "note", "text": "x"}\n'), call(0, "get_time", "{}")]),
     Case("harmony recipient in the role, truncated without <|call|>", "harmony",
          '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>'
          '{"city": "Lima"}',

@@ -40,6 +40,7 @@ from passerelle.proxy.toolcalls.readers import (
     Step,
     Tagged,
     held_suffix,
+    skip_space,
 )
 
 FORMATS = ("auto", "hermes", "qwen3-xml", "mistral", "llama3", "harmony", "off")
@@ -135,7 +136,10 @@ class ToolCallParser:
             else:
                 step = self._reader.step(self._buf, final)
                 if step is None and len(self._buf) > MAX_HELD:
-                    step = [Unrepaired(self._buf, f"call longer than {MAX_HELD} characters")], len(self._buf), None
+                    # A JSON answer that might have been a call goes on as the text it is.
+                    held: Piece = Text(self._buf) if getattr(self._reader, "bare", False) else \
+                        Unrepaired(self._buf, f"call longer than {MAX_HELD} characters")
+                    step = [held], len(self._buf), None
             if step is None:
                 return out
             pieces, used, self._reader = step
@@ -150,15 +154,11 @@ class ToolCallParser:
         if not buf:
             return None
         if self._at_start:
-            j = 0
-            while j < len(buf) and buf[j].isspace():
-                j += 1
+            j = skip_space(buf, 0)
             if j == len(buf):
                 return [Text(buf)], len(buf), None
             self._at_start = False
             if buf[j] == "{":
-                if self.format == "auto":
-                    self._scan = _SCANS["llama3"]
                 return [Text(buf[:j])] if j else [], j, LlamaJson(self._calls, 0, bare=True)
         m = self._scan.search(buf)
         if m is not None:

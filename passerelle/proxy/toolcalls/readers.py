@@ -31,11 +31,13 @@ class Reader(Protocol):
     def step(self, buf: str, final: bool) -> Step | None: ...
 
 
-def _skip_space(buf: str, pos: int) -> int:
-    n = len(buf)
-    while pos < n and buf[pos].isspace():
-        pos += 1
-    return pos
+_NOT_SPACE = re.compile(r"\S")
+
+
+def skip_space(buf: str, pos: int) -> int:
+    """The index of the first character from ``pos`` that is not whitespace, or ``len(buf)``."""
+    m = _NOT_SPACE.search(buf, pos)
+    return len(buf) if m is None else m.start()
 
 
 def held_suffix(buf: str, tokens: tuple[str, ...], firsts: str) -> int:
@@ -94,6 +96,7 @@ class BareFunction:
         self._calls = calls
         self._end = TagEnd(self.CLOSE, 1)
         self._closed: int | None = None
+        self._spaced = 0
 
     def step(self, buf: str, final: bool) -> Step | None:
         if self._closed is None:
@@ -104,7 +107,7 @@ class BareFunction:
                 return self._calls.read(buf, found_in_xml, buf), len(buf), None
             self._closed = at + len(self.CLOSE)
         closed = self._closed
-        after = _skip_space(buf, closed)
+        after = self._spaced = skip_space(buf, max(closed, self._spaced))
         end = closed
         if buf.startswith(self.STRAY, after):
             end = after + len(self.STRAY)
@@ -126,53 +129,69 @@ class Mistral:
     def __init__(self, calls: Calls) -> None:
         self._calls = calls
         self._span: JsonEnd | None = None
+        self._name = ""
+        self._start = 0
+        self._spaced = len(self.MARK)  # whitespace after the marker is scanned once
 
     def step(self, buf: str, final: bool) -> Step | None:
-        j = _skip_space(buf, len(self.MARK))
-        if j == len(buf):
-            return unrepaired_all(buf, "no call after [TOOL_CALLS]") if final else None
-        name = ""
-        start = j
-        if buf[j] not in "[{":
-            m = _NAME.match(buf, j)
-            if m is None:
-                return [Unrepaired(buf[:j], "no call after [TOOL_CALLS]")], j, None
-            name = m.group()
-            k = m.end()
-            if k == len(buf) or (len(name) == 256 and _NAME.match(buf, k)):
-                if not final and len(name) < 256:
-                    return None
-                return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
-            rest = buf[k:k + 9]
-            if not final and len(rest) < 9 and ("[CALL_ID]".startswith(rest) or "[ARGS]".startswith(rest)):
-                return None
-            if rest == "[CALL_ID]":
-                c = _CALL_ID.match(buf, k + 9)
-                if c is None or (c.end() == len(buf) and len(c.group()) < 64):
-                    if not final and (c is not None or k + 9 == len(buf)):
-                        return None
-                    return [Unrepaired(buf[:k], "bad [CALL_ID]")], k, None
-                k = c.end()
-            if not buf.startswith("[ARGS]", k):
-                if not final and "[ARGS]".startswith(buf[k:]):
-                    return None
-                return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
-            start = _skip_space(buf, k + 6)
-            if start == len(buf):
-                return unrepaired_all(buf, "no arguments after [ARGS]") if final else None
-            if buf[start] != "{":
-                return [Unrepaired(buf[:start], "arguments are not an object")], start, None
         if self._span is None:
-            self._span = JsonEnd(start)
+            head = self._head(buf, final)
+            if head is not None:
+                return head
+            if self._span is None:
+                return None
         try:
             end = self._span.scan(buf)
         except TooDeep:
             return unrepaired_all(buf, "arguments nested too deep")
         if end is None:
             return unrepaired_all(buf, "unterminated call") if final else None
-        if name:
-            return self._calls.pieces(buf[:end], [Found(name, buf[start:end])]), end, None
+        start = self._start
+        if self._name:
+            return self._calls.pieces(buf[:end], [Found(self._name, buf[start:end])]), end, None
         return self._calls.read(buf[:end], found_in_json, buf[start:end]), end, None
+
+    def _head(self, buf: str, final: bool) -> Step | None:
+        """Reads up to the JSON (setting ``_span``), or says the markup is no call; None: more is
+        needed (or the JSON has begun)."""
+        j = self._spaced = skip_space(buf, self._spaced)
+        if j == len(buf):
+            return unrepaired_all(buf, "no call after [TOOL_CALLS]") if final else None
+        if buf[j] in "[{":
+            self._start = j
+            self._span = JsonEnd(j)
+            return None
+        m = _NAME.match(buf, j)
+        if m is None:
+            return [Unrepaired(buf[:j], "no call after [TOOL_CALLS]")], j, None
+        k = m.end()
+        if k == len(buf) or (len(m.group()) == 256 and _NAME.match(buf, k)):
+            if not final and len(m.group()) < 256:
+                return None
+            return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
+        rest = buf[k:k + 9]
+        if not final and len(rest) < 9 and ("[CALL_ID]".startswith(rest) or "[ARGS]".startswith(rest)):
+            return None
+        if rest == "[CALL_ID]":
+            c = _CALL_ID.match(buf, k + 9)
+            if c is None or (c.end() == len(buf) and len(c.group()) < 64):
+                if not final and (c is not None or k + 9 == len(buf)):
+                    return None
+                return [Unrepaired(buf[:k], "bad [CALL_ID]")], k, None
+            k = c.end()
+        if not buf.startswith("[ARGS]", k):
+            if not final and "[ARGS]".startswith(buf[k:]):
+                return None
+            return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
+        start = skip_space(buf, k + 6)
+        if start == len(buf):
+            return unrepaired_all(buf, "no arguments after [ARGS]") if final else None
+        if buf[start] != "{":
+            return [Unrepaired(buf[:start], "arguments are not an object")], start, None
+        self._name = m.group()
+        self._start = start
+        self._span = JsonEnd(start)
+        return None
 
 
 class LlamaJson:
@@ -183,13 +202,13 @@ class LlamaJson:
     def __init__(self, calls: Calls, opened: int, bare: bool) -> None:
         self._calls = calls
         self._pos = opened
-        self._bare = bare
+        self.bare = bare
         self._objects: list[tuple[int, int]] = []
         self._span: JsonEnd | None = None
         self._start = opened
 
     def step(self, buf: str, final: bool) -> Step | None:
-        if self._bare and not self._objects and self._span is None:
+        if self.bare and not self._objects and self._span is None:
             known = _call_key(buf, 1)
             if known is None:
                 return ([Text(buf)], len(buf), None) if final else None
@@ -197,12 +216,12 @@ class LlamaJson:
                 return [Text(buf[:1])], 1, None
         while True:
             if self._span is None:
-                j = _skip_space(buf, self._pos)
+                j = self._pos = skip_space(buf, self._pos)
                 if self._objects:
                     if j == len(buf) and not final:
                         return None
                     if j < len(buf) and buf[j] == ";":
-                        k = _skip_space(buf, j + 1)
+                        k = skip_space(buf, j + 1)
                         if k == len(buf) and not final:
                             return None
                         if k < len(buf) and buf[k] == "{":
@@ -227,14 +246,14 @@ class LlamaJson:
             self._pos = end
 
     def _give_up(self, buf: str, reason: str) -> Step:
-        if self._bare:
+        if self.bare:
             return [Text(buf)], len(buf), None
         return unrepaired_all(buf, reason)
 
     def _done(self, buf: str, after: int, final: bool) -> Step:
         end = self._objects[-1][1]
         markup = buf[:end]
-        if self._bare:
+        if self.bare:
             if after < len(buf):
                 return [Text(buf[:after])], after, None
             try:
@@ -258,7 +277,7 @@ def _call_key(buf: str, pos: int) -> bool | None:
     """Whether the object whose first key starts at ``pos`` (after its ``{``) can be a call: its
     first key is one a call begins with; None while that cannot be told yet. A JSON answer that is
     no call is let go at once, not held to its end."""
-    pos = _skip_space(buf, pos)
+    pos = skip_space(buf, pos)
     if pos == len(buf):
         return None
     if buf[pos] != '"':
