@@ -20,7 +20,8 @@ SEARCH = {"name": "search", "parameters": {
                    "exact": {"type": "boolean"}, "filters": {"type": "object"},
                    "tags": {"type": "array", "items": {"type": "string"}}, "score": {"type": "number"}},
     "required": ["query"]}}
-TOOLS: list[dict[str, Any]] = [WEATHER, SEARCH]
+CLOCK = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
+TOOLS: list[dict[str, Any]] = [WEATHER, SEARCH, CLOCK]
 
 
 def call(index: int, name: str, arguments: str) -> ToolCall:
@@ -110,6 +111,78 @@ CASES = [
          "<|channel|>commentary to=functions.search<|message|>{query: q}<|call|>",
          [Unrepaired("<|channel|>commentary to=functions.search<|message|>{query: q}<|call|>",
                      "arguments are not JSON")]),
+    # Calls written inside reasoning (vllm#39056): the caller feeds reasoning text to a parser too.
+    Case("hermes call inside <think>", "hermes",
+         '<think>I should check.\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n</think>Done.',
+         [Text("<think>I should check.\n"), call(0, "get_time", "{}"), Text("\n</think>Done.")]),
+    Case("hermes pretty-printed", "hermes",
+         '<tool_call>\n{\n  "name": "search",\n  "arguments": {\n    "query": "tabs\\tand \\"quotes\\"",\n'
+         '    "tags": ["x"]\n  }\n}\n</tool_call>\n',
+         [call(0, "search", '{"query": "tabs\\tand \\"quotes\\"", "tags": ["x"]}'), Text("\n")]),
+    Case("qwen3-xml empty call and braces in a value", "qwen3-xml",
+         '<tool_call><function=get_time></function></tool_call><tool_call><function=search>'
+         '<parameter=query>echo \'}\'</parameter><parameter=filters>{"x": "}"}</parameter></function></tool_call>',
+         [call(0, "get_time", "{}"), call(1, "search", '{"query": "echo \'}\'", "filters": {"x": "}"}}')]),
+    Case("qwen3-xml stream ends inside the call", "qwen3-xml",
+         "<tool_call><function=get_weather><parameter=city>Paris</parameter></function></tool_call>"
+         "<tool_call><function=get_weather><parameter=city>Tokyo</parameter>",
+         [call(0, "get_weather", '{"city": "Paris"}'), call(1, "get_weather", '{"city": "Tokyo"}')]),
+    Case("qwen3-xml unclosed wrapper, text after the function", "qwen3-xml",
+         "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\nThat is all.",
+         [call(0, "get_weather", '{"city": "Rome"}'), Text("\nThat is all.")]),
+    Case("qwen3-xml parameter without its closing tag", "qwen3-xml",
+         "<function=search><parameter=query>q<parameter=limit>3</function>",
+         [call(0, "search", '{"query": "q", "limit": 3}')]),
+    Case("qwen3-xml parameter given twice", "qwen3-xml",
+         "<function=search><parameter=query>a</parameter><parameter=query>b</parameter></function>",
+         [Unrepaired("<function=search><parameter=query>a</parameter><parameter=query>b</parameter></function>",
+                     "parameter 'query' given twice")]),
+    Case("mistral pretty-printed array, text after", "mistral",
+         'I will look both up.\n\n[TOOL_CALLS] [\n    {\n        "name": "search",\n        "arguments": {\n'
+         '            "query": "arr[0] = value[1]",\n            "exact": true\n        }\n    },\n    {\n'
+         '        "name": "get_weather",\n        "arguments": {"city": "San Francisco, CA", "unit": "fahrenheit"}\n'
+         '    }\n]\n\nRunning them now.',
+         [Text("I will look both up.\n\n"), call(0, "search", '{"query": "arr[0] = value[1]", "exact": true}'),
+          call(1, "get_weather", '{"city": "San Francisco, CA", "unit": "fahrenheit"}'),
+          Text("\n\nRunning them now.")]),
+    Case("mistral marker followed by no call", "mistral", "[TOOL_CALLS] hello there",
+         [Unrepaired("[TOOL_CALLS] hello", "no [ARGS] after the name"), Text(" there")]),
+    Case("mistral marker followed by punctuation", "mistral", "[TOOL_CALLS] !?",
+         [Unrepaired("[TOOL_CALLS] ", "no call after [TOOL_CALLS]"), Text("!?")]),
+    Case("mistral array that is no JSON", "mistral", '[TOOL_CALLS] [{"name": invalid}] ok',
+         [Unrepaired('[TOOL_CALLS] [{"name": invalid}]', "not JSON: Expecting value"), Text(" ok")]),
+    Case("llama3 python tag then text", "llama3",
+         '<|python_tag|>{"name": "get_time", "parameters": {}}\nChecking the time.',
+         [call(0, "get_time", "{}"), Text("\nChecking the time.")]),
+    Case("llama3 python tag with code (code interpreter) is text", "llama3",
+         "<|python_tag|>print(1 + 1)",
+         [Unrepaired("<|python_tag|>", "<|python_tag|> not followed by a JSON call"), Text("print(1 + 1)")]),
+    Case("auto finds a bare llama3 call", "auto",
+         '\n {"type": "function", "name": "get_time", "parameters": {}}',
+         [Text("\n "), call(0, "get_time", "{}")]),
+    Case("auto: a JSON answer that is no call, then a Hermes call", "auto",
+         '{"type": "note", "text": "x"}\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+         [Text('{"type": "note", "text": "x"}\n'), call(0, "get_time", "{}")]),
+    Case("harmony recipient in the role, truncated without <|call|>", "harmony",
+         '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>'
+         '{"city": "Lima"}',
+         [call(0, "get_weather", '{"city": "Lima"}')]),
+    Case("harmony constrain without a space, preamble first", "harmony",
+         "<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
+         'to=functions.search<|constrain|>json<|message|>{"query": "k8s"}<|call|>',
+         [Text("Let me look."), call(0, "search", '{"query": "k8s"}')]),
+    Case("harmony two calls in a row", "harmony",
+         '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>'
+         '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+         '{"city": "Oslo"}<|call|>',
+         [call(0, "get_time", "{}"), call(1, "get_weather", '{"city": "Oslo"}')]),
+    Case("harmony built-in tool the request does not have", "harmony",
+         '<|channel|>analysis to=browser.search<|message|>{"query": "q"}<|call|>',
+         [Unrepaired('<|channel|>analysis to=browser.search<|message|>{"query": "q"}<|call|>',
+                     "unknown tool 'browser.search'")]),
+    Case("harmony header cut off at the end", "harmony",
+         "Hi<|start|>assistant<|channel|>comm",
+         [Text("Hi"), Unrepaired("<|start|>assistant<|channel|>comm", "Harmony header without <|message|>")]),
     Case("auto finds hermes", "auto",
          'x <tool_call>{"name": "search", "arguments": {"query": "q"}}</tool_call>',
          [Text("x "), call(0, "search", '{"query": "q"}')]),

@@ -82,6 +82,8 @@ def found_in_xml(text: str) -> Found:
         raise Bad("no <function=NAME>")
     name = m.group(1).strip().strip("\"'")
     end = text.find("</function>", m.end())
+    if end >= 0 and text[end + len("</function>"):].strip():
+        raise Bad("text after </function>")
     body = text[m.end(): end if end >= 0 else len(text)]
     params: dict[str, str] = {}
     pos = 0
@@ -91,9 +93,12 @@ def found_in_xml(text: str) -> Found:
             break
         if body[pos:p.start()].strip():
             raise Bad("text between parameters")
+        key = p.group(1).strip().strip("\"'")
+        if key in params:
+            raise Bad(f"parameter {key[:80]!r} given twice")
         close = _PARAM_END.search(body, p.end())
         stop = close.start() if close else len(body)
-        params[p.group(1).strip().strip("\"'")] = _strip_one_newline(body[p.end():stop])
+        params[key] = _strip_one_newline(body[p.end():stop])
         pos = close.end() if close and close.group() == "</parameter>" else stop
     if body[pos:].strip():
         raise Bad("text outside parameters")
@@ -122,11 +127,17 @@ class Calls:
         self.count = 0
 
     def is_tool(self, name: str) -> bool:
-        return self.known is None or name in self.known
+        return self.name_of(name) is not None
+
+    def name_of(self, name: str) -> str | None:
+        """The request's tool ``name`` means (a ``functions.`` namespace some models write taken
+        off), or None when it names none."""
+        if self.known is None or name in self.known:
+            return name
+        bare = name.removeprefix("functions.")
+        return bare if bare in self.known else None
 
     def _arguments(self, found: Found) -> str:
-        if self.known is not None and found.name not in self.known:
-            raise Bad(f"unknown tool {found.name[:80]!r}")
         schema = self.known.get(found.name) if self.known is not None else None
         schema = schema if isinstance(schema, Mapping) else None
         args = found.arguments
@@ -156,7 +167,13 @@ class Calls:
     def pieces(self, markup: str, found: list[Found]) -> list[Piece]:
         """The calls ``found`` in ``markup`` as ToolCalls, or the markup as one Unrepaired."""
         try:
-            made = [(f.name, self._arguments(f)) for f in found]
+            named = []
+            for f in found:
+                name = self.name_of(f.name)
+                if name is None:
+                    raise Bad(f"unknown tool {f.name[:80]!r}")
+                named.append(Found(name, f.arguments, f.xml))
+            made = [(f.name, self._arguments(f)) for f in named]
         except Bad as e:
             return [Unrepaired(markup, str(e))]
         out: list[Piece] = []

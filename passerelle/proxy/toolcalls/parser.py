@@ -30,16 +30,17 @@ from collections.abc import Callable
 from typing import Any
 
 from passerelle.proxy.toolcalls.calls import Calls
+from passerelle.proxy.toolcalls.harmony import Harmony
 from passerelle.proxy.toolcalls.pieces import Piece, Text, Unrepaired, coalesce
 from passerelle.proxy.toolcalls.readers import (
     BareFunction,
-    Harmony,
     LlamaJson,
     Mistral,
     Reader,
     Step,
     Tagged,
     held_suffix,
+    skip_space,
 )
 
 FORMATS = ("auto", "hermes", "qwen3-xml", "mistral", "llama3", "harmony", "off")
@@ -102,9 +103,21 @@ class ToolCallParser:
 
     def feed(self, text: str) -> list[Piece]:
         """The pieces ``text`` completes; what could still be markup is held."""
-        if self._reader is None and not self._buf and not self._at_start and self._scan.trigger(text) is None:
-            return [Text(text)] if text else []
-        self._buf += text
+        if self._reader is None and not self._buf and not self._at_start:
+            scan = self._scan
+            if scan.trigger(text) is None:
+                return [Text(text)] if text else []
+            if scan.search(text) is None:
+                keep = held_suffix(text, scan.markers, scan.firsts)
+                if keep:
+                    self._buf = text[-keep:]
+                    text = text[:-keep]
+                return [Text(text)] if text else []
+        # Appended with no other reference to the held text, so that CPython grows it in place:
+        # ``self._buf += text`` would copy it whole at every feed (quadratic in a long call).
+        held, self._buf = self._buf, ""
+        held += text
+        self._buf = held
         return self._run(final=False)
 
     def finish(self) -> list[Piece]:
@@ -123,7 +136,10 @@ class ToolCallParser:
             else:
                 step = self._reader.step(self._buf, final)
                 if step is None and len(self._buf) > MAX_HELD:
-                    step = [Unrepaired(self._buf, f"call longer than {MAX_HELD} characters")], len(self._buf), None
+                    # A JSON answer that might have been a call goes on as the text it is.
+                    held: Piece = Text(self._buf) if getattr(self._reader, "bare", False) else \
+                        Unrepaired(self._buf, f"call longer than {MAX_HELD} characters")
+                    step = [held], len(self._buf), None
             if step is None:
                 return out
             pieces, used, self._reader = step
@@ -138,15 +154,11 @@ class ToolCallParser:
         if not buf:
             return None
         if self._at_start:
-            j = 0
-            while j < len(buf) and buf[j].isspace():
-                j += 1
+            j = skip_space(buf, 0)
             if j == len(buf):
                 return [Text(buf)], len(buf), None
             self._at_start = False
             if buf[j] == "{":
-                if self.format == "auto":
-                    self._scan = _SCANS["llama3"]
                 return [Text(buf[:j])] if j else [], j, LlamaJson(self._calls, 0, bare=True)
         m = self._scan.search(buf)
         if m is not None:

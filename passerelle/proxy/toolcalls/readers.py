@@ -21,7 +21,7 @@ from passerelle.proxy.toolcalls.calls import (
     found_in_object,
     found_in_xml,
 )
-from passerelle.proxy.toolcalls.pieces import Piece, Reasoning, Text, Unrepaired
+from passerelle.proxy.toolcalls.pieces import Piece, Text, Unrepaired
 from passerelle.proxy.toolcalls.scan import JsonEnd, TagEnd, TooDeep, loads_bounded
 
 Step = tuple[list[Piece], int, "Reader | None"]
@@ -31,25 +31,31 @@ class Reader(Protocol):
     def step(self, buf: str, final: bool) -> Step | None: ...
 
 
-def _skip_space(buf: str, pos: int) -> int:
-    n = len(buf)
-    while pos < n and buf[pos].isspace():
-        pos += 1
-    return pos
+_NOT_SPACE = re.compile(r"\S")
+
+
+def skip_space(buf: str, pos: int) -> int:
+    """The index of the first character from ``pos`` that is not whitespace, or ``len(buf)``."""
+    m = _NOT_SPACE.search(buf, pos)
+    return len(buf) if m is None else m.start()
 
 
 def held_suffix(buf: str, tokens: tuple[str, ...], firsts: str) -> int:
     """How many characters at the end of ``buf`` could begin one of ``tokens`` (to hold back)."""
-    longest = max(len(t) for t in tokens)
-    for j in range(max(0, len(buf) - longest + 1), len(buf)):
-        if buf[j] in firsts:
+    lo = max(0, len(buf) - max(len(t) for t in tokens) + 1)
+    earliest = len(buf)
+    for first in firsts:
+        j = buf.find(first, lo, earliest)
+        while j >= 0:
             tail = buf[j:]
             if any(t.startswith(tail) for t in tokens):
-                return len(buf) - j
-    return 0
+                earliest = j
+                break
+            j = buf.find(first, j + 1, earliest)
+    return len(buf) - earliest
 
 
-def _unrepaired_all(buf: str, reason: str) -> Step:
+def unrepaired_all(buf: str, reason: str) -> Step:
     return [Unrepaired(buf, reason)], len(buf), None
 
 
@@ -69,6 +75,11 @@ class Tagged:
         if at is None:
             if not final:
                 return None
+            # Unclosed at the end: a Qwen3-Coder call ends with its function, and what follows is text.
+            function_end = buf.find("</function>", self._opened)
+            if buf[self._opened:].lstrip().startswith("<function=") and function_end >= 0:
+                end = function_end + len("</function>")
+                return self._calls.read(buf[:end], found_in_body, buf[self._opened:end]), end, None
             return self._calls.read(buf, found_in_body, buf[self._opened:]), len(buf), None
         end = at + len(self.CLOSE)
         return self._calls.read(buf[:end], found_in_body, buf[self._opened:at]), end, None
@@ -85,6 +96,7 @@ class BareFunction:
         self._calls = calls
         self._end = TagEnd(self.CLOSE, 1)
         self._closed: int | None = None
+        self._spaced = 0
 
     def step(self, buf: str, final: bool) -> Step | None:
         if self._closed is None:
@@ -95,7 +107,7 @@ class BareFunction:
                 return self._calls.read(buf, found_in_xml, buf), len(buf), None
             self._closed = at + len(self.CLOSE)
         closed = self._closed
-        after = _skip_space(buf, closed)
+        after = self._spaced = skip_space(buf, max(closed, self._spaced))
         end = closed
         if buf.startswith(self.STRAY, after):
             end = after + len(self.STRAY)
@@ -117,53 +129,69 @@ class Mistral:
     def __init__(self, calls: Calls) -> None:
         self._calls = calls
         self._span: JsonEnd | None = None
+        self._name = ""
+        self._start = 0
+        self._spaced = len(self.MARK)  # whitespace after the marker is scanned once
 
     def step(self, buf: str, final: bool) -> Step | None:
-        j = _skip_space(buf, len(self.MARK))
-        if j == len(buf):
-            return _unrepaired_all(buf, "no call after [TOOL_CALLS]") if final else None
-        name = ""
-        start = j
-        if buf[j] not in "[{":
-            m = _NAME.match(buf, j)
-            if m is None:
-                return [Unrepaired(buf[:j], "no call after [TOOL_CALLS]")], j, None
-            name = m.group()
-            k = m.end()
-            if k == len(buf) or (len(name) == 256 and _NAME.match(buf, k)):
-                if not final and len(name) < 256:
-                    return None
-                return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
-            rest = buf[k:k + 9]
-            if not final and len(rest) < 9 and ("[CALL_ID]".startswith(rest) or "[ARGS]".startswith(rest)):
-                return None
-            if rest == "[CALL_ID]":
-                c = _CALL_ID.match(buf, k + 9)
-                if c is None or (c.end() == len(buf) and len(c.group()) < 64):
-                    if not final and (c is not None or k + 9 == len(buf)):
-                        return None
-                    return [Unrepaired(buf[:k], "bad [CALL_ID]")], k, None
-                k = c.end()
-            if not buf.startswith("[ARGS]", k):
-                if not final and "[ARGS]".startswith(buf[k:]):
-                    return None
-                return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
-            start = _skip_space(buf, k + 6)
-            if start == len(buf):
-                return _unrepaired_all(buf, "no arguments after [ARGS]") if final else None
-            if buf[start] != "{":
-                return [Unrepaired(buf[:start], "arguments are not an object")], start, None
         if self._span is None:
-            self._span = JsonEnd(start)
+            head = self._head(buf, final)
+            if head is not None:
+                return head
+            if self._span is None:
+                return None
         try:
             end = self._span.scan(buf)
         except TooDeep:
-            return _unrepaired_all(buf, "arguments nested too deep")
+            return unrepaired_all(buf, "arguments nested too deep")
         if end is None:
-            return _unrepaired_all(buf, "unterminated call") if final else None
-        if name:
-            return self._calls.pieces(buf[:end], [Found(name, buf[start:end])]), end, None
+            return unrepaired_all(buf, "unterminated call") if final else None
+        start = self._start
+        if self._name:
+            return self._calls.pieces(buf[:end], [Found(self._name, buf[start:end])]), end, None
         return self._calls.read(buf[:end], found_in_json, buf[start:end]), end, None
+
+    def _head(self, buf: str, final: bool) -> Step | None:
+        """Reads up to the JSON (setting ``_span``), or says the markup is no call; None: more is
+        needed (or the JSON has begun)."""
+        j = self._spaced = skip_space(buf, self._spaced)
+        if j == len(buf):
+            return unrepaired_all(buf, "no call after [TOOL_CALLS]") if final else None
+        if buf[j] in "[{":
+            self._start = j
+            self._span = JsonEnd(j)
+            return None
+        m = _NAME.match(buf, j)
+        if m is None:
+            return [Unrepaired(buf[:j], "no call after [TOOL_CALLS]")], j, None
+        k = m.end()
+        if k == len(buf) or (len(m.group()) == 256 and _NAME.match(buf, k)):
+            if not final and len(m.group()) < 256:
+                return None
+            return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
+        rest = buf[k:k + 9]
+        if not final and len(rest) < 9 and ("[CALL_ID]".startswith(rest) or "[ARGS]".startswith(rest)):
+            return None
+        if rest == "[CALL_ID]":
+            c = _CALL_ID.match(buf, k + 9)
+            if c is None or (c.end() == len(buf) and len(c.group()) < 64):
+                if not final and (c is not None or k + 9 == len(buf)):
+                    return None
+                return [Unrepaired(buf[:k], "bad [CALL_ID]")], k, None
+            k = c.end()
+        if not buf.startswith("[ARGS]", k):
+            if not final and "[ARGS]".startswith(buf[k:]):
+                return None
+            return [Unrepaired(buf[:k], "no [ARGS] after the name")], k, None
+        start = skip_space(buf, k + 6)
+        if start == len(buf):
+            return unrepaired_all(buf, "no arguments after [ARGS]") if final else None
+        if buf[start] != "{":
+            return [Unrepaired(buf[:start], "arguments are not an object")], start, None
+        self._name = m.group()
+        self._start = start
+        self._span = JsonEnd(start)
+        return None
 
 
 class LlamaJson:
@@ -174,20 +202,26 @@ class LlamaJson:
     def __init__(self, calls: Calls, opened: int, bare: bool) -> None:
         self._calls = calls
         self._pos = opened
-        self._bare = bare
+        self.bare = bare
         self._objects: list[tuple[int, int]] = []
         self._span: JsonEnd | None = None
         self._start = opened
 
     def step(self, buf: str, final: bool) -> Step | None:
+        if self.bare and not self._objects and self._span is None:
+            known = _call_key(buf, 1)
+            if known is None:
+                return ([Text(buf)], len(buf), None) if final else None
+            if not known:
+                return [Text(buf[:1])], 1, None
         while True:
             if self._span is None:
-                j = _skip_space(buf, self._pos)
+                j = self._pos = skip_space(buf, self._pos)
                 if self._objects:
                     if j == len(buf) and not final:
                         return None
                     if j < len(buf) and buf[j] == ";":
-                        k = _skip_space(buf, j + 1)
+                        k = skip_space(buf, j + 1)
                         if k == len(buf) and not final:
                             return None
                         if k < len(buf) and buf[k] == "{":
@@ -196,7 +230,7 @@ class LlamaJson:
                             continue
                     return self._done(buf, j, final)
                 if j == len(buf):
-                    return _unrepaired_all(buf, "no call after <|python_tag|>") if final else None
+                    return unrepaired_all(buf, "no call after <|python_tag|>") if final else None
                 if buf[j] != "{":
                     return [Unrepaired(buf[:j], "<|python_tag|> not followed by a JSON call")], j, None
                 self._span = JsonEnd(j)
@@ -212,14 +246,14 @@ class LlamaJson:
             self._pos = end
 
     def _give_up(self, buf: str, reason: str) -> Step:
-        if self._bare:
+        if self.bare:
             return [Text(buf)], len(buf), None
-        return _unrepaired_all(buf, reason)
+        return unrepaired_all(buf, reason)
 
     def _done(self, buf: str, after: int, final: bool) -> Step:
         end = self._objects[-1][1]
         markup = buf[:end]
-        if self._bare:
+        if self.bare:
             if after < len(buf):
                 return [Text(buf[:after])], after, None
             try:
@@ -236,82 +270,20 @@ class LlamaJson:
         return self._calls.pieces(markup, found), end, None
 
 
-_TERMINATORS = ("<|end|>", "<|return|>", "<|call|>")
-_STARTS = ("<|start|>", "<|channel|>")
-_BODY_END = re.compile(r"<\|(?:end|return|call)\|>|<\|start\|>|<\|channel\|>")
-_RECIPIENT = re.compile(r"to=([^\s<]{1,256})")
-_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]{1,64})")
-HEADER_CAP = 4096
+_CALL_KEYS = ("name", "type", "function")
 
 
-class Harmony:
-    """One gpt-oss (Harmony) message from ``<|start|>`` or ``<|channel|>``: a header up to
-    ``<|message|>``, then a body up to ``<|end|>``, ``<|return|>``, ``<|call|>`` or the next
-    message. With a recipient (``to=functions.NAME``, before or after the channel, with or without
-    ``<|constrain|>json``) the body is a call's arguments; else it is text, streamed as it comes
-    (``analysis`` as Reasoning, other channels as Text) and the framing tokens are dropped."""
-
-    def __init__(self, calls: Calls, opened: int) -> None:
-        self._calls = calls
-        self._header = TagEnd("<|message|>", opened)
-        self._opened = opened
-        self._body_from: int | None = None
-        self._name: str | None = None
-        self._reasoning = False
-        self._scan = 0
-
-    def step(self, buf: str, final: bool) -> Step | None:
-        if self._body_from is None:
-            return self._head(buf, final)
-        if self._name is not None:
-            return self._call(buf, final)
-        return self._text(buf, final)
-
-    def _head(self, buf: str, final: bool) -> Step | None:
-        at = self._header.scan(buf)
-        cut = buf.find("<|start|>", self._opened, at if at is not None else len(buf))
-        if cut >= 0:
-            return [Unrepaired(buf[:cut], "Harmony header without <|message|>")], cut, None
-        if at is None:
-            if final or len(buf) > HEADER_CAP:
-                return _unrepaired_all(buf, "Harmony header without <|message|>")
-            return None
-        header = buf[:at]
-        body = at + len("<|message|>")
-        recipient = _RECIPIENT.search(header)
-        if recipient is not None:
-            name = recipient.group(1)
-            self._name = name[len("functions."):] if name.startswith("functions.") else name
-            self._body_from = body
-            self._scan = body
-            return self._call(buf, final)
-        channel = _CHANNEL.search(header)
-        self._reasoning = channel is not None and channel.group(1) == "analysis"
-        self._body_from = 0
-        return [], body, self
-
-    def _call(self, buf: str, final: bool) -> Step | None:
-        assert self._name is not None and self._body_from is not None
-        m = _BODY_END.search(buf, self._scan)
-        if m is None:
-            self._scan = max(self._scan, len(buf) - 11)
-            if not final:
-                return None
-            stop = end = len(buf)
-        else:
-            stop = m.start()
-            end = m.end() if m.group() in _TERMINATORS else m.start()
-        found = Found(self._name, buf[self._body_from:stop].strip())
-        return self._calls.pieces(buf[:end], [found]), end, None
-
-    def _text(self, buf: str, final: bool) -> Step | None:
-        kind = Reasoning if self._reasoning else Text
-        m = _BODY_END.search(buf)
-        if m is not None:
-            end = m.end() if m.group() in _TERMINATORS else m.start()
-            return ([kind(buf[:m.start()])] if m.start() else []), end, None
-        if final:
-            return ([kind(buf)] if buf else []), len(buf), None
-        keep = held_suffix(buf, _TERMINATORS + _STARTS, "<")
-        n = len(buf) - keep
-        return ([kind(buf[:n])], n, self) if n else None
+def _call_key(buf: str, pos: int) -> bool | None:
+    """Whether the object whose first key starts at ``pos`` (after its ``{``) can be a call: its
+    first key is one a call begins with; None while that cannot be told yet. A JSON answer that is
+    no call is let go at once, not held to its end."""
+    pos = skip_space(buf, pos)
+    if pos == len(buf):
+        return None
+    if buf[pos] != '"':
+        return False
+    close = buf.find('"', pos + 1, pos + 10)
+    if close < 0:
+        typed = buf[pos + 1:pos + 10]
+        return None if len(typed) < 9 and any(k.startswith(typed) for k in _CALL_KEYS) else False
+    return buf[pos + 1:close] in _CALL_KEYS

@@ -93,13 +93,18 @@ class TagEnd:
         return at
 
 
+def _no_constant(word: str) -> Any:
+    raise ValueError(f"{word} is not JSON")
+
+
 def loads_bounded(text: str) -> Any:
     """``text`` as JSON, refusing (ValueError) what nests deeper than MAX_NESTING, so that the
-    decoder never meets Python's recursion limit."""
+    decoder never meets Python's recursion limit, and ``NaN`` / ``Infinity``, which Python reads
+    but no JSON parser of a client does."""
     stripped = text.lstrip()
     if stripped[:1] in ("{", "["):
         try:
             JsonEnd(0).scan(stripped)
         except TooDeep:
             raise ValueError(f"nested deeper than {MAX_NESTING}") from None
-    return json.loads(text)
+    return json.loads(text, parse_constant=_no_constant)

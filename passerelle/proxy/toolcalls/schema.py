@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
+
+from passerelle.proxy.toolcalls.scan import loads_bounded
 
 MAX_DEPTH = 64
 
@@ -77,6 +80,9 @@ def _branches(schema: Schema) -> list[Schema]:
     return []
 
 
+# JSON's numbers (a leading "+" forgiven), in ASCII digits: Python's int() would also take "1_000" and "٣".
+_INTEGER = re.compile(r"[+-]?[0-9]{1,4000}")
+_NUMBER = re.compile(r"[+-]?[0-9]{1,4000}(?:\.[0-9]{1,4000})?(?:[eE][+-]?[0-9]{1,4})?")
 _LITERALS = {"true": True, "false": False, "null": None, "none": None}
 
 
@@ -93,26 +99,22 @@ def _from_text(text: str, kind: str) -> tuple[bool, Any]:
     if kind == "null":
         return (True, None) if word.lower() in ("null", "none") else (False, None)
     if kind == "integer":
-        try:
+        if _INTEGER.fullmatch(word):
             return True, int(word)
-        except ValueError:
-            try:
-                number = float(word)
-            except ValueError:
-                return False, None
+        if _NUMBER.fullmatch(word):
+            number = float(word)
             return (True, int(number)) if math.isfinite(number) and number.is_integer() else (False, None)
+        return False, None
     if kind == "number":
-        try:
+        if _INTEGER.fullmatch(word):
             return True, int(word)
-        except ValueError:
-            try:
-                number = float(word)
-            except ValueError:
-                return False, None
+        if _NUMBER.fullmatch(word):
+            number = float(word)
             return (True, number) if math.isfinite(number) else (False, None)
+        return False, None
     if kind in ("object", "array"):
         try:
-            value = json.loads(word)
+            value = loads_bounded(word)
         except (ValueError, RecursionError):
             return False, None
         return (True, value) if isinstance(value, dict if kind == "object" else list) else (False, None)
@@ -125,7 +127,7 @@ def coerce_text(text: str, schema: Schema | None) -> Any:
     boolean, null, object, array) is read as one, anything else stays text."""
     if schema is None:
         try:
-            return json.loads(text) if text.strip()[:1] in ("{", "[") or text.strip().lower() in _LITERALS \
+            return loads_bounded(text) if text.strip()[:1] in ("{", "[") or text.strip().lower() in _LITERALS \
                 or _is_number(text) else text
         except (ValueError, RecursionError):
             return text
@@ -138,11 +140,7 @@ def coerce_text(text: str, schema: Schema | None) -> Any:
 
 
 def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return bool(text.strip())
+    return _NUMBER.fullmatch(text.strip()) is not None
 
 
 def coerce(value: Any, schema: Schema | None, depth: int = 0) -> Any:
@@ -195,7 +193,7 @@ def validate(value: Any, schema: Schema | None, where: str = "arguments", depth:
         return f"{where}: expected {' or '.join(kinds)}, got {_json_type(value)}"
     enum = schema.get("enum")
     if isinstance(enum, list) and not any(_same(value, e) for e in enum):
-        return f"{where}: {json.dumps(value)[:60]} is not one of {json.dumps(enum)[:120]}"
+        return f"{where}: {_dumps(value)[:60]} is not one of {_dumps(enum)[:120]}"
     if isinstance(value, dict):
         required = schema.get("required")
         if isinstance(required, list):
@@ -218,6 +216,10 @@ def validate(value: Any, schema: Schema | None, where: str = "arguments", depth:
                 if fault:
                     return fault
     return None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _same(value: Any, wanted: Any) -> bool:
