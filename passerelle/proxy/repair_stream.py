@@ -40,6 +40,9 @@ from passerelle.proxy.repair import (
 from passerelle.proxy.toolcalls import ToolCall
 
 _CHAT_TEXT = ("content", "reasoning_content", "reasoning")
+# a message item's own events (by its item_id; a runtime that leaves the id out: while it is open)
+_MESSAGE_EVENTS = frozenset(("response.content_part.added", "response.content_part.done", "response.output_text.delta",
+                             "response.output_text.done", "response.output_text.annotation.added"))
 _MAX_CHOICES = 128  # choices repaired in one stream (n); each holds a parser
 
 
@@ -222,7 +225,7 @@ class ResponsesRepair(StreamRepair):
         self.repair = repair
         self.seq = 0
         self.native = False
-        self.outputs: list[dict[str, Any]] = []  # the items the client was sent, done
+        self.outputs: dict[int, dict[str, Any]] = {}  # the items the client was sent, done, by output_index
         self.index: dict[int, int] = {}  # the runtime's output_index -> the client's
         self.next_out = 0
         self.changed = False  # a call was made of text: completed's output is rebuilt
@@ -233,6 +236,7 @@ class ResponsesRepair(StreamRepair):
         self.open: dict[str, Any] | None = None  # the message item open with the client: id, out, text
         self.pieces = 0  # messages opened for the runtime's one
         self.thinking: dict[str, Any] | None = None  # a reasoning item open with the client (Harmony's analysis)
+        self.by_id: dict[str, int] = {}  # the runtime's items passed on, by id -> the client's output_index
         self.diverged = False  # an event held, dropped or added: from then on every event is numbered again
 
     def _emit(self, kind: str, obj: dict[str, Any]) -> bytes:
@@ -270,27 +274,47 @@ class ResponsesRepair(StreamRepair):
         return [self._emit(kind, obj if out is None else {**obj, "output_index": out})]
 
     def _out_index(self, obj: dict[str, Any]) -> int:
+        """The client's output_index of the item an event is about: by its id, else by the
+        runtime's index, else the item added last."""
+        item = obj.get("item")
+        named = obj.get("item_id", item.get("id") if isinstance(item, dict) else None)
+        if isinstance(named, str) and named in self.by_id:
+            return self.by_id[named]
         at = obj.get("output_index")
         return self.index.get(at, self.next_out - 1) if isinstance(at, int) else max(self.next_out - 1, 0)
+
+    def _end_message(self, done: dict[str, Any] | None = None) -> list[bytes]:
+        """The runtime's message item is over: what its parser held, then its items closed."""
+        if self.msg is None or self.channel is None:
+            return []
+        out = self._pieces(self.channel.finish())
+        out += self._close_thinking()
+        out += self._close(done)
+        self.msg = self.channel = None
+        return out
 
     def _event(self, ev: bytes, kind: str, obj: dict[str, Any]) -> list[bytes]:
         item = obj.get("item") if isinstance(obj.get("item"), dict) else None
         if kind == "response.output_item.added" and item is not None:
             at = obj.get("output_index")
+            ended = self._end_message()  # (one the runtime never said was done)
             if item.get("type") == "message" and not self.native:
                 self.msg, self.part, self.channel, self.open = item, None, Channel(self.repair), None
                 self.pieces = 0
                 self.diverged = True
                 if isinstance(at, int):
                     self.index[at] = -1  # (its events follow the message open with the client)
-                return []
+                return ended
             if item.get("type") == "function_call":
                 self.native = True
             if isinstance(at, int):
                 self.index[at] = self.next_out
+            if isinstance(item.get("id"), str):
+                self.by_id[item["id"]] = self.next_out
             self.next_out += 1
-            return self._pass(ev, kind, obj, self.next_out - 1)
-        mine = self.msg is not None and obj.get("item_id") == self.msg.get("id")
+            return ended + self._pass(ev, kind, obj, self.next_out - 1)
+        mine = self.msg is not None and (obj.get("item_id") == self.msg.get("id") or (
+            "item_id" not in obj and kind in _MESSAGE_EVENTS))
         if mine and kind == "response.content_part.added":
             part = obj.get("part")
             self.part = part if isinstance(part, dict) else {"type": "output_text", "text": "", "annotations": []}
@@ -301,21 +325,17 @@ class ResponsesRepair(StreamRepair):
             return self._pieces(self.channel.feed(delta) if isinstance(delta, str) else [])
         if kind == "response.output_item.done" and item is not None and self.msg is not None \
                 and item.get("id") == self.msg.get("id"):
-            assert self.channel is not None
-            out = self._pieces(self.channel.finish())
-            out += self._close_thinking()
-            out += self._close(item)
-            self.msg = None
-            return out
+            return self._end_message(item)
         if mine:  # (its text's done, its part's done: said by _close, with the text the client got)
             return []
         if kind in ("response.completed", "response.incomplete", "response.failed"):
+            ended = self._end_message()  # (a runtime that ends without its message's done events)
             resp = obj.get("response")
             if self.changed and isinstance(resp, dict):
-                return [self._emit(kind, {**obj, "response": {**resp, "output": self.outputs}})]
-            return self._pass(ev, kind, obj)
+                return [*ended, self._emit(kind, {**obj, "response": {**resp, "output": [self.outputs[i] for i in sorted(self.outputs)]}})]
+            return ended + self._pass(ev, kind, obj)
         if kind == "response.output_item.done" and item is not None:
-            self.outputs.append(item)
+            self.outputs[self._out_index(obj)] = item
         return self._pass(ev, kind, obj)
 
     def _pieces(self, pieces: list[Piece]) -> list[bytes]:
@@ -351,7 +371,7 @@ class ResponsesRepair(StreamRepair):
         self.thinking = None
         text = "".join(th["text"])
         item = {**th["item"], "content": [{"type": "reasoning_text", "text": text}]}
-        self.outputs.append(item)
+        self.outputs[th["out"]] = item
         return [self._emit("response.reasoning_text.done", {
                     "item_id": item["id"], "output_index": th["out"], "content_index": 0, "text": text}),
                 self._emit("response.output_item.done", {"output_index": th["out"], "item": item})]
@@ -385,7 +405,7 @@ class ResponsesRepair(StreamRepair):
         part = {**(self.part or {"type": "output_text", "annotations": []}), "text": text}
         where = {"item_id": op["id"], "output_index": op["out"], "content_index": 0}
         item = {**(done or self.msg or {}), "id": op["id"], "status": "completed", "content": [part]}
-        self.outputs.append(item)
+        self.outputs[op["out"]] = item
         return [self._emit("response.output_text.done", {**where, "text": text, "logprobs": []}),
                 self._emit("response.content_part.done", {**where, "part": part}),
                 self._emit("response.output_item.done", {"output_index": op["out"], "item": item})]
@@ -403,7 +423,7 @@ class ResponsesRepair(StreamRepair):
         out.append(self._emit("response.function_call_arguments.done", {
             **where, "name": item["name"], "arguments": item["arguments"]}))
         out.append(self._emit("response.output_item.done", {"output_index": at, "item": item}))
-        self.outputs.append(item)
+        self.outputs[at] = item
         return out
 
 
@@ -467,11 +487,17 @@ class MessagesRepair(StreamRepair):
                 out += self._stop()
                 self.text_at = self.channel = None
                 return out
+        ended: list[bytes] = []
+        if kind in ("message_delta", "message_stop") and self.channel is not None:
+            # (a runtime that ends without its text block's stop)
+            ended = self._pieces(self.channel.finish()) + self._stop()
+            self.text_at = self.channel = None
         if kind == "message_delta" and self.calls:
             delta = _dict(obj.get("delta"))
             if delta.get("stop_reason") in ("end_turn", None):
-                return [_sse({**obj, "delta": {**delta, "stop_reason": "tool_use"}}, b"message_delta")]
-            return [ev]
+                return [*ended, _sse({**obj, "delta": {**delta, "stop_reason": "tool_use"}}, b"message_delta")]
+        if ended:
+            return [*ended, ev]
         if kind in ("content_block_delta", "content_block_stop"):
             new = self.index.get(at, at)
             return [ev] if new == obj.get("index") else [_sse({**obj, "index": new}, kind.encode())]

@@ -461,3 +461,47 @@ def test_any_request_gets_a_repair_or_none_never_an_exception(data):
         if isinstance(body, dict):
             repair = repair_for("auto", api, body, record(api))
             assert repair is None or isinstance(repair.tools, list)
+
+
+def llama_responses(text: str, *, ended: bool = True) -> list[bytes]:
+    """A Responses stream as llama-server writes one: no sequence numbers nor indexes, ``item_id``
+    alone on deltas and parts, a reasoning item whose done comes last, ``response.completed`` with
+    no output; ``ended=False``: the message's done events left out."""
+    def ev(kind: str, **fields: Any) -> bytes:
+        return tool_markup.sse({"type": kind, **fields}, kind)
+
+    rid = {"id": "resp_x", "object": "response", "status": "in_progress"}
+    reasoning = {"id": "rs_1", "type": "reasoning", "summary": [], "content": [], "encrypted_content": ""}
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+    part = {"type": "output_text", "text": text, "annotations": []}
+    out = [ev("response.created", response=rid), ev("response.output_item.added", item=reasoning),
+           ev("response.reasoning_text.delta", item_id="rs_1", delta="Hmm"),
+           ev("response.output_item.added", item=message),
+           ev("response.content_part.added", item_id="msg_1", part={**part, "text": ""}),
+           *(ev("response.output_text.delta", item_id="msg_1", delta=text[i:i + 5]) for i in range(0, len(text), 5))]
+    if ended:
+        out += [ev("response.output_text.done", item_id="msg_1", text=text),
+                ev("response.content_part.done", item_id="msg_1", part=part),
+                ev("response.output_item.done", item={**message, "status": "completed", "content": [part]})]
+    return [*out, ev("response.output_item.done", item={**reasoning, "content": [{"type": "reasoning_text",
+                                                                                  "text": "Hmm"}]}),
+            ev("response.completed", response={**rid, "status": "completed", "output": [],
+                                               "usage": {"input_tokens": 4, "output_tokens": 6}})]
+
+
+@pytest.mark.parametrize("ended", [True, False], ids=["ended", "message-never-done"])
+async def test_llama_servers_responses_stream_is_repaired_into_a_consistent_one(ended):
+    rec = record("responses")
+    body = await relayed("responses", llama_responses(SAMPLES["hermes"][0], ended=ended),
+                         repair_of("hermes", "responses", rec), rec)
+    check("responses", responses_view(body, True), "hermes")
+    done = [e["item"]["type"] for e in events_of(body) if e["type"] == "response.output_item.done"]
+    assert done == ["message", "function_call", "function_call", "reasoning"]
+
+
+async def test_a_messages_stream_without_its_text_blocks_stop_is_repaired():
+    events = [ev for ev in tool_markup.stream("messages", list(SAMPLES["hermes"][0]))
+              if b"content_block_stop" not in ev]
+    rec = record("messages")
+    body = await relayed("messages", events, repair_of("hermes", "messages", rec), rec)
+    check("messages", messages_view(body, True), "hermes")
