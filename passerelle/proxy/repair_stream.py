@@ -332,7 +332,8 @@ class ResponsesRepair(StreamRepair):
             ended = self._end_message()  # (a runtime that ends without its message's done events)
             resp = obj.get("response")
             if self.changed and isinstance(resp, dict):
-                return [*ended, self._emit(kind, {**obj, "response": {**resp, "output": [self.outputs[i] for i in sorted(self.outputs)]}})]
+                output = [self.outputs[i] for i in sorted(self.outputs)]
+                return [*ended, self._emit(kind, {**obj, "response": {**resp, "output": output}})]
             return ended + self._pass(ev, kind, obj)
         if kind == "response.output_item.done" and item is not None:
             self.outputs[self._out_index(obj)] = item
