@@ -69,6 +69,13 @@ class ToolRepair:
     def channel(self) -> Channel:
         return Channel(self)
 
+    def start_attempt(self) -> None:
+        """A new attempt's answer: the counts are of the answer the client gets (a retry's, not
+        those of an attempt that failed before its first byte)."""
+        rec = self.rec
+        rec.tool_calls_repaired = rec.tool_calls_unrepaired = 0
+        rec.tool_call_failure = ""
+
     def repaired(self, fmt: str) -> None:
         self.rec.tool_calls_repaired += 1
         if fmt and fmt != self.fmt:  # ("auto": the format it found)
@@ -183,6 +190,7 @@ def object_arguments(call: ToolCall) -> bool:
 def repair_body(repair: ToolRepair, api: str, raw: bytes) -> bytes:
     """``raw`` (a whole answer of ``api``) with the tool calls its text holds made the API's own;
     ``raw`` itself when it holds none, was not JSON, or has tool calls of the runtime's already."""
+    repair.start_attempt()
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -73,6 +73,7 @@ class StreamRepair:
 
 def stream_repair(repair: ToolRepair, grammar: str) -> StreamRepair:
     """A repairer for one stream (one attempt) of ``grammar`` ("chat", "responses", "messages")."""
+    repair.start_attempt()
     if grammar == "responses":
         return ResponsesRepair(repair)
     if grammar == "messages":

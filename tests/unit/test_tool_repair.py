@@ -505,3 +505,15 @@ async def test_a_messages_stream_without_its_text_blocks_stop_is_repaired():
     rec = record("messages")
     body = await relayed("messages", events, repair_of("hermes", "messages", rec), rec)
     check("messages", messages_view(body, True), "hermes")
+
+
+async def test_the_counts_are_those_of_the_attempt_the_client_gets():
+    """A retry (another replica, before the client got a byte) repairs its own answer: the record
+    counts its calls, not those of both attempts."""
+    rec = record("chat")
+    repair = repair_of("hermes", "chat", rec)
+    for _ in range(2):
+        await relayed("chat", tool_markup.stream("chat", [SAMPLES["hermes"][0]]), repair, record("chat"))
+    assert rec.tool_calls_repaired == 2
+    repair_body(repair, "chat", tool_markup.body("chat", SAMPLES["hermes"][0]))
+    assert rec.tool_calls_repaired == 2 and rec.tool_call_format == "hermes"
