@@ -48,6 +48,8 @@ _MAX_CHOICES = 128  # choices repaired in one stream (n); each holds a parser
 
 def _data(ev: bytes) -> bytes | None:
     """The data of one event (its ``data:`` lines joined), or None."""
+    if ev.startswith(b"data: ") and ev.find(b"\n", 6) == len(ev) - 2:  # (one data line: the usual)
+        return ev[6:-2]
     lines = [line[5:].strip() for line in ev.splitlines() if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
 
@@ -96,7 +98,7 @@ class ChatRepair(StreamRepair):
         self.repair = repair
         self.choices: dict[int, _Choice] = {}
         self.native = False  # the runtime sent tool calls itself
-        self.template: dict[str, Any] = {}  # the last chunk's own fields (id, created, model...)
+        self.last: dict[str, Any] = {}  # the last chunk (its id, created, model... for what is flushed)
 
     def feed(self, events: list[bytes]) -> list[bytes]:
         out: list[bytes] = []
@@ -121,15 +123,18 @@ class ChatRepair(StreamRepair):
             if not isinstance(choices, list) or not choices:
                 out.append(ev)  # (the usage chunk, an error)
                 continue
-            self.template = {k: v for k, v in obj.items() if k not in ("choices", "usage")}
+            self.last = obj
             out += self._event(ev, obj, choices)
         return out
 
     def _event(self, ev: bytes, obj: dict[str, Any], choices: list[Any]) -> list[bytes]:
-        rebuilt: list[dict[str, Any]] = []  # one chunk per delta, each with one choice
+        # First what each choice's text gives; the event is written again only when that is not
+        # the text it carries (the common case, text without markup, passes as its bytes).
+        said: list[tuple[dict[str, Any], int, _Choice, dict[str, Any], list[dict[str, Any]], Any]] = []
         same = True
         for ch in choices:
             if not isinstance(ch, dict):
+                same = False
                 continue
             idx = ch.get("index", 0)
             idx = idx if isinstance(idx, int) else 0
@@ -142,7 +147,6 @@ class ChatRepair(StreamRepair):
                 if len(self.choices) >= _MAX_CHOICES:  # (a runtime inventing choices: passed on as they come)
                     return [ev]
                 state = self.choices[idx] = _Choice()
-            rest = {k: v for k, v in delta.items() if k not in _CHAT_TEXT or not isinstance(v, str)}
             deltas: list[dict[str, Any]] = []
             for field in _CHAT_TEXT:
                 text = delta.get(field)
@@ -152,33 +156,40 @@ class ChatRepair(StreamRepair):
                 if channel is None:
                     channel = state.channels[field] = Channel(self.repair)
                 pieces = channel.feed(text)
-                if not (len(pieces) == 1 and pieces[0] == text):
+                if len(pieces) != 1 or pieces[0] != text:
                     same = False
                 deltas += self._deltas(state, field, pieces)
             finish = ch.get("finish_reason")
             if finish:
-                deltas += self._finish(state)
+                flushed = self._finish(state)
+                if flushed:
+                    deltas += flushed
+                    same = False
                 if state.calls and finish == "stop":
                     finish = "tool_calls"
                     same = False
+            said.append((ch, idx, state, delta, deltas, finish))
+        if same:
+            return [ev]  # (nothing repaired: the runtime's bytes)
+        out: list[bytes] = []
+        first = True
+        for ch, idx, _, delta, deltas, finish in said:
+            rest = {k: v for k, v in delta.items() if k not in _CHAT_TEXT or not isinstance(v, str)}
             if not deltas or rest:
                 deltas.insert(0, {})
             deltas[0] = {**rest, **deltas[0]}
+            others = {k: v for k, v in ch.items() if k not in ("delta", "finish_reason", "logprobs")}
             for i, d in enumerate(deltas):
                 last = i == len(deltas) - 1
-                rebuilt.append({**{k: v for k, v in ch.items() if k not in ("delta", "finish_reason", "logprobs")},
-                                "index": idx, "delta": d, "logprobs": ch.get("logprobs") if i == 0 else None,
-                                "finish_reason": finish if last else None})
-        if same and len(rebuilt) == len(choices):
-            return [ev]  # (nothing repaired: the runtime's bytes)
-        out: list[bytes] = []
-        for i, choice in enumerate(rebuilt):
-            if not choice["delta"] and not choice["finish_reason"] and not (i == 0 and choice["logprobs"]):
-                continue  # (all of it held back, or markup alone)
-            chunk = {**obj, "choices": [choice]}
-            if i:
-                chunk.pop("usage", None)
-            out.append(_sse(chunk))
+                logprobs = ch.get("logprobs") if i == 0 else None
+                if not d and not (last and finish) and not logprobs:
+                    continue  # (all of it held back, or markup alone)
+                chunk = {**obj, "choices": [{**others, "index": idx, "delta": d, "logprobs": logprobs,
+                                             "finish_reason": finish if last else None}]}
+                if not first:
+                    chunk.pop("usage", None)
+                first = False
+                out.append(_sse(chunk))
         if not out and "usage" in obj:
             out.append(_sse({**obj, "choices": []}))
         return out
@@ -213,9 +224,10 @@ class ChatRepair(StreamRepair):
     def _flush_all(self) -> list[bytes]:
         """What is still held, before [DONE] (a runtime that sent no finish_reason) or a native call."""
         out: list[bytes] = []
+        template = {k: v for k, v in self.last.items() if k not in ("choices", "usage")}
         for idx, state in self.choices.items():
             for d in self._finish(state):
-                out.append(_sse({**self.template, "choices": [{"index": idx, "delta": d, "logprobs": None,
+                out.append(_sse({**template, "choices": [{"index": idx, "delta": d, "logprobs": None,
                                                                "finish_reason": None}]}))
         return out
 
