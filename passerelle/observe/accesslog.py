@@ -90,6 +90,11 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
     }
 
 
+def _tool_calls(rec: RequestRecord) -> str:
+    """The text line's note of tool-call repair: calls repaired / passed through as text."""
+    return f" tool_calls={rec.tool_calls_repaired}/{rec.tool_calls_unrepaired}" if rec.tool_call_format else ""
+
+
 class AccessLog:
     def __init__(self, *, enabled: bool = True, fmt: str = "json", stream: TextIO | None = None) -> None:
         self.enabled = enabled
@@ -112,7 +117,9 @@ class AccessLog:
                     f"tokens={fields['prompt_tokens']}/{fields['completion_tokens']} backend={rec.backend or '-'} "
                     f"tenant={printable(rec.tenant)} class={rec.priority}"
                     f"{f' session={rec.session}' if rec.session else ''}"
-                    f"{f' suspended={rec.suspensions}x' if rec.suspensions else ''}\n").encode()
+                    f"{f' suspended={rec.suspensions}x' if rec.suspensions else ''}"
+                    f"{_tool_calls(rec)}"
+                    "\n").encode()
         self._buf.append(line)
         if self._flush_at is None or self._flush_loop is None or self._flush_loop.is_closed():
             try:

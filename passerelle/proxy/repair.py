@@ -90,8 +90,11 @@ class ToolRepair:
 
 def repair_for(fmt: str, api: str, data: dict[str, Any] | None, rec: RequestRecord) -> ToolRepair | None:
     """The request's repair; None when it is off, for an API without tool calls, or a request that
-    offered no tool (nothing can be a call of one)."""
+    offered no tool (nothing can be a call of one) or said none may be called (``tool_choice``)."""
     if fmt == "off" or api not in _APIS or data is None or not data.get("tools"):
+        return None
+    choice = data.get("tool_choice")
+    if choice == "none" or (isinstance(choice, dict) and choice.get("type") == "none"):
         return None
     tools = tool_schemas(api, data)
     if not tools:

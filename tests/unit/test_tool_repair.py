@@ -284,6 +284,8 @@ def test_no_repair_without_tools_or_when_off():
     assert repair_for("off", "chat", ASK["chat"], rec) is None
     assert repair_for("hermes", "chat", {**ASK["chat"], "tools": []}, rec) is None
     assert repair_for("hermes", "completions", ASK["chat"], rec) is None
+    assert repair_for("hermes", "chat", {**ASK["chat"], "tool_choice": "none"}, rec) is None  # (no call may be made)
+    assert repair_for("hermes", "messages", {**ASK["messages"], "tool_choice": {"type": "none"}}, rec) is None
     assert rec.tool_call_format == ""
 
 
@@ -517,3 +519,20 @@ async def test_the_counts_are_those_of_the_attempt_the_client_gets():
     assert rec.tool_calls_repaired == 2
     repair_body(repair, "chat", tool_markup.body("chat", SAMPLES["hermes"][0]))
     assert rec.tool_calls_repaired == 2 and rec.tool_call_format == "hermes"
+
+
+async def test_each_choice_of_a_chat_stream_is_repaired_on_its_own():
+    text = SAMPLES["hermes"][0]
+    one = tool_markup.stream("chat", [text[i:i + 6] for i in range(0, len(text), 6)])
+    events = []
+    for ev in one:  # the same deltas for choice 0 and choice 1, interleaved
+        events.append(ev)
+        if b'"choices":[{' in ev:
+            events.append(ev.replace(b'"index":0', b'"index":1'))
+    rec = record("chat")
+    body = await relayed("chat", events, repair_of("hermes", "chat", rec), rec)
+    for n in (0, 1):
+        mine = b"".join(b"data: " + orjson.dumps({**e, "choices": [c for c in e["choices"] if c["index"] == n]})
+                        + b"\n\n" for e in events_of(body) if e.get("choices"))
+        check("chat", chat_view(mine, True), "hermes")
+    assert rec.tool_calls_repaired == 4
