@@ -63,8 +63,11 @@ async def test_the_access_log_notes_repairs_and_failures():
             gateway(backend(url), models=(ModelConfig("m", tool_calls="hermes"),)) as gw:
         gw.app.gateway.access_log = AccessLog(stream=out)
         resp = await gw.post(PATHS["chat"], {**ASK["chat"], "stream": True})
-        assert resp.status == 200
+        assert resp.status == 200 and "rm_rf" in "".join(
+            ch["delta"].get("content") or "" for e in resp.events()[:-1] for ch in orjson.loads(e)["choices"])
         gw.app.gateway.access_log.flush()
+        metrics = (await gw.get("/metrics")).body.decode()
+        assert 'passerelle_tool_call_repairs_total{format="hermes",model="m",outcome="unrepaired"} 1.0' in metrics
     line = orjson.loads(out.getvalue().splitlines()[-1])
     assert (line["tool_call_format"], line["tool_calls_repaired"], line["tool_calls_unrepaired"]) == ("hermes", 2, 1)
     assert line["tool_call_failure"]
