@@ -43,7 +43,7 @@ from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, Upstre
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar, cached_of, token_count
-from passerelle.proxy.repair_stream import StreamRepair
+from passerelle.proxy.repair import StreamRepair
 from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]

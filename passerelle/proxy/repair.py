@@ -35,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from passerelle.errors import UpstreamError
 from passerelle.observe.record import RequestRecord, clip
 from passerelle.proxy.toolcalls import Reasoning, ToolCall, Unrepaired, parser_for, tool_schemas
 from passerelle.proxy.toolcalls import Text as Said
@@ -321,3 +322,31 @@ def _messages_body(repair: ToolRepair, obj: dict[str, Any]) -> bool:
                 isinstance(b, dict) and b.get("type") == "tool_use" for b in out):
             obj["stop_reason"] = "tool_use"
     return changed
+
+
+# -- streams: what the repairers of repair_stream.py and repair_events.py share -----------------------
+def event_data(ev: bytes) -> bytes | None:
+    """The data of one event (its ``data:`` lines joined), or None."""
+    if ev.startswith(b"data: ") and ev.find(b"\n", 6) == len(ev) - 2:  # (one data line: the usual)
+        return ev[6:-2]
+    lines = [line[5:].strip() for line in ev.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def sse_event(obj: Any, event: bytes = b"") -> bytes:
+    head = b"event: " + event + b"\n" if event else b""
+    try:
+        return head + b"data: " + orjson.dumps(obj) + b"\n\n"
+    except TypeError:  # the runtime's JSON nested past what orjson writes (254 levels): its fault
+        raise UpstreamError("The model runtime's stream is nested too deeply to be repaired.") from None
+
+
+class StreamRepair:
+    """The interface the relay sees: events in, events out."""
+
+    def feed(self, events: list[bytes]) -> list[bytes]:
+        raise NotImplementedError
