@@ -293,28 +293,32 @@ class StreamRelay:
         total_at = deadline.total_at
         between = t.between_tokens_s
         slack = min(1.0, between / 10)
-        seen = 0  # content chunks when the deadline last moved
+        seen = 0  # content chunks (with repair, the runtime's text deltas too) when the deadline last moved
         try:
             while not self.done:
                 data = await read()
                 if not data:
                     break
                 events = scanner.feed(data)
-                if repair is not None and events:  # (before the scan: it accounts what the client gets)
-                    events = repair.feed(events)
                 if not events:
                     continue
-                payload = self._scan(events, time.perf_counter())
-                if rec.content_chunks != seen:
+                if repair is not None:  # (before the scan: it accounts what the client gets)
+                    events = repair.feed(events)
+                payload = self._scan(events, time.perf_counter()) if events else b""
+                # (with repair, a call being held is text the runtime generates, though none goes out yet)
+                progress = rec.content_chunks if repair is None else rec.content_chunks + repair.repair.fed
+                if progress != seen:
                     # Only content moves the deadline (a runtime dripping comments or empty events
                     # is not producing tokens), and only once per `slack`, not on every chunk: a
                     # timer reschedule per token is a measurable share of the gateway's CPU. The
                     # limit then fires between between_tokens_s and that plus slack.
-                    seen = rec.content_chunks
+                    seen = progress
                     now = loop.time()
                     left = budget.when() - now  # type: ignore[operator]
                     if not between <= left <= between + slack:  # (also: the first token)
                         budget.reschedule(min(total_at, now + between + slack))
+                if not events:
+                    continue
                 if held is not None:
                     # Before the first token nothing goes out (a role chunk is useless alone): a
                     # runtime that fails or times out before then can still be answered with a

@@ -41,6 +41,7 @@ from passerelle.proxy.toolcalls import Reasoning, ToolCall, Unrepaired, parser_f
 from passerelle.proxy.toolcalls import Text as Said
 
 _APIS = ("chat", "responses", "messages")
+_MAX_BLANK = 4096  # whitespace held back after text, in characters
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +62,11 @@ def new_id(prefix: str) -> str:
 class ToolRepair:
     """One request's repair: the format, the tools it offered, and where its counts go."""
 
-    __slots__ = ("fmt", "rec", "tools")
+    __slots__ = ("fed", "fmt", "rec", "tools")
 
     def __init__(self, fmt: str, tools: list[Any], rec: RequestRecord) -> None:
         self.fmt, self.tools, self.rec = fmt, tools, rec
+        self.fed = 0  # text deltas taken from the runtime's streams
         rec.tool_call_format = fmt
 
     def channel(self) -> Channel:
@@ -120,6 +122,7 @@ class Channel:
         self.calls = 0
 
     def feed(self, text: str) -> list[Piece]:
+        self.repair.fed += 1
         if self.parser is None:
             return self._text(text, [])
         return self._take(self.parser.feed(text))
@@ -167,6 +170,9 @@ class Channel:
                 out.append(said)
         else:
             self.blank += text
+            if len(self.blank) > _MAX_BLANK:  # (whitespace without end: said, rather than held without bound)
+                out.append(self.blank)
+                self.blank = ""
         return out
 
 
@@ -346,7 +352,10 @@ def sse_event(obj: Any, event: bytes = b"") -> bytes:
 
 
 class StreamRepair:
-    """The interface the relay sees: events in, events out."""
+    """The interface the relay sees: events in, events out; ``repair.fed``, the runtime's text
+    deltas taken (a call being held is generated text too: it moves the between-tokens deadline)."""
+
+    repair: ToolRepair
 
     def feed(self, events: list[bytes]) -> list[bytes]:
         raise NotImplementedError

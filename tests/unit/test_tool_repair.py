@@ -536,3 +536,18 @@ async def test_each_choice_of_a_chat_stream_is_repaired_on_its_own():
                         + b"\n\n" for e in events_of(body) if e.get("choices"))
         check("chat", chat_view(mine, True), "hermes")
     assert rec.tool_calls_repaired == 4
+
+
+async def test_a_call_held_longer_than_the_between_tokens_limit_is_not_a_timeout():
+    """A long call (an agent writing a file) is held until its markup ends, and nothing goes to the
+    client meanwhile: the runtime's text still counts as tokens for the between-tokens deadline."""
+    text = SAMPLES["hermes"][0]
+    events = tool_markup.stream("chat", [text[i:i + 10] for i in range(0, len(text), 10)])
+    timeouts = TimeoutConfig(first_token_s=5.0, between_tokens_s=0.2)
+    rec = record("chat")
+    client = Client()
+    relay = StreamRelay(rec, client, timeouts, strip_usage=False, grammar=None,
+                        repair=stream_repair(repair_of("hermes", "chat", rec), "chat"))
+    # one event every 0.05 s: 1.3 s in all, far past 0.2 s between two events the client gets
+    await relay.run(FakeResponse(events, delays=[0.05] * len(events)), deadline(rec, timeouts))
+    check("chat", chat_view(client.body, True), "hermes")
