@@ -17,8 +17,8 @@ Markers per format (``auto`` watches all, and keeps to the format of the first o
 ==========  ===================================================================================
 hermes      ``<tool_call>``
 qwen3-xml   ``<tool_call>`` and a bare ``<function=``
-mistral     ``[TOOL_CALLS]``
-llama3      ``<|python_tag|>``, and ``{`` opening the answer when the request has tools
+mistral     ``[TOOL_CALLS]``, and ``[{`` or ``{`` opening the answer when the request has tools
+llama3      ``<|python_tag|>``, and ``{`` or ``[{`` opening the answer when the request has tools
 harmony     ``<|start|>``, ``<|channel|>``
 ==========  ===================================================================================
 """
@@ -68,7 +68,7 @@ _MARKERS["auto"] = tuple(dict.fromkeys(m for f in _MARKERS.values() for m in f))
 # The format auto keeps to once it meets a marker.
 _OWNER = {"<tool_call>": "qwen3-xml", "<function=": "qwen3-xml", "[TOOL_CALLS]": "mistral",
           "<|python_tag|>": "llama3", "<|start|>": "harmony", "<|channel|>": "harmony"}
-_BARE_JSON = ("llama3", "auto")
+_BARE_JSON = ("llama3", "mistral", "auto")
 
 
 class _Scan:
@@ -157,8 +157,12 @@ class ToolCallParser:
             j = skip_space(buf, 0)
             if j == len(buf):
                 return [Text(buf)], len(buf), None
+            # "[" opens an array of calls only when "{" follows (else it may be "[TOOL_CALLS]").
+            after = skip_space(buf, j + 1) if buf[j] == "[" else j
+            if after == len(buf) and not final:
+                return ([Text(buf[:j])], j, None) if j else None
             self._at_start = False
-            if buf[j] == "{":
+            if buf[j] == "{" or (after < len(buf) and buf[after] == "{"):
                 return [Text(buf[:j])] if j else [], j, LlamaJson(self._calls, 0, bare=True)
         m = self._scan.search(buf)
         if m is not None:
