@@ -46,6 +46,13 @@ CASES = [
          '<tool_call>{"name": "search", "arguments": {"query": "a < b [x] {y}", "limit": "5"}}</tool_call>',
          [call(0, "get_weather", '{"city": "Oslo"}'), Text("\n"),
           call(1, "search", '{"query": "a < b [x] {y}", "limit": 5}')]),
+    Case("hermes two objects in one tag, and a fenced one", "hermes",
+         '<tool_call>\n{"name": "get_time", "arguments": {}}\n{"name": "search", "arguments": {"query": "q"}}\n'
+         '</tool_call><tool_call>\n```json\n{"name": "get_time", "arguments": {}}\n```\n</tool_call>',
+         [call(0, "get_time", "{}"), call(1, "search", '{"query": "q"}'), call(2, "get_time", "{}")]),
+    Case("hermes object then prose in the tag", "hermes",
+         '<tool_call>{"name": "get_time", "arguments": {}} and more</tool_call>',
+         [Unrepaired('<tool_call>{"name": "get_time", "arguments": {}} and more</tool_call>', "text after the call")]),
     Case("hermes without closing tag at the end", "hermes",
          'ok <tool_call>{"name": "search", "parameters": {"query": "q"}}',
          [Text("ok "), call(0, "search", '{"query": "q"}')]),
