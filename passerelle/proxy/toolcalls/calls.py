@@ -148,6 +148,8 @@ class Calls:
         if tools is not None:
             self.known = {}
             for tool in tools:
+                if not isinstance(tool, Mapping):
+                    continue
                 named = normalise_tool(tool) if "parameters" not in tool else tool
                 if named is not None and isinstance(named.get("name"), str):
                     self.known[named["name"]] = named.get("parameters")
