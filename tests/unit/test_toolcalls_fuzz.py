@@ -54,6 +54,14 @@ GOOD: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
          [("search", '{"query": "q", "exact": true}')]),
     ],
 }
+# Harmony's text messages: their framing goes, their text stays (analysis as reasoning).
+FRAMED: dict[str, list[tuple[str, list[Piece]]]] = {
+    "harmony": [
+        ("<|channel|>analysis<|message|>Think [a] <b>.<|end|>", [Reasoning("Think [a] <b>.")]),
+        ("<|start|>assistant<|channel|>final<|message|>Done <|x|>!<|return|>", [Text("Done <|x|>!")]),
+        ("<|start|>assistant<|channel|>commentary<|message|>Looking.<|end|>", [Text("Looking.")]),
+    ],
+}
 BAD: dict[str, list[str]] = {
     "hermes": ['<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
                '<tool_call>{"name": "get_weather", "arguments": {"days": 1}}</tool_call>',
@@ -79,6 +87,9 @@ def _expected(parts: list[tuple[str, object]]) -> list[Piece]:
         elif kind == "bad":
             assert isinstance(value, str)
             out.append(Unrepaired(value, "?"))
+        elif kind == "framed":
+            assert isinstance(value, list)
+            out.extend(value)
         else:
             assert isinstance(value, list)
             for name, args in value:
@@ -97,7 +108,9 @@ def interleavings(draw: st.DrawFn) -> tuple[str, str, list[int], list[Piece]]:
     segments = draw(st.lists(st.one_of(
         st.tuples(st.just("text"), st.text(ALPHABET, min_size=1, max_size=12)),
         st.tuples(st.just("good"), st.sampled_from(GOOD[fmt])),
-        st.tuples(st.just("bad"), st.sampled_from(BAD[fmt]))), min_size=1, max_size=6))
+        st.tuples(st.just("bad"), st.sampled_from(BAD[fmt])),
+        *([st.tuples(st.just("framed"), st.sampled_from(FRAMED[fmt]))] if fmt in FRAMED else [])),
+        min_size=1, max_size=6))
     parts: list[tuple[str, object]] = []
     markup_at: list[int] = []
     text = ""
@@ -107,10 +120,10 @@ def interleavings(draw: st.DrawFn) -> tuple[str, str, list[int], list[Piece]]:
             parts.append(("text", value))
             text += value
         else:
-            markup = value[0] if kind == "good" else value
+            markup = value if kind == "bad" else value[0]
             assert isinstance(markup, str)
             markup_at.append(len(text))
-            parts.append((kind, value[1] if kind == "good" else markup))
+            parts.append((kind, markup if kind == "bad" else value[1]))
             text += markup
     # The only markers are the calls' own, and no text joins a call: else the case means another thing.
     markers = re.compile("|".join(re.escape(m) for m in _MARKERS[fmt]))
