@@ -137,6 +137,17 @@ CASES = [
     Case("qwen3-xml unclosed wrapper, text after the function", "qwen3-xml",
          "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\nThat is all.",
          [call(0, "get_weather", '{"city": "Rome"}'), Text("\nThat is all.")]),
+    Case("qwen3-xml calls whose wrapper is never closed", "qwen3-xml",
+         "<tool_call>\n<function=get_time>\n</function>\n<tool_call>\n<function=get_weather>\n"
+         "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>",
+         [call(0, "get_time", "{}"), Text("\n"), call(1, "get_weather", '{"city": "Oslo"}')]),
+    Case("hermes call left open before the next", "hermes",
+         '<tool_call>{"name": "get_time", "arguments": {}}\n<tool_call>{"name": "get_time", "arguments": {}}'
+         "</tool_call>",
+         [call(0, "get_time", "{}"), call(1, "get_time", "{}")]),
+    Case("qwen3-xml JSON arguments in the function tag", "qwen3-xml",
+         '<function=get_weather>{"city": "Kyiv", "days": "1"}</function>',
+         [call(0, "get_weather", '{"city": "Kyiv", "days": 1}')]),
     Case("qwen3-xml parameter without its closing tag", "qwen3-xml",
          "<function=search><parameter=query>q<parameter=limit>3</function>",
          [call(0, "search", '{"query": "q", "limit": 3}')]),

@@ -105,6 +105,8 @@ def found_in_xml(text: str) -> Found:
     if end >= 0 and text[end + len("</function>"):].strip():
         raise Bad("text after </function>")
     body = text[m.end(): end if end >= 0 else len(text)]
+    if "<parameter=" not in body and body.strip().startswith("{"):
+        return Found(name, body.strip())  # JSON arguments in a function tag, as some models write them
     params: dict[str, str] = {}
     pos = 0
     while True:

@@ -59,30 +59,37 @@ def unrepaired_all(buf: str, reason: str) -> Step:
     return [Unrepaired(buf, reason)], len(buf), None
 
 
+_TOOL_CALL_TAG = re.compile(r"</?tool_call>")
+
+
 class Tagged:
     """``<tool_call>BODY</tool_call>``: the body is Hermes' JSON or Qwen3-Coder's ``<function=...>``.
-    At the end of the stream a missing closing tag is forgiven when the body reads whole."""
+    A call left unclosed ends where the next ``<tool_call>`` opens, or at the end of the stream,
+    and then, when it is a Qwen3-Coder function, at its ``</function>`` (what follows is text)."""
 
     CLOSE = "</tool_call>"
 
     def __init__(self, calls: Calls, opened: int) -> None:
         self._calls = calls
         self._opened = opened
-        self._end = TagEnd(self.CLOSE, opened)
+        self._from = opened
 
     def step(self, buf: str, final: bool) -> Step | None:
-        at = self._end.scan(buf)
-        if at is None:
-            if not final:
-                return None
-            # Unclosed at the end: a Qwen3-Coder call ends with its function, and what follows is text.
-            function_end = buf.find("</function>", self._opened)
-            if buf[self._opened:].lstrip().startswith("<function=") and function_end >= 0:
-                end = function_end + len("</function>")
-                return self._calls.read(buf[:end], found_in_body, buf[self._opened:end]), end, None
-            return self._calls.read(buf, found_in_body, buf[self._opened:]), len(buf), None
-        end = at + len(self.CLOSE)
-        return self._calls.read(buf[:end], found_in_body, buf[self._opened:at]), end, None
+        m = _TOOL_CALL_TAG.search(buf, self._from)
+        if m is None:
+            self._from = max(self._from, len(buf) - len(self.CLOSE) + 1)
+            return self._unclosed(buf, len(buf)) if final else None
+        if m.group() != self.CLOSE:
+            return self._unclosed(buf, m.start())
+        return self._calls.read(buf[:m.end()], found_in_body, buf[self._opened:m.start()]), m.end(), None
+
+    def _unclosed(self, buf: str, stop: int) -> Step:
+        body = buf[self._opened:stop]
+        function_end = body.find("</function>")
+        if function_end >= 0 and body.lstrip().startswith("<function="):
+            stop = self._opened + function_end + len("</function>")
+            body = buf[self._opened:stop]
+        return self._calls.read(buf[:stop], found_in_body, body), stop, None
 
 
 class BareFunction:
