@@ -5,6 +5,7 @@ give exactly the pieces the whole text gives and the ones it was built from; any
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from passerelle.proxy.toolcalls import FORMATS, Piece, Reasoning, Text, ToolCall, Unrepaired, coalesce, parse_all
 from passerelle.proxy.toolcalls.parser import _MARKERS
+from passerelle.proxy.toolcalls.schema import coerce, coerce_text, validate
 from tests.unit.toolcalls_cases import TOOLS, streamed
 
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")), deadline=None,
@@ -54,6 +56,14 @@ GOOD: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
          [("search", '{"query": "q", "exact": true}')]),
     ],
 }
+# Harmony's text messages: their framing goes, their text stays (analysis as reasoning).
+FRAMED: dict[str, list[tuple[str, list[Piece]]]] = {
+    "harmony": [
+        ("<|channel|>analysis<|message|>Think [a] <b>.<|end|>", [Reasoning("Think [a] <b>.")]),
+        ("<|start|>assistant<|channel|>final<|message|>Done <|x|>!<|return|>", [Text("Done <|x|>!")]),
+        ("<|start|>assistant<|channel|>commentary<|message|>Looking.<|end|>", [Text("Looking.")]),
+    ],
+}
 BAD: dict[str, list[str]] = {
     "hermes": ['<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
                '<tool_call>{"name": "get_weather", "arguments": {"days": 1}}</tool_call>',
@@ -79,6 +89,9 @@ def _expected(parts: list[tuple[str, object]]) -> list[Piece]:
         elif kind == "bad":
             assert isinstance(value, str)
             out.append(Unrepaired(value, "?"))
+        elif kind == "framed":
+            assert isinstance(value, list)
+            out.extend(value)
         else:
             assert isinstance(value, list)
             for name, args in value:
@@ -97,7 +110,9 @@ def interleavings(draw: st.DrawFn) -> tuple[str, str, list[int], list[Piece]]:
     segments = draw(st.lists(st.one_of(
         st.tuples(st.just("text"), st.text(ALPHABET, min_size=1, max_size=12)),
         st.tuples(st.just("good"), st.sampled_from(GOOD[fmt])),
-        st.tuples(st.just("bad"), st.sampled_from(BAD[fmt]))), min_size=1, max_size=6))
+        st.tuples(st.just("bad"), st.sampled_from(BAD[fmt])),
+        *([st.tuples(st.just("framed"), st.sampled_from(FRAMED[fmt]))] if fmt in FRAMED else [])),
+        min_size=1, max_size=6))
     parts: list[tuple[str, object]] = []
     markup_at: list[int] = []
     text = ""
@@ -107,10 +122,10 @@ def interleavings(draw: st.DrawFn) -> tuple[str, str, list[int], list[Piece]]:
             parts.append(("text", value))
             text += value
         else:
-            markup = value[0] if kind == "good" else value
+            markup = value if kind == "bad" else value[0]
             assert isinstance(markup, str)
             markup_at.append(len(text))
-            parts.append((kind, value[1] if kind == "good" else markup))
+            parts.append((kind, markup if kind == "bad" else value[1]))
             text += markup
     # The only markers are the calls' own, and no text joins a call: else the case means another thing.
     markers = re.compile("|".join(re.escape(m) for m in _MARKERS[fmt]))
@@ -166,3 +181,33 @@ def test_any_text_gives_pieces_that_account_for_it(fmt: str, text: str, cuts: li
     framed = fmt in ("harmony", "auto") and ("<|start|>" in text or "<|channel|>" in text)
     if not framed and not any(isinstance(p, ToolCall | Reasoning) for p in whole):
         assert "".join(p.text for p in whole if isinstance(p, Text | Unrepaired)) == text
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+                    max_leaves=20)
+TYPES = st.sampled_from(["string", "integer", "number", "boolean", "null", "object", "array", "bogus"])
+SCHEMA = st.recursive(
+    st.fixed_dictionaries({}, optional={"type": TYPES | st.lists(TYPES, max_size=3) | JSON, "enum": JSON,
+                                        "required": JSON}),
+    lambda inner: st.fixed_dictionaries({}, optional={
+        "type": TYPES, "properties": st.dictionaries(st.text(max_size=4), inner, max_size=3) | JSON,
+        "items": inner | JSON, "anyOf": st.lists(inner, max_size=3) | JSON, "required": st.lists(
+            st.text(max_size=4), max_size=3)}),
+    max_leaves=10)
+
+
+@FUZZ
+@given(JSON, SCHEMA, st.text(max_size=30))
+def test_coercion_and_validation_take_any_value_and_schema(value: object, schema: dict[str, object], text: str):
+    fault = validate(coerce(value, schema), schema)
+    assert fault is None or isinstance(fault, str)
+    coerce_text(text, schema)
+    tools = [{"name": "f", "parameters": schema}]
+    for markup in (f"<function=f><parameter=a>{text}</parameter></function>",
+                   '<tool_call>{"name": "f", "arguments": ' + json.dumps(value) + "}</tool_call>"):
+        for piece in parse_all("qwen3-xml", tools, markup):
+            if isinstance(piece, ToolCall):
+                assert isinstance(json.loads(piece.arguments), dict)
+            else:
+                assert isinstance(piece, Unrepaired | Text)

@@ -84,7 +84,11 @@ def test_typed_json_strings_are_coerced_where_the_schema_asks():
         "n": {"type": "integer"}, "b": {"type": "boolean"}, "o": {"type": "object"}, "s": {"type": "string"},
         "l": {"type": "array", "items": {"type": "number"}}}}
     got = coerce({"n": "3", "b": "false", "o": '{"x": 1}', "s": 5, "l": ["1.5", 2], "extra": "1"}, schema)
-    assert got == {"n": 3, "b": False, "o": {"x": 1}, "s": 5, "l": [1.5, 2], "extra": "1"}
+    assert got == {"n": 3, "b": False, "o": {"x": 1}, "s": "5", "l": [1.5, 2], "extra": "1"}
+    assert coerce({"s": True}, schema) == {"s": True}
+    nullable = {"properties": {"n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
+    assert coerce({"n": "4"}, nullable) == {"n": 4}
+    assert coerce({"n": "null"}, nullable) == {"n": None}
 
 
 @pytest.mark.parametrize(("value", "schema", "fault"), [
@@ -114,6 +118,12 @@ def test_deep_schemas_and_values_are_refused_not_recursed():
         value = {"x": value}
     assert "nested deeper than" in (validate(value, schema) or "")
     assert coerce(value, schema) is value or coerce(value, schema) == value
+
+
+def test_tool_lists_with_junk_in_them_are_read():
+    tools: list[Any] = [None, "x", {"type": "function", "function": {"name": "read", "parameters": "junk"}}]
+    text = '<tool_call>{"name": "read", "arguments": {"any": 1}}</tool_call>'
+    assert parse_all("hermes", tools, text) == [ToolCall(0, "read", '{"any": 1}')]
 
 
 def test_unknown_tool_and_no_tools():

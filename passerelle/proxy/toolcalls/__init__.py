@@ -3,9 +3,16 @@
 Runtimes leave calls in the text when their own parser misses a format or a variant (vLLM's
 ``qwen3_coder``, Ollama's bare ``<function=...>``, calls inside ``<think>``, Harmony's variants).
 This package reads the formats models use (Hermes, Qwen3-Coder's XML, Mistral, Llama 3's JSON,
-gpt-oss's Harmony), checks each call against the request's tool schemas, and hands back pieces:
-text to pass on, calls to deliver as the API's own tool calls, and markup it could not repair,
-exactly as it came. It is pure code: no I/O, no clock, nothing of the gateway.
+gpt-oss's Harmony; ``auto`` finds which), checks each call against the request's tool schemas,
+and hands back pieces (pieces.py): ``Text`` to pass on, ``ToolCall`` to deliver as the API's own
+tool call, ``Unrepaired`` markup it could not repair, exactly as it came, and ``Reasoning`` (only
+from Harmony's ``analysis`` channel, when a runtime left it in the text). It is pure code: no
+I/O, no clock, nothing of the gateway. Where the caller feeds reasoning text (``<think>``), the
+calls written there are found too.
+
+Not read: Harmony with its special tokens dropped (``analysiscommentary to=functions.x json{...}``)
+and Mistral's ``NAME[ARGS]{...}`` without ``[TOOL_CALLS]``: without their tokens they cannot be
+told from prose.
 
 Example::
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from passerelle.proxy.toolcalls.pieces import Piece, ToolCall, Unrepaired
-from passerelle.proxy.toolcalls.scan import loads_bounded
+from passerelle.proxy.toolcalls.scan import MAX_NESTING, JsonEnd, TooDeep, loads_bounded
 from passerelle.proxy.toolcalls.schema import coerce, coerce_text, normalise_tool, validate
 
 
@@ -49,16 +49,36 @@ def found_in_object(obj: Any) -> Found:
 
 
 def found_in_json(text: str) -> list[Found]:
-    """Calls written as JSON text: one object or an array of them."""
-    try:
-        value = loads_bounded(text)
-    except (ValueError, RecursionError) as e:
-        raise Bad(f"not JSON: {e.msg if isinstance(e, json.JSONDecodeError) else str(e)[:80]}") from None
-    if isinstance(value, list):
-        if not value:
+    """Calls written as JSON text: one object, an array of them, or several objects in a row
+    (a model that puts two calls in one ``<tool_call>``)."""
+    values: list[Any] = []
+    pos = _skip(text, 0)
+    while pos < len(text):
+        if text[pos] not in "{[":
+            raise Bad("not JSON" if not values else "text after the call")
+        try:
+            end = JsonEnd(pos).scan(text)
+        except TooDeep:
+            raise Bad(f"nested deeper than {MAX_NESTING}") from None
+        try:
+            value = loads_bounded(text[pos:end] if end is not None else text[pos:])
+        except (ValueError, RecursionError) as e:
+            raise Bad(f"not JSON: {e.msg if isinstance(e, json.JSONDecodeError) else str(e)[:80]}") from None
+        values.extend(value if isinstance(value, list) else [value])
+        if isinstance(value, list) and not value:
             raise Bad("empty call list")
-        return [found_in_object(v) for v in value]
-    return [found_in_object(value)]
+        pos = _skip(text, end if end is not None else len(text))
+    if not values:
+        raise Bad("no call")
+    return [found_in_object(v) for v in values]
+
+
+_SPACE = re.compile(r"\s*")
+
+
+def _skip(text: str, pos: int) -> int:
+    m = _SPACE.match(text, pos)
+    return m.end() if m else pos
 
 
 _FUNCTION = re.compile(r"<function=([^>\n]{1,256})>")
@@ -85,6 +105,8 @@ def found_in_xml(text: str) -> Found:
     if end >= 0 and text[end + len("</function>"):].strip():
         raise Bad("text after </function>")
     body = text[m.end(): end if end >= 0 else len(text)]
+    if "<parameter=" not in body and body.strip().startswith("{"):
+        return Found(name, body.strip())  # JSON arguments in a function tag, as some models write them
     params: dict[str, str] = {}
     pos = 0
     while True:
@@ -105,9 +127,16 @@ def found_in_xml(text: str) -> Found:
     return Found(name, params, xml=True)
 
 
+_FENCE = re.compile(r"```[A-Za-z]{0,16}[ \t]*\n(.*)\n[ \t]*```", re.DOTALL)
+
+
 def found_in_body(text: str) -> list[Found]:
-    """What a ``<tool_call>`` holds: JSON (Hermes) or a ``<function=...>`` (Qwen3-Coder)."""
+    """What a ``<tool_call>`` holds: JSON (Hermes) or a ``<function=...>`` (Qwen3-Coder), possibly
+    in a Markdown code fence."""
     stripped = text.strip()
+    fenced = _FENCE.fullmatch(stripped)
+    if fenced is not None:
+        stripped = fenced.group(1).strip()
     if stripped.startswith("<function="):
         return [found_in_xml(stripped)]
     return found_in_json(stripped)
@@ -121,6 +150,8 @@ class Calls:
         if tools is not None:
             self.known = {}
             for tool in tools:
+                if not isinstance(tool, Mapping):
+                    continue
                 named = normalise_tool(tool) if "parameters" not in tool else tool
                 if named is not None and isinstance(named.get("name"), str):
                     self.known[named["name"]] = named.get("parameters")

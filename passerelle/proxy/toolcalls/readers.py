@@ -59,30 +59,37 @@ def unrepaired_all(buf: str, reason: str) -> Step:
     return [Unrepaired(buf, reason)], len(buf), None
 
 
+_TOOL_CALL_TAG = re.compile(r"</?tool_call>")
+
+
 class Tagged:
     """``<tool_call>BODY</tool_call>``: the body is Hermes' JSON or Qwen3-Coder's ``<function=...>``.
-    At the end of the stream a missing closing tag is forgiven when the body reads whole."""
+    A call left unclosed ends where the next ``<tool_call>`` opens, or at the end of the stream,
+    and then, when it is a Qwen3-Coder function, at its ``</function>`` (what follows is text)."""
 
     CLOSE = "</tool_call>"
 
     def __init__(self, calls: Calls, opened: int) -> None:
         self._calls = calls
         self._opened = opened
-        self._end = TagEnd(self.CLOSE, opened)
+        self._from = opened
 
     def step(self, buf: str, final: bool) -> Step | None:
-        at = self._end.scan(buf)
-        if at is None:
-            if not final:
-                return None
-            # Unclosed at the end: a Qwen3-Coder call ends with its function, and what follows is text.
-            function_end = buf.find("</function>", self._opened)
-            if buf[self._opened:].lstrip().startswith("<function=") and function_end >= 0:
-                end = function_end + len("</function>")
-                return self._calls.read(buf[:end], found_in_body, buf[self._opened:end]), end, None
-            return self._calls.read(buf, found_in_body, buf[self._opened:]), len(buf), None
-        end = at + len(self.CLOSE)
-        return self._calls.read(buf[:end], found_in_body, buf[self._opened:at]), end, None
+        m = _TOOL_CALL_TAG.search(buf, self._from)
+        if m is None:
+            self._from = max(self._from, len(buf) - len(self.CLOSE) + 1)
+            return self._unclosed(buf, len(buf)) if final else None
+        if m.group() != self.CLOSE:
+            return self._unclosed(buf, m.start())
+        return self._calls.read(buf[:m.end()], found_in_body, buf[self._opened:m.start()]), m.end(), None
+
+    def _unclosed(self, buf: str, stop: int) -> Step:
+        body = buf[self._opened:stop]
+        function_end = body.find("</function>")
+        if function_end >= 0 and body.lstrip().startswith("<function="):
+            stop = self._opened + function_end + len("</function>")
+            body = buf[self._opened:stop]
+        return self._calls.read(buf[:stop], found_in_body, body), stop, None
 
 
 class BareFunction:
@@ -195,7 +202,8 @@ class Mistral:
 
 
 class LlamaJson:
-    """Llama 3's JSON calls: ``{"name", "parameters" | "arguments"}``, several separated by ``;``.
+    """Llama 3's JSON calls: ``{"name", "parameters" | "arguments"}``, several separated by ``;``
+    (or an array of them: Mistral's calls when the runtime dropped the ``[TOOL_CALLS]`` token).
     After ``<|python_tag|>`` (``bare`` False) the objects are a call; ``bare``, they are one only
     as the whole answer and naming the request's tools, else they are text (an answer in JSON)."""
 
@@ -209,7 +217,7 @@ class LlamaJson:
 
     def step(self, buf: str, final: bool) -> Step | None:
         if self.bare and not self._objects and self._span is None:
-            known = _call_key(buf, 1)
+            known = _call_key(buf, 1) if buf[0] == "{" else _call_array(buf)
             if known is None:
                 return ([Text(buf)], len(buf), None) if final else None
             if not known:
@@ -231,7 +239,7 @@ class LlamaJson:
                     return self._done(buf, j, final)
                 if j == len(buf):
                     return unrepaired_all(buf, "no call after <|python_tag|>") if final else None
-                if buf[j] != "{":
+                if buf[j] not in "{[":
                     return [Unrepaired(buf[:j], "<|python_tag|> not followed by a JSON call")], j, None
                 self._span = JsonEnd(j)
                 self._start = j
@@ -250,6 +258,15 @@ class LlamaJson:
             return [Text(buf)], len(buf), None
         return unrepaired_all(buf, reason)
 
+    def _found(self, buf: str) -> list[Found]:
+        found: list[Found] = []
+        for start, end in self._objects:
+            value = loads_bounded(buf[start:end])
+            found.extend(map(found_in_object, value if isinstance(value, list) else [value]))
+        if not found:
+            raise Bad("empty call list")
+        return found
+
     def _done(self, buf: str, after: int, final: bool) -> Step:
         end = self._objects[-1][1]
         markup = buf[:end]
@@ -257,14 +274,14 @@ class LlamaJson:
             if after < len(buf):
                 return [Text(buf[:after])], after, None
             try:
-                found = [found_in_object(loads_bounded(buf[s:e])) for s, e in self._objects]
+                found = self._found(buf)
             except (Bad, ValueError, RecursionError):
                 return [Text(buf)], len(buf), None
             if not all(self._calls.is_tool(f.name) for f in found):
                 return [Text(buf)], len(buf), None
             return [*self._calls.pieces(markup, found), Text(buf[end:])], len(buf), None
         try:
-            found = [found_in_object(loads_bounded(buf[s:e])) for s, e in self._objects]
+            found = self._found(buf)
         except (Bad, ValueError, RecursionError) as e:
             return [Unrepaired(markup, str(e)[:80] or "not a call")], end, None
         return self._calls.pieces(markup, found), end, None
@@ -287,3 +304,11 @@ def _call_key(buf: str, pos: int) -> bool | None:
         typed = buf[pos + 1:pos + 10]
         return None if len(typed) < 9 and any(k.startswith(typed) for k in _CALL_KEYS) else False
     return buf[pos + 1:close] in _CALL_KEYS
+
+
+def _call_array(buf: str) -> bool | None:
+    """``_call_key`` for an array (``buf`` starts with ``[``): its first element must be a call."""
+    j = skip_space(buf, 1)
+    if j == len(buf):
+        return None
+    return _call_key(buf, j + 1) if buf[j] == "{" else False

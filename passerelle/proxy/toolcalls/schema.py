@@ -145,17 +145,20 @@ def _is_number(text: str) -> bool:
 
 def coerce(value: Any, schema: Schema | None, depth: int = 0) -> Any:
     """``value`` with strings turned into the type ``schema`` asks for where they read as one
-    (``"5"`` for an integer, ``"true"`` for a boolean, a JSON text for an object or array),
-    inside objects' properties and arrays' items too; anything else as it was."""
+    (``"5"`` for an integer, ``"true"`` for a boolean, a JSON text for an object or array), and
+    numbers written as strings where only a string will do (``123`` for an id), inside objects'
+    properties and arrays' items too; anything else as it was."""
     if schema is None or depth > MAX_DEPTH:
         return value
-    kinds = _types(schema)
+    kinds = _types(schema) or [k for b in _branches(schema) for k in _types(b)]
     if isinstance(value, str) and kinds and "string" not in kinds:
         for kind in kinds:
             ok, converted = _from_text(value, kind)
             if ok:
                 value = converted
                 break
+    elif kinds == ["string"] and _is_type(value, "number"):
+        value = json.dumps(value)
     if isinstance(value, dict):
         props = schema.get("properties")
         if isinstance(props, Mapping):
