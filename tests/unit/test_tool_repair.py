@@ -30,11 +30,13 @@ from passerelle.proxy.grammars import make
 from passerelle.proxy.relay import SSEScanner, StreamRelay
 from passerelle.proxy.repair import ToolRepair, repair_body, repair_for
 from passerelle.proxy.repair_stream import stream_repair
-from passerelle.proxy.toolcalls import FORMATS
+from passerelle.proxy.toolcalls import FORMATS, Reasoning, Text, ToolCall, Unrepaired
 from passerelle.testing import tool_markup
 from tests.jsonvalues import STREAMS_OUT, decoded, encode, mutated, sse
 from tests.unit.test_fuzz_readers import FUZZ, request_body
 from tests.unit.test_relay import Client, FakeResponse, deadline
+from tests.unit.toolcalls_cases import CASES
+from tests.unit.toolcalls_cases import TOOLS as CASE_TOOLS
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                            "parameters": {"type": "object", "required": ["city"], "properties": {
@@ -551,3 +553,44 @@ async def test_a_call_held_longer_than_the_between_tokens_limit_is_not_a_timeout
     # one event every 0.05 s: 1.3 s in all, far past 0.2 s between two events the client gets
     await relay.run(FakeResponse(events, delays=[0.05] * len(events)), deadline(rec, timeouts))
     check("chat", chat_view(client.body, True), "hermes")
+
+
+# -- every model output of the parsers' cases (tests/unit/toolcalls_cases.py) on the three APIs ------------
+def asked(api: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    shaped = {"chat": [{"type": "function", "function": t} for t in tools],
+              "responses": [{"type": "function", **t} for t in tools],
+              "messages": [{"name": t["name"], "input_schema": t["parameters"]} for t in tools]}[api]
+    return {**ASK[api], "tools": shaped}
+
+
+def _bare(text: str) -> str:
+    return "".join(text.split())
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+async def test_every_case_of_every_format_on_every_api(case, api):
+    """The calls a case means arrive as the API's calls (Messages: those whose arguments are an
+    object), its text and its markup that could not be repaired as text (whitespace next to a call
+    aside), its reasoning as reasoning; streamed one character a delta, and whole, alike."""
+    calls = [(p.name, orjson.loads(p.arguments)) for p in case.pieces if isinstance(p, ToolCall)]
+    text = _bare("".join(p.text for p in case.pieces if isinstance(p, Text | Unrepaired)))
+    thought = _bare("".join(p.text for p in case.pieces if isinstance(p, Reasoning)))
+    ask = asked(api, CASE_TOOLS)
+    views = []
+    for stream in (True, False):
+        rec = record(api, stream)
+        repair = repair_for(case.fmt, api, ask, rec)
+        assert repair is not None
+        if stream:
+            body = await relayed(api, tool_markup.stream(api, list(case.text)), repair, rec)
+        else:
+            body = repair_body(repair, api, tool_markup.body(api, case.text))
+        view = VIEWS[api](body, stream)
+        assert view.calls == calls and len(set(view.ids)) == len(view.ids)
+        assert _bare(view.text) == text
+        assert _bare(said_as_reasoning(api, body, stream).replace("None", "")) == thought
+        assert rec.tool_calls_repaired == len(calls)
+        assert rec.tool_calls_unrepaired == sum(isinstance(p, Unrepaired) for p in case.pieces)
+        views.append((view.text.strip(), view.calls, view.end))
+    assert views[0] == views[1]
