@@ -6,6 +6,7 @@ repair off, or without tools, the runtime's bytes exactly."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -15,6 +16,8 @@ from passerelle.config import BackendConfig, ModelConfig
 from passerelle.observe.accesslog import AccessLog
 from passerelle.proxy import repair as repair_module
 from passerelle.testing import tool_markup
+from passerelle.testing.answers import tools as offered
+from passerelle.testing.scripted import example_of
 from passerelle.testing.tool_markup import Reply, scripted_runtime
 from tests.inprocess import gateway
 from tests.unit.test_stream_fields import sdk_clients
@@ -130,3 +133,42 @@ async def test_the_sdks_stream_helpers_take_the_repaired_calls(fmt):
         assert [b.input for b in message.content if b.type == "tool_use"] == calls
         assert message.stop_reason == "tool_use"
         assert [r.cause.value for r in gw.records] == ["ok", "ok", "ok"]
+
+
+# -- what real clients send (the corpus), repaired ----------------------------------------------------
+CORPUS = sorted((Path(__file__).resolve().parent.parent / "corpus").glob("*/*.json"))
+
+
+def corpus_turns() -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, api, body) of every recorded request that offers a function tool and lets it be called."""
+    out = []
+    for path in CORPUS:
+        rec = orjson.loads(path.read_bytes())
+        body, api = rec.get("body"), rec.get("api")
+        choice = body.get("tool_choice") if isinstance(body, dict) else None
+        if choice == "none" or (isinstance(choice, dict) and choice.get("type") == "none"):
+            continue  # (no call may be made: nothing is repaired, test_tool_repair.py)
+        if api in PATHS and isinstance(body, dict) and any(kind == "function" for kind, _, _ in offered(body)):
+            out.append((f"{path.parent.name}/{path.name}", api, body))
+    return out
+
+
+TURNS = corpus_turns()
+
+
+@pytest.mark.parametrize(("name", "api", "body"), TURNS, ids=[t[0] for t in TURNS])
+async def test_the_tools_real_clients_offer_are_called_through_repair(name, api, body):
+    """Claude Code's, Codex's, opencode's, the SDKs' and frameworks' recorded requests, to a model
+    whose runtime answers with a Hermes call of the first tool offered (its arguments an instance of
+    the tool's own schema): the client gets that call as its API's tool call."""
+    _, tool, schema = next(t for t in offered(body) if t[0] == "function")
+    args = example_of(schema) if schema else {}
+    text = "<tool_call>\n" + orjson.dumps({"name": tool, "arguments": args}).decode() + "\n</tool_call>"
+    async with scripted_runtime(script(api, text, cut=64)) as url, \
+            gateway(backend(url), models=(ModelConfig(str(body.get("model")), served_name="m",
+                                                      tool_calls="hermes"),)) as gw:
+        resp = await gw.post(PATHS[api], body)
+        assert resp.status == 200, resp.body[:300]
+        view = VIEWS[api](resp.body, bool(body.get("stream")))
+        assert view.calls == [(tool, args)] and not view.text.strip()
+        assert gw.records[-1].tool_calls_repaired == 1
