@@ -340,6 +340,9 @@ MEMORY_KINDS = ("total", "ram", "gpu")
 SWAP_POLICIES = ("fair", "naive")
 CAPABILITIES = ("chat", "completions", "embeddings", "rerank", "vision", "tools", "reasoning", "audio")
 TOOLS_MODES = ("refuse", "ignore")
+# `[[models]] tool_calls`: the tool-call markup repaired into each API's tool calls (proxy/repair.py);
+# "auto" recognises any of them, "off" passes the runtime's answer through untouched
+TOOL_CALL_FORMATS = ("off", "auto", "hermes", "qwen3-xml", "mistral", "llama3", "harmony")
 
 
 @dataclass(frozen=True)
@@ -380,6 +383,7 @@ class ModelConfig:
     tools: str = "refuse"
     truncate_input: bool = False  # embeddings: an input past the context is cut to it (else a 400)
     embed_batch: int = 32  # embeddings: inputs per request to the runtime; more are split and run at once
+    tool_calls: str = "off"  # tool-call markup left in text, delivered as tool calls: a TOOL_CALL_FORMATS name
     owned_by: str = "passerelle"
     description: str = ""
 
@@ -886,6 +890,8 @@ def _load_models(raw: Any, *, file: str, text: str) -> tuple[ModelConfig, ...]:
                field_name="tools", **ck)
         _check(m.embed_batch >= 1, "expected at least 1 input per request", key=f"{key}.embed_batch",
                field_name="embed_batch", **ck)
+        _check(m.tool_calls in TOOL_CALL_FORMATS, f"expected one of {', '.join(TOOL_CALL_FORMATS)}",
+               key=f"{key}.tool_calls", field_name="tool_calls", **ck)
         taken = {n for o in out for n in (o.name, *o.aliases)}
         clash = next((n for n in (m.name, *m.aliases) if n in taken), None)
         where = "name" if clash == m.name else "aliases"
