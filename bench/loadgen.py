@@ -125,10 +125,11 @@ class StreamConn(asyncio.Protocol):
             self.transport.close()
 
 
-def request_bytes(url: str, max_tokens: int) -> bytes:
+def request_bytes(url: str, max_tokens: int, extra: dict[str, Any] | None = None) -> bytes:
+    """One streamed chat request, written whole; ``extra``: more body fields (``tools``, say)."""
     host = url.split("//", 1)[1]
     body = json.dumps({"model": MODEL, "stream": True, "max_tokens": max_tokens,
-                       "messages": [{"role": "user", "content": "Tell me about rivers."}]},
+                       "messages": [{"role": "user", "content": "Tell me about rivers."}], **(extra or {})},
                       separators=(",", ":")).encode()
     return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {MASTER_KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
@@ -149,7 +150,7 @@ class Round:
 async def run_load(url: str, concurrency: int, measured: int, max_tokens: int, stagger_s: float,
                    timeout: float, deadline_s: float | None = None,
                    on_done: Callable[[float, float, float, int], None] | None = None,
-                   cap_s: float | None = None) -> Round:
+                   cap_s: float | None = None, extra: dict[str, Any] | None = None) -> Round:
     """``concurrency`` users, each on its own connection: a warm-up request, then measured ones
     until ``measured`` are taken, then more (not measured) until the last measured one ended.
 
@@ -159,7 +160,7 @@ async def run_load(url: str, concurrency: int, measured: int, max_tokens: int, s
     """
     loop = asyncio.get_running_loop()
     host, port = url.split("//", 1)[1].rsplit(":", 1)
-    raw = request_bytes(url, max_tokens)
+    raw = request_bytes(url, max_tokens, extra)
     totals = Totals()
     out = Round()
     state = {"taken": 0, "ended": 0, "t_a": 0.0, "tok_a": 0, "t_b": 0.0, "tok_b": 0, "closed": False}

@@ -30,6 +30,8 @@ round records the generator's own CPU, so a run shows whether the generator coul
     .venv/bin/python bench/overhead.py --profile [--native]         # py-spy on passerelle at 64, 256
     .venv/bin/python bench/overhead.py --no-litellm --also-src ../other-checkout   # A/B two versions
     .venv/bin/python bench/overhead.py --no-litellm --also-toml $'[server]\naccess_log = false'
+    .venv/bin/python bench/overhead.py --no-litellm --concurrency 64 --tools \
+        --also-toml $'[[models]]\nname = "fake-model"\ntool_calls = "hermes"'   # tool-call repair's cost
     .venv/bin/python bench/overhead.py --no-litellm --upstream [openai] --concurrency 64   # capacity
         # from the runtime: `passerelle serve --upstream URL` (no max_concurrency) in front of a fake
         # that runs 64 streams at once (reported by its /props; with "openai": learned); add
@@ -152,6 +154,7 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
     levels = [int(x) for x in args.concurrency.split(",")]
     counts = per_level(args.requests_per_level, levels)
     duration = (args.ttft_ms + (args.tokens - 1) * args.itl_ms) / 1000
+    extra = {"tools": [TOOL]} if args.tools else None
     variant = bool(args.also_src or args.also_env or args.also_toml)
     targets = ["direct", "passerelle", *(["passerelle-b"] if variant else []),
                *([] if args.no_litellm else ["litellm"])]
@@ -216,7 +219,8 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
         print(f"fake {fake.url}, passerelle {gw.url}" + (f", litellm {ll.url}" if ll else "") + "; warming up",
               flush=True)
         for name in targets:  # first requests pay for lazy imports and connection set-up: not counted
-            run_async(run_load(urls[name], 8, 32, args.tokens, stagger_s=duration, timeout=args.timeout))
+            run_async(run_load(urls[name], 8, 32, args.tokens, stagger_s=duration, timeout=args.timeout,
+                               extra=extra))
         for conc in levels:
             cells = {name: Cell() for name in targets}
             per_round = max(1, counts[conc] // args.rounds)
@@ -228,7 +232,7 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
                     settle([p for svc in services for p in svc.pids])
                     c0 = cpu_s(pids)
                     r = run_async(run_load(urls[name], conc, per_round, args.tokens, stagger_s=duration,
-                                           timeout=args.timeout, cap_s=args.round_cap_s or None))
+                                           timeout=args.timeout, cap_s=args.round_cap_s or None, extra=extra))
                     cpu, rss = cpu_s(pids) - c0, rss_bytes(pids)
                     cells[name].add(r, cpu, rss)
                     print(f"  {conc:>4} streams  round {rnd + 1}/{args.rounds}  {name:<12} {len(r.ttft_ms):>5} req  "
@@ -255,6 +259,15 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
 
 
 # --- command line --------------------------------------------------------------------------------
+# --tools: the tool an agent's turn offers (a coding agent offers a dozen like it)
+TOOL = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the project and return its text.",
+    "parameters": {"type": "object", "required": ["path"], "properties": {
+        "path": {"type": "string", "description": "the file, relative to the project's root"},
+        "offset": {"type": "integer", "description": "the first line to read"},
+        "limit": {"type": "integer", "description": "how many lines"}}}}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--concurrency", default="1,64,256", help="concurrent streams per level (default 1,64,256)")
@@ -275,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-ms", type=float, default=50.0)
     p.add_argument("--itl-ms", type=float, default=10.0)
     p.add_argument("--tokens", type=int, default=32, help="output tokens per request (max_tokens)")
+    p.add_argument("--tools", action="store_true",
+                   help="every request offers a tool (an agent's turn): with --also-toml '[[models]] ... tool_calls = "
+                        "\"hermes\"', tool-call repair on against off")
     p.add_argument("--timeout", type=float, default=60.0, help="per request, seconds")
     p.add_argument("--soak", type=float, metavar="MINUTES",
                    help="instead: this long at --soak-concurrency streams through passerelle, RSS sampled")
