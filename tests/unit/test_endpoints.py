@@ -8,9 +8,10 @@ from __future__ import annotations
 from passerelle.config import ENDPOINT_KINDS, is_management_route, load_config
 from passerelle.endpoints import BY_NAME, ENDPOINTS, NAMES
 from passerelle.proxy import protocols
-from passerelle.runtimes.catalogue import _CAPABILITY, _GENERATE_NOTHING, ROUTES
+from passerelle.runtimes.catalogue import _GENERATE_NOTHING, ROUTES
 from passerelle.runtimes.factory import CHAT_ENDPOINTS
 from passerelle.runtimes.kinds import KINDS
+from passerelle.runtimes.model_caps import _BY_ENDPOINT
 from passerelle.server import routes
 from passerelle.server.routes import Access, match
 
@@ -38,8 +39,8 @@ def test_each_endpoint_is_read_by_the_protocols_as_it_says():
 def test_what_derives_from_the_list_is_what_it_was():
     assert ENDPOINT_KINDS == NAMES
     assert ROUTES["rerank"] == "/v1/rerank" and ROUTES["apply_template"] == "/apply-template" and len(ROUTES) == 13
-    assert _CAPABILITY == {"chat": "chat", "completions": "completions", "embeddings": "embeddings",
-                           "rerank": "rerank", "transcriptions": "audio"}
+    assert _BY_ENDPOINT == {"chat": "chat", "completions": "completions", "embeddings": "embeddings",
+                            "rerank": "rerank", "audio": "transcriptions"}
     assert set(_GENERATE_NOTHING) == {"embeddings", "count_tokens", "responses_input_tokens", "tokenize",
                                       "detokenize", "apply_template", "rerank"}
     # the embedded chat instance serves all but what needs llama-server in another mode
