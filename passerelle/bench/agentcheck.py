@@ -65,9 +65,9 @@ def _carries_tool_result(api: str, body: dict[str, Any]) -> bool:
     if api == "responses":
         items = i if isinstance(i := body.get("input"), list) else []
         return any(isinstance(i, dict) and str(i.get("type", "")).endswith("_output") for i in items)
-    return any(isinstance(b, dict) and b.get("type") == "tool_result"
-               for m in body.get("messages") or () if isinstance(m, dict)
-               for b in (m.get("content") if isinstance(m.get("content"), list) else ()))
+    blocks = [b for m in body.get("messages") or () if isinstance(m, dict) and isinstance(m.get("content"), list)
+              for b in m["content"]]
+    return any(isinstance(b, dict) and b.get("type") == "tool_result" for b in blocks)
 
 
 def is_tool_turn(api: str, body: dict[str, Any]) -> bool:

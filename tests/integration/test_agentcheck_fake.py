@@ -81,6 +81,7 @@ def test_native_tool_calls_all_pass(tool_runtime, gateway, tmp_path: Path) -> No
     report = (tmp_path / "native" / "report.md").read_text()
     assert "| scripted | scripted | messages | yes | off |" in report
     assert "Every turn passed." in report
+    assert "| scripted | scripted | chat | no | off |" in proc.stdout  # the matrix is printed too
 
 
 def test_markup_as_text_fails_without_repair(tool_runtime, gateway, tmp_path: Path) -> None:
