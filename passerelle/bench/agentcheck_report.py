@@ -45,6 +45,27 @@ def matrix_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pivot_markdown(rows: list[dict[str, Any]]) -> str:
+    """The compact matrix: one line per runtime x model x API, one column per stream x repair,
+    each cell ``passed/turns``."""
+    columns = sorted({(r["stream"], r["repair"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    cells = {tuple(c[k] for k in KEYS): c for c in summarize(rows)}
+    lines = ["| runtime | model | API | " + " | ".join(f"{'streamed' if s else 'JSON'}, repair {rep}"
+                                                     for s, rep in columns) + " |",
+             "|---|---|---|" + "---|" * len(columns)]
+    seen: list[tuple[Any, ...]] = []
+    for r in rows:
+        if (key := (r["runtime"], r["model"], r["api"])) not in seen:
+            seen.append(key)
+    for runtime, model, api in seen:
+        out = []
+        for stream, repair in columns:
+            cell = cells.get((runtime, model, api, stream, repair))
+            out.append(f"{cell['passed']}/{cell['turns']}" if cell else "")
+        lines.append(f"| {runtime} | {model} | {api} | " + " | ".join(out) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def failures_markdown(rows: list[dict[str, Any]], limit: int = 60) -> str:
     failing = [r for r in rows if not r["passed"]]
     if not failing:
@@ -72,7 +93,8 @@ def write(out: Path, rows: list[dict[str, Any]], command: str) -> tuple[Path, Pa
     out.mkdir(parents=True, exist_ok=True)
     results, report = out / "results.json", out / "report.md"
     results.write_text(json.dumps({"command": command, "summary": summarize(rows), "rows": rows}, indent=1) + "\n")
-    report.write_text(f"# agentcheck\n\n`{command}`\n\n{legend()}\n{matrix_markdown(rows)}\n"
+    report.write_text(f"# agentcheck\n\n`{command}`\n\n{legend()}\n{pivot_markdown(rows)}\n"
+                      f"## Per cell, with the reasons\n\n{matrix_markdown(rows)}\n"
                       f"## Failing turns\n\n{failures_markdown(rows)}")
     return results, report
 

@@ -126,6 +126,9 @@ def test_the_matrix_counts_each_cell_and_its_failures() -> None:
     table = agentcheck_report.matrix_markdown(rows)
     assert "| r | m | chat | no | off | 1/2 | 50 % | 1 | 1 |" in table
     assert "| r | m | messages | no | off | 0/1 | 0 % |  |  | 1 |" in table
+    pivot = agentcheck_report.pivot_markdown([*rows, {**rows[0], "repair": "on"}])
+    assert "| runtime | model | API | JSON, repair off | JSON, repair on |" in pivot
+    assert "| r | m | chat | 1/2 | 1/1 |" in pivot and "| r | m | messages | 0/1 |  |" in pivot
 
 
 def test_the_command_refuses_without_a_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
