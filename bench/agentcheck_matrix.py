@@ -24,7 +24,7 @@ from pathlib import Path
 from harness import ROOT, Service, free_port, serve, source_env, spawn
 
 from passerelle.bench import agentcheck, agentcheck_report
-from passerelle.testing.tool_markup import FORMATS
+from passerelle.testing.tool_call_text import FORMATS
 
 MODEL = "scripted"
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from passerelle.testing.answers import Answer, Call, Turn, build, count_tokens, has_tool_result, tools
 from passerelle.testing.scripted import scripted_call
-from passerelle.testing.tool_markup import FORMATS, as_text
+from passerelle.testing.tool_call_text import FORMATS, as_text
 
 FILENAME = "hello.txt"
 CONTENT = "hello from passerelle"
@@ -65,7 +65,7 @@ def decide(api: str, body: dict[str, Any], workdir: Path, *, tool_format: str | 
     """A call of the agent's tool, or the text to answer. ``any_tool``: a request offering any tool
     gets a call: scripted.py's choice of tool, its arguments made from the tool's own schema
     (another client's ``Write`` is not Claude Code's). ``tool_format``: the call is written as that
-    format's markup in the text, as a runtime without a tool parser answers (tool_markup.py), and
+    format's markup in the text, as a runtime without a tool parser answers (tool_call_text.py), and
     the answer ends as plain text."""
     tag = str(next(_ids))
     if has_tool_result(api, body):

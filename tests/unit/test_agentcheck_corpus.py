@@ -17,7 +17,7 @@ from passerelle.bench import agentcheck, agentcheck_cli, agentcheck_report
 from passerelle.bench.tool_schema import problems
 from passerelle.cli import main
 from passerelle.testing import tool_runtime
-from passerelle.testing.tool_markup import FORMATS
+from passerelle.testing.tool_call_text import FORMATS
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 

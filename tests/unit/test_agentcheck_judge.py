@@ -12,7 +12,7 @@ import pytest
 
 from passerelle.bench.agentcheck_judge import Verdict, judge, markup_in, read_reply
 from passerelle.testing.answers import Answer, Call, Turn, build
-from passerelle.testing.tool_markup import FORMATS, as_text
+from passerelle.testing.tool_call_text import FORMATS, as_text
 
 SCHEMA = {"type": "object", "required": ["command"], "additionalProperties": False,
           "properties": {"command": {"type": "string"}, "timeout": {"type": "integer", "minimum": 1}}}
