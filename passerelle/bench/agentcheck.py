@@ -31,6 +31,7 @@ from passerelle.bench.agentcheck_judge import judge, offered_tools, read_reply
 APIS = ("chat", "responses", "messages")
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 MAX_BODY = 16 * 1024 * 1024  # an answer longer than this is cut, and fails as unreadable
+TEXT_KEPT = 300  # characters of each answer's text kept in results.json (what the model wrote)
 # Recorded headers that are the connection's or a credential, never replayed.
 _DROPPED = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding", "authorization",
             "x-api-key", "api-key", "cookie", "x-openwebui-user-jwt"}
@@ -142,10 +143,12 @@ def run(targets: list[Target], model: str, turns: list[Turn], streams: tuple[boo
                 body = prepare(turn, model, stream, max_tokens)
                 started = time.monotonic()
                 status, raw = ask(target.url, turn, body, key, timeout)
-                verdict = judge(turn.api, body, stream, read_reply(turn.api, stream, status, raw))
+                reply = read_reply(turn.api, stream, status, raw)
+                verdict = judge(turn.api, body, stream, reply)
                 rows.append({"runtime": runtime, "model": model, "api": turn.api, "stream": stream,
                              "repair": target.repair, "url": target.url, "client": turn.client, "turn": turn.name,
                              "passed": verdict.passed, "failures": [list(f) for f in verdict.failures],
+                             "calls": [c.name for c in reply.calls], "text": reply.text[:TEXT_KEPT],
                              "seconds": round(time.monotonic() - started, 3)})
                 if progress is not None:
                     progress(rows[-1])

@@ -94,6 +94,7 @@ def test_markup_as_text_fails_without_repair(tool_runtime, gateway, tmp_path: Pa
     assert rows and not any(r["passed"] for r in rows)
     for row in rows:
         kinds = {f[0] for f in row["failures"]}
+        assert row["calls"] == [] and "<tool_call>" in row["text"]  # what the client got, kept in the results
         # a Responses answer of text ends "completed" too; chat and Messages end as text does
         assert {"markup", "no_tool_call"} | ({"stop_reason"} if row["api"] != "responses" else set()) == kinds, row
     # --strict turns those failures into the exit status
