@@ -58,11 +58,13 @@ def main() -> int:
     p.add_argument("--repair", action="store_true", help="also a gateway with [[models]] tool_calls set")
     p.add_argument("--repair-auto", action="store_true", help='tool_calls = "auto" rather than the format')
     p.add_argument("--formats", default=",".join(["native", *FORMATS]))
+    p.add_argument("--corpus", type=Path, help="the corpus (default: this checkout's tests/corpus)")
+    p.add_argument("--client", action="append", default=[], help="only these corpus clients' turns")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    corpus = agentcheck.default_corpus()
-    assert corpus is not None, "run from a checkout: the corpus is tests/corpus"
-    turns = agentcheck.load_turns(corpus)
+    corpus = args.corpus or agentcheck.default_corpus()
+    assert corpus is not None, "run from a checkout (the corpus is tests/corpus), or give --corpus"
+    turns = [t for t in agentcheck.load_turns(corpus) if not args.client or t.name.split("/")[0] in args.client]
     rows = []
     for fmt in args.formats.split(","):
         runtime = start_runtime(args.out, fmt)
