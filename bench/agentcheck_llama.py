@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from harness import ROOT, Service, free_port, serve, spawn
 
@@ -90,11 +91,13 @@ def main() -> int:
             cfg.write_text(gateway_toml(model, args.threads, "hermes" if repair == "on" else None))
             svc, label = serve(args.out, cfg, name=f"gateway-{repair}", src=ROOT), "passerelle, llama-server --jinja"
             svc.wait_ready("/ready", 180)
+        def say(row: dict[str, Any], setting: str = setting) -> None:
+            print(f"{setting} {row['turn']} stream={row['stream']} {'pass' if row['passed'] else row['failures']} "
+                  f"{row['text'][:80]!r}", flush=True)
+
         try:
             got = agentcheck.run([agentcheck.Target(svc.url, repair)], MODEL, turns, (False, True),
-                                 runtime=label, timeout=600, max_tokens=args.max_tokens,
-                                 progress=lambda r: print(f"{setting} {r['turn']} stream={r['stream']} "
-                                                          f"{'pass' if r['passed'] else r['failures']}", flush=True))
+                                 runtime=label, timeout=600, max_tokens=args.max_tokens, progress=say)
         finally:
             svc.stop()
         agentcheck_report.write(args.out / setting, got, setting)

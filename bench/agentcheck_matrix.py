@@ -9,10 +9,12 @@ one gateway with repair off (no ``tool_calls`` key: today's default) and, with `
 with ``[[models]] tool_calls = "F"`` (``auto`` for native, and with ``--repair-auto`` for all),
 then replays every corpus tool turn, streamed and not, on the three APIs.
 
-    PYTHONPATH=. python bench/agentcheck_matrix.py --out /tmp/agentcheck [--repair] [--repair-auto] [--formats hermes,mistral]
+    PYTHONPATH=. python bench/agentcheck_matrix.py --out /tmp/agentcheck [--repair] [--repair-auto] \
+        [--formats hermes,mistral] [--corpus DIR] [--client open-webui]
 
 Run it as ``PYTHONPATH=. python bench/agentcheck_matrix.py`` from a checkout: the runtime and the
-gateways run this checkout's code. Writes ``results.json`` and ``report.md`` (the matrix) in ``--out``, and each run's own folder.
+gateways run this checkout's code. Writes ``results.json`` and ``report.md`` (the matrix) in
+``--out``, and each run's own in a folder of its own.
 """
 
 from __future__ import annotations
