@@ -71,6 +71,7 @@ def main() -> int:
     p.add_argument("--client", action="append", default=[], help="only these corpus clients' turns")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1, help="ask each turn this many times")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     corpus = agentcheck.default_corpus()
@@ -97,7 +98,8 @@ def main() -> int:
 
         try:
             got = agentcheck.run([agentcheck.Target(svc.url, repair)], MODEL, turns, (False, True),
-                                 runtime=label, timeout=600, max_tokens=args.max_tokens, progress=say)
+                                 runtime=label, timeout=600, max_tokens=args.max_tokens, repeat=args.repeat,
+                                 progress=say)
         finally:
             svc.stop()
         agentcheck_report.write(args.out / setting, got, setting)

@@ -133,13 +133,14 @@ def ask(url: str, turn: Turn, body: dict[str, Any], key: str | None, timeout: fl
 
 
 def run(targets: list[Target], model: str, turns: list[Turn], streams: tuple[bool, ...], *, runtime: str = "?",
-        key: str | None = None, timeout: float = 300, max_tokens: int | None = None,
+        key: str | None = None, timeout: float = 300, max_tokens: int | None = None, repeat: int = 1,
         progress: Any = None) -> list[dict[str, Any]]:
-    """Every turn against every target, streamed and not: one row per answer."""
+    """Every turn against every target, streamed and not, ``repeat`` times (a sampled model answers
+    differently each time): one row per answer."""
     rows = []
     for target in targets:
         for turn in turns:
-            for stream in streams:
+            for stream, sample in ((s, n) for s in streams for n in range(repeat)):
                 body = prepare(turn, model, stream, max_tokens)
                 started = time.monotonic()
                 status, raw = ask(target.url, turn, body, key, timeout)
@@ -148,7 +149,8 @@ def run(targets: list[Target], model: str, turns: list[Turn], streams: tuple[boo
                 rows.append({"runtime": runtime, "model": model, "api": turn.api, "stream": stream,
                              "repair": target.repair, "url": target.url, "client": turn.client, "turn": turn.name,
                              "passed": verdict.passed, "failures": [list(f) for f in verdict.failures],
-                             "calls": [c.name for c in reply.calls], "text": reply.text[:TEXT_KEPT],
+                             "sample": sample, "calls": [c.name for c in reply.calls],
+                             "text": reply.text[:TEXT_KEPT],
                              "seconds": round(time.monotonic() - started, 3)})
                 if progress is not None:
                     progress(rows[-1])

@@ -35,6 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--timeout", type=float, default=300, help="seconds for one answer (default 300)")
     p.add_argument("--max-tokens", type=int, help="bound each request's output limit (a small model's turn ends "
                                                   "sooner)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="ask each turn N times (a sampling model answers differently each time; default 1)")
     p.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS",
                    help="run nothing: report earlier runs' results.json files as one matrix")
     p.add_argument("--out", type=Path, default=Path("agentcheck-results"),
@@ -67,6 +69,8 @@ def main(args: argparse.Namespace) -> int:
             return _fail("--url and --model are required (or --merge)")
         if len(args.repair) > len(args.url):
             return _fail("more --repair than --url")
+        if args.repeat < 1:
+            return _fail("--repeat takes a count of 1 or more")
         apis = tuple(a.strip() for a in args.api.split(",") if a.strip())
         if not apis or set(apis) - set(agentcheck.APIS):
             return _fail(f"--api takes {', '.join(agentcheck.APIS)}")
@@ -82,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
         targets = [agentcheck.Target(u, r) for u, r in zip(args.url, repairs, strict=True)]
         rows = agentcheck.run(targets, args.model, turns, STREAMS[args.stream], runtime=args.runtime,
                               key=agentcheck.api_key(args.api_key), timeout=args.timeout,
-                              max_tokens=args.max_tokens, progress=_progress)
+                              max_tokens=args.max_tokens, repeat=args.repeat, progress=_progress)
     try:
         results, report = agentcheck_report.write(args.out, rows, command)
     except OSError as exc:

@@ -108,6 +108,15 @@ def test_ask_replays_the_clients_headers_but_never_a_credential(echo: tuple[str,
     assert not {"x-api-key", "authorization", "x-openwebui-user-jwt"} & set(without)
 
 
+def test_run_asks_each_turn_streamed_and_not_repeat_times(echo: tuple[str, list[dict[str, str]]]) -> None:
+    url, seen = echo
+    turn = agentcheck.Turn("c", "c/1", "chat", {"messages": [], "tools": TOOLS}, {})
+    rows = agentcheck.run([agentcheck.Target(url, "off")], "m", [turn], (False, True), repeat=3, timeout=10)
+    assert [(r["stream"], r["sample"]) for r in rows] == [(False, 0), (False, 1), (False, 2), (True, 0), (True, 1),
+                                                          (True, 2)]
+    assert len(seen) == 6 and not any(r["passed"] for r in rows)  # "{}" is no answer a client can read
+
+
 def test_ask_says_when_nothing_answers() -> None:
     turn = agentcheck.Turn("c", "c/1", "chat", {}, {})
     status, body = agentcheck.ask("http://127.0.0.1:9", turn, {}, None, 5)
@@ -141,6 +150,7 @@ def test_the_command_refuses_without_a_corpus(tmp_path: Path, monkeypatch: pytes
     assert "holds no tool-using turn" in capsys.readouterr().err
     assert main(["agentcheck", "--url", "u", "--model", "m", "--api", "embeddings"]) == 2
     assert main(["agentcheck", "--model", "m"]) == 2
+    assert main(["agentcheck", "--url", "u", "--model", "m", "--repeat", "0"]) == 2
 
 
 def test_merge_reports_earlier_runs_as_one_matrix(tmp_path: Path) -> None:
