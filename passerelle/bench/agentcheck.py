@@ -55,9 +55,12 @@ class Target:
 
 
 def default_corpus() -> Path | None:
-    """The repository's tests/corpus next to the package, when this is a checkout."""
-    here = Path(__file__).resolve().parents[2] / "tests" / "corpus"
-    return here if here.is_dir() else None
+    """The repository's tests/corpus next to the package, when this is a checkout (an installed
+    copy's site-packages may hold some other distribution's ``tests``: the checkout's
+    pyproject.toml must be there too)."""
+    root = Path(__file__).resolve().parents[2]
+    corpus = root / "tests" / "corpus"
+    return corpus if corpus.is_dir() and (root / "pyproject.toml").is_file() else None
 
 
 def _carries_tool_result(api: str, body: dict[str, Any]) -> bool:
