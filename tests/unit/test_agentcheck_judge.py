@@ -9,6 +9,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from passerelle.bench.agentcheck_judge import Verdict, judge, markup_in, read_reply
 from passerelle.testing.answers import Answer, Call, Turn, build
@@ -150,3 +152,18 @@ def test_an_unreadable_answer_fails() -> None:
 def test_an_error_event_in_a_stream_fails() -> None:
     stream = b'data: {"error": {"message": "boom"}}\n\n'
     assert verdict_of("chat", True, stream).kinds == ["unreadable"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(api=st.sampled_from(APIS), stream=st.booleans(),
+       raw=st.one_of(st.binary(max_size=400),
+                     st.lists(st.sampled_from([b"data: [DONE]\n\n", b'data: {"choices":[{"delta":null}]}\n\n',
+                                               b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
+                                               b'data: {"type":"content_block_start","index":"x"}\n\n',
+                                               b'data: {"type":"response.output_item.done","item":[]}\n\n',
+                                               b'data: []\n\n', b"data: 1\n\n", b'{"choices":[]}', b"\xff\n\n"]),
+                              max_size=6).map(b"".join)))
+def test_any_answer_gets_a_verdict_never_an_exception(api: str, stream: bool, raw: bytes) -> None:
+    """Whatever a server sends, agentcheck reports it as a failing turn rather than stopping."""
+    verdict = judge(api, request(api, stream), stream, read_reply(api, stream, 200, raw))
+    assert not verdict.passed and verdict.failures
