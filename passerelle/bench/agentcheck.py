@@ -113,6 +113,11 @@ def prepare(turn: Turn, model: str, stream: bool, max_tokens: int | None = None)
         sent = [f for f in fields if isinstance(body.get(f), int)]
         for f in sent or fields[:1]:
             body[f] = min(body.get(f) or max_tokens, max_tokens)
+        thinking = body.get("thinking")
+        if turn.api == "messages" and isinstance(thinking, dict) and isinstance(thinking.get("budget_tokens"), int) \
+                and thinking["budget_tokens"] >= body["max_tokens"]:
+            # Messages wants budget_tokens < max_tokens (and at least 1,024): a bounded turn thinks no more
+            body.pop("thinking")
     return body
 
 

@@ -69,6 +69,16 @@ def test_prepare_replaces_the_model_and_the_stream_and_bounds_the_output() -> No
     assert agentcheck.prepare(responses, "m", True, max_tokens=64)["max_output_tokens"] == 64
 
 
+def test_a_bounded_messages_turn_drops_a_thinking_budget_it_no_longer_fits() -> None:
+    """anthropic-python/006 thinks with budget_tokens 2048 of max_tokens 4096: bounded to 64, the
+    request was invalid (a runtime answered 400 "budget_tokens must be < max_tokens"), not the model."""
+    thinking = {"type": "enabled", "budget_tokens": 2048}
+    turn = agentcheck.Turn("c", "c/3", "messages", {"max_tokens": 4096, "thinking": thinking, "messages": []}, {})
+    assert "thinking" not in agentcheck.prepare(turn, "m", False, max_tokens=64)
+    assert agentcheck.prepare(turn, "m", False, max_tokens=3000)["thinking"] == thinking
+    assert agentcheck.prepare(turn, "m", False)["thinking"] == thinking
+
+
 @pytest.fixture
 def echo() -> Iterator[tuple[str, list[dict[str, str]]]]:
     seen: list[dict[str, str]] = []
