@@ -324,6 +324,9 @@ class RuntimesConfig:
 MEMORY_KINDS = ("total", "ram", "gpu")
 SWAP_POLICIES = ("fair", "naive")
 CAPABILITIES = ("chat", "completions", "embeddings", "rerank", "vision", "tools", "reasoning", "audio")
+# `[[models]] tool_calls`: the tool-call markup repaired into each API's tool calls (proxy/repair.py);
+# "auto" recognises any of them, "off" passes the runtime's answer through untouched
+TOOL_CALL_FORMATS = ("off", "auto", "hermes", "qwen3-xml", "mistral", "llama3", "harmony")
 
 
 @dataclass(frozen=True)
@@ -359,6 +362,7 @@ class ModelConfig:
     context_length: int = 0  # tokens; 0 = as the runtime reports
     capabilities: tuple[str, ...] = ()  # default: from the backends' endpoints
     fallbacks: tuple[str, ...] = ()  # other models tried in order when this one cannot serve
+    tool_calls: str = "off"  # tool-call markup left in text, delivered as tool calls: a TOOL_CALL_FORMATS name
     owned_by: str = "passerelle"
     description: str = ""
 
@@ -859,6 +863,8 @@ def _load_models(raw: Any, *, file: str, text: str) -> tuple[ModelConfig, ...]:
                key=f"{key}.capabilities", field_name="capabilities", **ck)
         _check(m.context_length >= 0, "expected a positive number of tokens", key=f"{key}.context_length",
                field_name="context_length", **ck)
+        _check(m.tool_calls in TOOL_CALL_FORMATS, f"expected one of {', '.join(TOOL_CALL_FORMATS)}",
+               key=f"{key}.tool_calls", field_name="tool_calls", **ck)
         taken = {n for o in out for n in (o.name, *o.aliases)}
         clash = next((n for n in (m.name, *m.aliases) if n in taken), None)
         where = "name" if clash == m.name else "aliases"

@@ -83,8 +83,16 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "client": rec.client,
         **({"suspensions": rec.suspensions, "suspended_ms": _ms(rec.suspended_s),
             "resume_prompt_tokens": rec.resume_prompt_tokens} if rec.suspensions else {}),
+        **({"tool_call_format": rec.tool_call_format, "tool_calls_repaired": rec.tool_calls_repaired,
+            "tool_calls_unrepaired": rec.tool_calls_unrepaired} if rec.tool_call_format else {}),
+        **({"tool_call_failure": rec.tool_call_failure} if rec.tool_call_failure else {}),
         **({"error": clip(rec.error, 512)} if rec.error else {}),
     }
+
+
+def _tool_calls(rec: RequestRecord) -> str:
+    """The text line's note of tool-call repair: calls repaired / passed through as text."""
+    return f" tool_calls={rec.tool_calls_repaired}/{rec.tool_calls_unrepaired}" if rec.tool_call_format else ""
 
 
 class AccessLog:
@@ -109,7 +117,9 @@ class AccessLog:
                     f"tokens={fields['prompt_tokens']}/{fields['completion_tokens']} backend={rec.backend or '-'} "
                     f"tenant={printable(rec.tenant)} class={rec.priority}"
                     f"{f' session={rec.session}' if rec.session else ''}"
-                    f"{f' suspended={rec.suspensions}x' if rec.suspensions else ''}\n").encode()
+                    f"{f' suspended={rec.suspensions}x' if rec.suspensions else ''}"
+                    f"{_tool_calls(rec)}"
+                    "\n").encode()
         self._buf.append(line)
         if self._flush_at is None or self._flush_loop is None or self._flush_loop.is_closed():
             try:

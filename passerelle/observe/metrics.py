@@ -104,6 +104,10 @@ class Metrics:
         self.requests = Counter("passerelle_requests", "Requests by termination cause.",
                                 ["model", "priority", "cause", *(["tenant"] if tenant_label else [])],
                                 registry=r)
+        # [[models]] tool_calls (proxy/repair.py): calls a runtime left as text, delivered as tool calls or not
+        self.tool_call_repairs = Counter("passerelle_tool_call_repairs", "Tool calls a runtime left as text, by "
+                                         "model, format and outcome (repaired, unrepaired).",
+                                         ["model", "format", "outcome"], registry=r)
         # tenants/admin_key.py: route is login, admin or batches; reason wrong_key (compared, wrong)
         # or throttled (refused before anything was compared)
         self.admin_key_failures = Counter("passerelle_admin_key_failures", "Attempts at the admin key refused, by "
@@ -166,6 +170,12 @@ class Metrics:
         model = rec.model if self.is_known_model(rec.model) else "unknown"
         assert rec.cause is not None
         self.count_request(model, rec.priority, rec.cause.value, rec.tenant)
+        if rec.tool_call_format:  # (repair on for the request: tools offered to a model with tool_calls set)
+            if rec.tool_calls_repaired:
+                self.tool_call_repairs.labels(model, rec.tool_call_format, "repaired").inc(rec.tool_calls_repaired)
+            if rec.tool_calls_unrepaired:
+                self.tool_call_repairs.labels(model, rec.tool_call_format, "unrepaired").inc(
+                    rec.tool_calls_unrepaired)
         if rec.t_queued and self.enabled:
             if self.tenant_label:
                 self.queue_wait.labels(model, rec.priority, self.tenant(rec.tenant)).observe(rec.queue_wait)

@@ -112,6 +112,12 @@ class RequestRecord:
     suspended_s: float = 0.0  # time spent suspended, waiting to resume
     resume_prompt_tokens: int = 0  # prompt tokens the runtime processed again to resume (not cached)
     earlier: list[Attempt] | None = None  # attempts before the current one (retries, cuts); None: none
+    # tool calls left as text by the runtime ([[models]] tool_calls, proxy/repair.py): the format ("" when
+    # repair was off for the request), calls delivered as tool calls, markup passed through as text and why
+    tool_call_format: str = ""
+    tool_calls_repaired: int = 0
+    tool_calls_unrepaired: int = 0
+    tool_call_failure: str = ""
     cold: bool = False  # no replica of its pool was up when it came: its wait includes a start or a swap
     # the body as read, until the record is accounted (held by the request anyway): [tracing] record_prompts
     body: bytes = b""

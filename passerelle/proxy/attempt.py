@@ -37,6 +37,8 @@ from passerelle.proxy.assemble_events import EventsAssembler
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Send
 from passerelle.proxy.relay import SSEScanner, StreamRelay, finish_upstream, read_body, read_error
+from passerelle.proxy.repair import repair_body
+from passerelle.proxy.repair_stream import stream_repair
 from passerelle.proxy.upstream_request import UpstreamRequest
 from passerelle.runtimes.breaker import Outcome
 from passerelle.runtimes.kinds import Backend
@@ -144,6 +146,8 @@ async def fetch(ex: Exchange, req: UpstreamRequest, backend: Backend,
                         if p is not None or c is not None:
                             rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
                             rec.cached_tokens = grammars.cached_of(obj)
+                if req.repair is not None:
+                    raw = repair_body(req.repair, api.grammar, raw)
                 return raw, resp.header(b"content-type") or b"application/json"
             send: Send = sink if sink is not None else ex.send
             if splice is not None:
@@ -151,7 +155,8 @@ async def fetch(ex: Exchange, req: UpstreamRequest, backend: Backend,
             # to an assembler, or to the client (whose response head goes out with the first bytes)
             relay = StreamRelay(rec, send, req.timeouts, strip_usage=req.strip_usage,
                                 client=ex if sink is None else None, grammar=grammars.make(api.grammar),
-                                max_event=limits.max_event_bytes)
+                                max_event=limits.max_event_bytes,
+                                repair=stream_repair(req.repair, api.grammar) if req.repair is not None else None)
             await relay.relay(resp, deadline, budget)
             if splice is not None and splice.suspended:
                 return None

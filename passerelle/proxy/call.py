@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.protocols import Api
+from passerelle.proxy.repair import ToolRepair
 from passerelle.proxy.resume import Splice
 from passerelle.runtimes.catalogue import ModelRoute
 from passerelle.scheduling.job import Job
@@ -48,6 +49,7 @@ class Call:
     grant: Ticket | None = None  # its turn among its key's concurrent requests (tenants/policy.py)
     session: tuple[str, str] | None = None  # its place among its session's requests (tenants/sessions.py)
     suspended_at: float = 0.0  # when its stream was last cut (perf_counter); 0: never, or not since
+    repair: ToolRepair | None = None  # tool calls left as text made the API's own (repair.py); None: off
 
     @property
     def estimate(self) -> int:

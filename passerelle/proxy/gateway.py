@@ -63,6 +63,7 @@ from passerelle.proxy.intake import (
     session_of,
 )
 from passerelle.proxy.protocols import Api, api_for
+from passerelle.proxy.repair import repair_for
 from passerelle.proxy.resume import Splice, suspendable
 from passerelle.proxy.retry import RetryBudget, may_retry
 from passerelle.proxy.upstream_request import upstream_request
@@ -271,7 +272,9 @@ class Gateway:
         splice = (Splice(data, api.name) if cls.preemptible and self.scheduler.preemption is not None
                   and data is not None and any(b.continuation for b in pool) and suspendable(data, api.name)
                   else None)
-        return Call(api, rec.stream, ctype, route, job, Deadline(cfg.timeouts, rec.t_arrival), splice)
+        repair = repair_for(route.tool_calls, api.name, data, rec) if route.tool_calls != "off" else None
+        return Call(api, rec.stream, ctype, route, job, Deadline(cfg.timeouts, rec.t_arrival), splice,
+                    repair=repair)
 
     def _release(self, rec: RequestRecord, call: Call) -> None:
         job = call.job

@@ -43,6 +43,7 @@ from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, Upstre
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar, cached_of, token_count
+from passerelle.proxy.repair import StreamRepair
 from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -150,8 +151,10 @@ class StreamRelay:
     client's (an answer assembled from a stream)."""
 
     def __init__(self, rec: RequestRecord, send: Send, timeouts: TimeoutConfig, *, strip_usage: bool,
-                 client: Client | None = None, grammar: Grammar | None = None, max_event: int = 1 << 20) -> None:
+                 client: Client | None = None, grammar: Grammar | None = None, max_event: int = 1 << 20,
+                 repair: StreamRepair | None = None) -> None:
         self.rec = rec
+        self.repair = repair  # tool calls left as text made the API's own (repair_stream.py); None: off
         self.grammar = grammar  # None: OpenAI chat/completions chunks, scanned here
         # Called once [DONE] is about to go out: a client that hangs up right after reading it
         # (the openai SDK does) has its answer, and must not count as a disconnect.
@@ -285,11 +288,12 @@ class StreamRelay:
         held: list[bytes] | None = []  # events before the first content chunk
         read = resp.readany
         send = self.send
+        repair = self.repair
         loop = asyncio.get_running_loop()
         total_at = deadline.total_at
         between = t.between_tokens_s
         slack = min(1.0, between / 10)
-        seen = 0  # content chunks when the deadline last moved
+        seen = 0  # content chunks (with repair, the runtime's text deltas too) when the deadline last moved
         try:
             while not self.done:
                 data = await read()
@@ -298,17 +302,23 @@ class StreamRelay:
                 events = scanner.feed(data)
                 if not events:
                     continue
-                payload = self._scan(events, time.perf_counter())
-                if rec.content_chunks != seen:
+                if repair is not None:  # (before the scan: it accounts what the client gets)
+                    events = repair.feed(events)
+                payload = self._scan(events, time.perf_counter()) if events else b""
+                # (with repair, a call being held is text the runtime generates, though none goes out yet)
+                progress = rec.content_chunks if repair is None else rec.content_chunks + repair.repair.fed
+                if progress != seen:
                     # Only content moves the deadline (a runtime dripping comments or empty events
                     # is not producing tokens), and only once per `slack`, not on every chunk: a
                     # timer reschedule per token is a measurable share of the gateway's CPU. The
                     # limit then fires between between_tokens_s and that plus slack.
-                    seen = rec.content_chunks
+                    seen = progress
                     now = loop.time()
                     left = budget.when() - now  # type: ignore[operator]
                     if not between <= left <= between + slack:  # (also: the first token)
                         budget.reschedule(min(total_at, now + between + slack))
+                if not events:
+                    continue
                 if held is not None:
                     # Before the first token nothing goes out (a role chunk is useless alone): a
                     # runtime that fails or times out before then can still be answered with a
@@ -334,7 +344,10 @@ class StreamRelay:
         tail = b""
         if not self.done and scanner.pending.strip():
             # (a last event without its blank line is delivered rather than lost)
-            tail = self._scan([scanner.pending], time.perf_counter()) + b"\n\n"
+            last = [scanner.pending + b"\n\n"]
+            if repair is not None:
+                last = repair.feed(last)
+            tail = self._scan(last, time.perf_counter()) if last else b""
         if not self.done and not self.upstream_error and self.grammar is not None and self.grammar.ends_at_close:
             self.done = True  # a grammar without an end marker: the close is the end
         if held is not None and self.done:  # a stream with no content at all, e.g. max_tokens = 0

@@ -32,6 +32,7 @@ from passerelle.errors import encode_request
 from passerelle.proxy.call import Call
 from passerelle.proxy.intake import with_usage_requested
 from passerelle.proxy.protocols import Api, replace_form_field
+from passerelle.proxy.repair import ToolRepair
 from passerelle.proxy.resume import Splice
 from passerelle.runtimes.kinds import Backend
 
@@ -54,6 +55,7 @@ class UpstreamRequest:
     splice: Splice | None = None  # a stream that may be cut and continued (resume.py)
     dialect: str = ""  # the runtime's continuation dialect, with a splice
     on_streaming: Callable[[], None] | None = None  # the attempt's first token went out (with a splice)
+    repair: ToolRepair | None = None  # tool calls left as text repaired in the answer (repair.py); None: off
 
     @property
     def streamed(self) -> bool:
@@ -88,4 +90,4 @@ def upstream_request(call: Call, backend: Backend, cfg: Config,
     return UpstreamRequest(api=api, body=body, content_type=call.content_type.encode("latin-1") if api.form else JSON,
                            stream=stream, collect=collect, strip_usage=strip_usage, limits=cfg.limits,
                            timeouts=cfg.timeouts, splice=splice, dialect=dialect,
-                           on_streaming=on_streaming if splice is not None else None)
+                           on_streaming=on_streaming if splice is not None else None, repair=call.repair)

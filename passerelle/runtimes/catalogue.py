@@ -69,6 +69,7 @@ class ModelRoute:
     rewritten: bool = False
     applied: list[str] = field(default_factory=list)  # parameter changes, for the log
     capabilities: tuple[str, ...] = ()  # what the model serving it declares it can do; () = not declared
+    tool_calls: str = "off"  # its entry's tool-call repair (config TOOL_CALL_FORMATS; proxy/repair.py)
 
 
 class Catalogue:
@@ -146,6 +147,7 @@ class Catalogue:
         route = self._apply(chosen, pool, endpoint, data, body)
         route.requested = requested
         route.capabilities = chosen.capabilities
+        route.tool_calls = chosen.tool_calls
         if chosen is not entry:
             route.fallback_from = entry.name
             log.info("model %s cannot serve within %g s; fallback %s serves the request", entry.name, wait_s,

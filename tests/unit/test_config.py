@@ -55,6 +55,8 @@ def test_environment_overrides_the_file(tmp_path):
      "[[backends]]\nname = \"b\"\nmodels = [\"m\"]\nlaunch = [\"llama-server\"]\n",
      "backends[1].launch", 8, "{port}"),
     ("[[backends]]\nurl = \"http://x\"\nmodels = [\"m\"]\n", "backends.name", None, "missing required key"),
+    ("[[backends]]\nname = \"a\"\nurl = \"http://x\"\nmodels = [\"m\"]\n[[models]]\nname = \"m\"\n"
+     "tool_calls = \"qwen3\"\n", "models[0].tool_calls", 7, "expected one of off, auto, hermes, qwen3-xml"),
 ])
 def test_errors_name_file_key_and_line(tmp_path, text, key, line, expect):
     path = write(tmp_path, text)
@@ -118,3 +120,10 @@ def test_limits_on_what_a_runtime_sends_are_validated_and_overridable(tmp_path):
         load_config(write(tmp_path, "[timeouts]\nclient_write_s = 0\n"), env={})
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(write(tmp_path, "[limits]\nmax_body = 1\n"), env={})
+
+
+def test_a_models_tool_calls_is_one_of_the_formats_and_off_by_default(tmp_path):
+    text = "[[backends]]\nname = \"a\"\nurl = \"http://x\"\nmodels = [\"m\", \"n\"]\n[[models]]\nname = \"m\"\n" \
+           "tool_calls = \"harmony\"\n[[models]]\nname = \"n\"\n"
+    cfg = load_config(write(tmp_path, text), env={})
+    assert [m.tool_calls for m in cfg.models] == ["harmony", "off"]

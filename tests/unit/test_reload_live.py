@@ -27,6 +27,7 @@ from passerelle.config import (
     BackendConfig,
     ClassConfig,
     Config,
+    ModelConfig,
     RoutingConfig,
     SchedulerConfig,
     ServerConfig,
@@ -262,3 +263,23 @@ async def test_preemption_turned_off_lets_a_suspended_stream_resume_and_cuts_no_
     clock.now += 5
     s.expire_due()
     assert stream.calls == 1 and other.backend is None
+
+
+async def test_a_models_tool_calls_setting_applies_at_a_reload(tmp_path):
+    """``[[models]] tool_calls`` is the catalogue's (a models change, carried out by the catalogue at
+    once): after a reload the next request's route has the new format, as a fresh start gives it."""
+    old = dataclasses.replace(_base(tmp_path), models=(ModelConfig("m"),))
+    new = dataclasses.replace(old, models=(ModelConfig("m", tool_calls="hermes"),))
+    running, fresh = build_app(old, lambda: new).service, build_app(new).service
+
+    def route_of(s: Service) -> str:
+        return s.catalogue.resolve("m", "chat", {"model": "m", "messages": []}, b"{}").tool_calls
+
+    try:
+        assert route_of(running) == "off"
+        out = await running.reload()
+        assert out["models"]["replaced"] == ["m"] and not out["needs_restart"]
+        assert route_of(running) == route_of(fresh) == "hermes"
+    finally:
+        await running.stop()
+        await fresh.stop()
