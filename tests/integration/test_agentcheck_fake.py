@@ -6,6 +6,8 @@ not, on the three APIs.
 * The runtime writes the calls as Hermes markup in the text, as a runtime without a tool parser
   does, and the gateway's tool-call repair is off (its default): no turn passes, each fails for the
   markup left in the text and the missing call; that is what a client gets today.
+* The same with ``[[models]] tool_calls`` set (the format, or ``auto``): every turn passes, for
+  every format, on the three APIs, streamed and not.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def tool_runtime(tmp_path: Path) -> Iterator[Callable[..., Server]]:
         s.stop()
 
 
-def gateway_config(url: str) -> str:
+def gateway_config(url: str, tool_calls: str = "") -> str:
+    repair = f'[[models]]\n    name = "scripted"\n    tool_calls = "{tool_calls}"' if tool_calls else ""
     return f"""
     [[backends]]
     name = "scripted"
@@ -54,12 +57,15 @@ def gateway_config(url: str) -> str:
     models = ["scripted"]
     endpoints = ["chat", "responses", "messages", "count_tokens"]
     max_concurrency = 4
+
+    {repair}
     """
 
 
-def agentcheck(gw: Gateway, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+def agentcheck(gw: Gateway, out: Path, *extra: str,
+               repair: str = "off") -> tuple[subprocess.CompletedProcess[str], dict]:
     proc = subprocess.run([sys.executable, "-m", "passerelle", "agentcheck", "--url", gw.url, "--model", "scripted",
-                           "--runtime", "scripted", "--repair", "off", "--out", str(out), "--timeout", "60", *extra],
+                           "--runtime", "scripted", "--repair", repair, "--out", str(out), "--timeout", "60", *extra],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads((out / "results.json").read_text())
@@ -102,3 +108,17 @@ def test_markup_as_text_fails_without_repair(tool_runtime, gateway, tmp_path: Pa
                              "--client", "opencode", "--stream", "no", "--out", str(tmp_path / "strict"), "--strict"],
                             capture_output=True, text=True, timeout=120)
     assert strict.returncode == 1, strict.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("fmt", "tool_calls"), [("hermes", "hermes"), ("qwen3-xml", "qwen3-xml"), ("mistral", "auto"),
+                                                 ("llama3", "llama3"), ("harmony", "harmony"), ("native", "auto")])
+def test_markup_as_text_is_repaired(tool_runtime, gateway, tmp_path: Path, fmt: str, tool_calls: str) -> None:
+    """Every format, found by its name or by ``auto``; a runtime's own calls are left as they are."""
+    runtime = tool_runtime(*(("--tool-format", fmt) if fmt != "native" else ()))
+    gw = gateway(gateway_config(runtime.url, tool_calls))
+    _, results = agentcheck(gw, tmp_path / fmt, "--client", "claude-code", "--client", "codex", "--client", "opencode",
+                            "--client", "pydantic-ai", repair="on")
+    rows = results["rows"]
+    assert {r["api"] for r in rows} == {"chat", "responses", "messages"} and len(rows) == 12
+    assert [r for r in rows if not r["passed"]] == []
+    assert all(r["calls"] and "<" not in r["text"] for r in rows)  # the call delivered, no markup left
