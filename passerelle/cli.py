@@ -1,4 +1,4 @@
-"""The ``passerelle`` command: serve, setup, keys, bench, fake-backend."""
+"""The ``passerelle`` command: serve, setup, keys, bench, agentcheck, fake-backend."""
 
 from __future__ import annotations
 
@@ -354,10 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
                        action=_Renamed, help=argparse.SUPPRESS)  # --flavour's old name
     setup.set_defaults(func=cmd_setup)
 
+    from passerelle.bench.agentcheck_cli import add_parser as add_agentcheck_parser
     from passerelle.bench.cli import add_parser as add_bench_parser
     from passerelle.testing.fake_runtime import add_parser as add_fake_parser
 
     add_bench_parser(sub, cmd_bench_flavours)
+    add_agentcheck_parser(sub)
     add_fake_parser(sub)
     return parser
 

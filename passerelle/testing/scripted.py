@@ -129,14 +129,21 @@ def _structured(api: str, body: dict[str, Any]) -> str | None:
     return "{}" if fmt.get("type") == "json_object" else None
 
 
+def scripted_call(api: str, body: dict[str, Any]) -> Call | None:
+    """The call the script makes for ``body``: the chosen tool, its arguments made from its schema
+    (a custom tool's input a shell line); None when the request asks for no call."""
+    tool = _choose_tool(api, body)
+    if tool is None:
+        return None
+    kind, name, schema = tool
+    args = SHELL_LINE if kind == "custom" else orjson.dumps(example_of(schema) if schema else {}).decode()
+    return Call(name, args, "toolu_rec1" if api == "messages" else "call_rec1", custom=kind == "custom")
+
+
 def _turn(api: str, body: dict[str, Any]) -> Turn:
-    """The script's turn: a call of the chosen tool (arguments from its schema, a custom tool's
-    input a shell line), else text; thinking first when the request asks for it."""
-    tool, call = _choose_tool(api, body), None
-    if tool:
-        kind, name, schema = tool
-        args = SHELL_LINE if kind == "custom" else orjson.dumps(example_of(schema) if schema else {}).decode()
-        call = Call(name, args, "toolu_rec1" if api == "messages" else "call_rec1", custom=kind == "custom")
+    """The script's turn: a call of the chosen tool, else text; thinking first when the request
+    asks for it."""
+    call = scripted_call(api, body)
     if api == "messages":
         thinking = body.get("thinking")
         return Turn(TEXT, call, isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive"))

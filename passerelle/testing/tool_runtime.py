@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from passerelle.testing.answers import Answer, Call, Turn, build, count_tokens, has_tool_result, tools
+from passerelle.testing.scripted import scripted_call
+from passerelle.testing.tool_call_text import FORMATS, as_text
 
 FILENAME = "hello.txt"
 CONTENT = "hello from passerelle"
@@ -58,12 +60,23 @@ def tool_call(names: list[str], workdir: Path) -> Call | None:
     return None
 
 
-def decide(api: str, body: dict[str, Any], workdir: Path) -> Turn:
-    """A call of the agent's tool, or the text to answer."""
+def decide(api: str, body: dict[str, Any], workdir: Path, *, tool_format: str | None = None,
+           any_tool: bool = False) -> Turn:
+    """A call of the agent's tool, or the text to answer. ``any_tool``: a request offering any tool
+    gets a call: scripted.py's choice of tool, its arguments made from the tool's own schema
+    (another client's ``Write`` is not Claude Code's). ``tool_format``: the call is written as that
+    format's markup in the text, as a runtime without a tool parser answers (tool_call_text.py), and
+    the answer ends as plain text."""
     tag = str(next(_ids))
     if has_tool_result(api, body):
         return Turn(FINAL_TEXT, tag=tag)
-    call = tool_call([name for _, name, _ in tools(body)], workdir)
+    if any_tool:
+        made = scripted_call(api, body)
+        call = None if made is None else Call(made.name, made.arguments, f"call_{tag}", custom=made.custom)
+    else:
+        call = tool_call([name for _, name, _ in tools(body)], workdir)
+    if call is not None and tool_format is not None and not call.custom:
+        return Turn(as_text(tool_format, call.name, call.arguments), tag=tag)
     return Turn(PLAIN_TEXT, call, tag=tag)
 
 
@@ -115,7 +128,8 @@ class _Handler(BaseHTTPRequestHandler):
         if api is None:
             self._json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
             return
-        turn = decide(api, body, self.server.workdir)
+        turn = decide(api, body, self.server.workdir, tool_format=self.server.tool_format,
+                      any_tool=self.server.any_tool)
         self._record(path, body, record_of(turn))
         self._answer(build(api, body, turn))
 
@@ -148,9 +162,11 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], *, workdir: Path, record: Path, models: list[str]) -> None:
+    def __init__(self, addr: tuple[str, int], *, workdir: Path, record: Path, models: list[str],
+                 tool_format: str | None = None, any_tool: bool = False) -> None:
         super().__init__(addr, _Handler)
         self.workdir, self.record, self.models = workdir, record, models
+        self.tool_format, self.any_tool = tool_format, any_tool
         self.lock = threading.Lock()
 
 
@@ -161,9 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, required=True, help="where the tool call writes hello.txt")
     p.add_argument("--record", type=Path, required=True, help="JSON lines file: every request and its answer")
     p.add_argument("--model", action="append", default=[], help="model id listed by /v1/models (repeatable)")
+    p.add_argument("--tool-format", choices=sorted(FORMATS),
+                   help="write each call as this format's markup in the answer's text (as a runtime without "
+                        "a tool parser does) instead of the API's own tool call")
+    p.add_argument("--any-tool", action="store_true",
+                   help="call a tool of any request that offers one (arguments made from its schema), not only "
+                        "the agents' file-writing and shell tools")
     args = p.parse_args(argv)
     server = _Server((args.host, args.port), workdir=args.workdir.resolve(), record=args.record,
-                     models=args.model or ["scripted"])
+                     models=args.model or ["scripted"], tool_format=args.tool_format, any_tool=args.any_tool)
     print(f"tool runtime on http://{args.host}:{server.server_address[1]}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
