@@ -339,6 +339,18 @@ def event_data(ev: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
+def event_object(ev: bytes) -> dict[str, Any] | None:
+    """The JSON object one event carries, or None (a comment, ``[DONE]``, data that is no object)."""
+    data = event_data(ev)
+    if data is None:
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def as_dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 

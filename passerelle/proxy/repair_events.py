@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from passerelle.proxy.repair import (
     Channel,
     Piece,
@@ -22,7 +20,7 @@ from passerelle.proxy.repair import (
     Thought,
     ToolRepair,
     as_dict,
-    event_data,
+    event_object,
     function_call_item,
     new_id,
     object_arguments,
@@ -65,15 +63,9 @@ class ResponsesRepair(StreamRepair):
     def feed(self, events: list[bytes]) -> list[bytes]:
         out: list[bytes] = []
         for ev in events:
-            data = event_data(ev)
-            obj = None
-            if data is not None:
-                try:
-                    obj = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    obj = None
-            kind = obj.get("type") if isinstance(obj, dict) else None
-            if not isinstance(obj, dict) or not isinstance(kind, str) or not kind.startswith("response."):
+            obj = event_object(ev)
+            kind = obj.get("type") if obj is not None else None
+            if obj is None or not isinstance(kind, str) or not kind.startswith("response."):
                 out.append(ev)  # (a comment, an error event)
                 continue
             out += self._event(ev, kind, obj)
@@ -262,15 +254,9 @@ class MessagesRepair(StreamRepair):
     def feed(self, events: list[bytes]) -> list[bytes]:
         out: list[bytes] = []
         for ev in events:
-            data = event_data(ev)
-            obj = None
-            if data is not None:
-                try:
-                    obj = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    obj = None
-            kind = obj.get("type") if isinstance(obj, dict) else None
-            if not isinstance(obj, dict) or not isinstance(kind, str):
+            obj = event_object(ev)
+            kind = obj.get("type") if obj is not None else None
+            if obj is None or not isinstance(kind, str):
                 out.append(ev)
                 continue
             out += self._event(ev, kind, obj)
