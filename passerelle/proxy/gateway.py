@@ -290,7 +290,8 @@ class Gateway:
         splice = (Splice(data, api.name) if cls.preemptible and self.scheduler.preemption is not None
                   and data is not None and any(b.continuation for b in pool) and suspendable(data, api.name)
                   else None)
-        repair = repair_for(route.tool_calls, api.name, data, rec) if route.tool_calls != "off" else None
+        fmt = route.entry.tool_calls if route.entry is not None else "off"  # (the entry's tool-call repair)
+        repair = repair_for(fmt, api.name, data, rec) if fmt != "off" else None
         return Call(api, rec.stream, ctype, route, job, Deadline(cfg.timeouts, rec.t_arrival), splice,
                     repair=repair)
 

@@ -67,7 +67,6 @@ class ModelRoute:
     capabilities: tuple[str, ...] = ()  # what the model serving it declares it can do; () = not declared
     entry: ModelConfig | None = None  # the catalogue entry that serves it
     unfit: list[str] = field(default_factory=list)  # capabilities needed that no replica of the pool has
-    tool_calls: str = "off"  # its entry's tool-call repair (config TOOL_CALL_FORMATS; proxy/repair.py)
 
 
 class Catalogue:
@@ -156,7 +155,6 @@ class Catalogue:
         route.requested = requested
         route.capabilities = chosen.capabilities
         route.entry, route.unfit = chosen, unfit
-        route.tool_calls = chosen.tool_calls
         if chosen is not entry:
             route.fallback_from = entry.name
             log.info("model %s cannot serve within %g s; fallback %s serves the request", entry.name, wait_s,

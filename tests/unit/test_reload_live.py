@@ -297,7 +297,7 @@ async def test_a_models_tool_calls_setting_applies_at_a_reload(tmp_path):
     running, fresh = build_app(old, lambda: new).service, build_app(new).service
 
     def route_of(s: Service) -> str:
-        return s.catalogue.resolve("m", "chat", {"model": "m", "messages": []}, b"{}").tool_calls
+        return s.catalogue.resolve("m", "chat", {"model": "m", "messages": []}, b"{}").entry.tool_calls
 
     try:
         assert route_of(running) == "off"
