@@ -26,6 +26,7 @@ import shutil
 import tomllib
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,27 @@ class BackendConfig:
     idle_ttl_s: float = 0.0  # stop a launched runtime after this long without requests (0: never)
     memory_gib: float = 0.0  # what it needs loaded; 0: measured once it ran, estimated from the GGUF before
     persistent: bool = False  # pinned: never stopped for the memory budget nor when idle
+
+
+@dataclass(frozen=True)
+class BoxConfig:
+    """Another box's passerelle whose models this gateway schedules over (runtimes/boxes.py).
+
+    ``key`` authenticates this gateway to the box: that box's ``[admin] key`` (its admin API
+    places models there), sent as Bearer and never logged; ``api_key``, a tenant key on the box
+    for its inference routes where that box requires keys (default: ``key``).
+    """
+
+    name: str
+    url: str = ""  # the box's passerelle, e.g. http://10.0.0.2:8080
+    key: str = ""
+    api_key: str = ""
+    admin_url: str = ""  # the box's admin port, where it has one ([admin] port); "": url
+    models: tuple[str, ...] = ()  # only these of the box's models (globs allowed); empty: all
+    place: bool = True  # start the box's stopped runtimes that fit its memory budget (replicas first)
+    poll_s: float = 1.0  # how often the box's health, models and runtimes are read
+    timeout_s: float = 1.0  # the deadline of one reading; a box that misses two in a row is down
+    allow_http: bool = False  # plain http to an address that is not private (the key would travel in clear)
 
 
 # llama-server builds (flavours) the embedded runtime can use (runtimes/flavours.py); auto: this machine's GPU
@@ -448,11 +470,13 @@ class Config:
     classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES
     backends: tuple[BackendConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()
+    boxes: tuple[BoxConfig, ...] = ()
     source: str = "<defaults>"
 
     @property
     def uses_embedded(self) -> bool:
-        return not self.backends
+        """No runtime of its own and no other box to send work to: the embedded default serves."""
+        return not self.backends and not self.boxes
 
     def state_path(self, env: Mapping[str, str] | None = None) -> Path:
         """This instance's state directory (keys, usage, audit log), in order:
@@ -490,6 +514,9 @@ _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig,
                               "runtimes": RuntimesConfig, "limits": LimitsConfig,
                               "batches": BatchesConfig, "tracing": TracingConfig,
                               "store": StoreConfig}
+
+
+_ARRAYS = ("backends", "classes", "models", "boxes")
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -629,9 +656,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"not valid TOML: {exc}", file=file) from None
     for key in data:
-        if key not in (*_SECTIONS, "backends", "classes", "models"):
+        if key not in (*_SECTIONS, *_ARRAYS):
             raise ConfigError("unknown section; expected one of: "
-                              f"{', '.join([*_SECTIONS, 'backends', 'classes', 'models'])}",
+                              f"{', '.join([*_SECTIONS, *_ARRAYS])}",
                               file=file, key=key, line=_line_of(text, None, key))
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
@@ -775,23 +802,72 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     models = _load_models(data.get("models", []), file=file, text=text)
     _check(all(a.strip() for a in sections["embedded"].aliases), "expected model names or globs, none empty",
            file=file, key="embedded.aliases", text=text, header="embedded", field_name="aliases")
-    served = {m for b in backends for m in b.models} or {sections["embedded"].served_id}
+    boxes = _load_boxes(data.get("boxes", []), {b.name for b in backends}, file=file, text=text)
+    served = {m for b in backends for m in b.models} or ({sections["embedded"].served_id} if not boxes else set())
     names = {m.name for m in models} | served
     for i, m in enumerate(models):
         ck = dict(file=file, text=text, header="models", nth=i)
-        _check(m.target in served, f"no backend serves '{m.target}'; served: {', '.join(sorted(served))}",
+        # (what other boxes serve is known once they answer: an entry may name it)
+        _check(m.target in served or bool(boxes),
+               f"no backend serves '{m.target}'; served: {', '.join(sorted(served))}",
                key=f"models[{i}].served_name", field_name="served_name" if m.served_name else "name", **ck)
         known = {b.name for b in backends}
         _check(set(m.backends) <= known, f"unknown backend; expected some of {', '.join(sorted(known))}",
                key=f"models[{i}].backends", field_name="backends", **ck)
-        missing = [f for f in m.fallbacks if f not in names]
+        missing = [f for f in m.fallbacks if f not in names and not boxes]
         _check(not missing, f"unknown fallback '{missing[0] if missing else ''}'; expected a [[models]] name "
                "or a model a backend serves", key=f"models[{i}].fallbacks", field_name="fallbacks", **ck)
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
                   routing=sections["routing"], runtimes=sections["runtimes"], limits=limits,
                   batches=sections["batches"], tracing=tracing, store=store,
-                  backends=tuple(backends), models=models, source=file)
+                  backends=tuple(backends), models=models, boxes=boxes, source=file)
+
+
+def _private_host(host: str) -> bool:
+    """An address of a private network (or loopback, link-local), or a name of the local network
+    (one label, or ending .local, .lan, .internal, .home.arpa): plain http to it stays on the LAN."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return "." not in host or host.endswith((".local", ".lan", ".internal", ".home.arpa"))
+    return ip.is_private or ip.is_loopback or ip.is_link_local
+
+
+def _load_boxes(raw: Any, backend_names: set[str], *, file: str, text: str) -> tuple[BoxConfig, ...]:
+    """``[[boxes]]``: other boxes' passerelles; each name unique (their replicas are named
+    ``NAME/model``), each URL http(s), plain http only to a private address unless allowed."""
+    if not isinstance(raw, list):
+        raise ConfigError("expected an array of tables ([[boxes]])", file=file, key="boxes")
+    out: list[BoxConfig] = []
+    for i, table in enumerate(raw):
+        b: BoxConfig = _build(BoxConfig, table, file=file, text=text, header="boxes", nth=i)
+        key = f"boxes[{i}]"
+        ck: dict[str, Any] = dict(file=file, text=text, header="boxes", nth=i)
+        _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", b.name)),
+               "expected a name of letters, digits, '.', '_' or '-' (at most 63)", key=f"{key}.name",
+               field_name="name", **ck)
+        _check(b.name not in {o.name for o in out} and b.name not in backend_names,
+               f"duplicate name '{b.name}' (boxes and backends are named apart)", key=f"{key}.name",
+               field_name="name", **ck)
+        for name in ("url", "admin_url"):
+            url = getattr(b, name)
+            if name == "admin_url" and not url:
+                continue
+            parts = urllib.parse.urlsplit(url)
+            _check(parts.scheme in ("http", "https") and bool(parts.hostname), "expected an http(s) URL",
+                   key=f"{key}.{name}", field_name=name if name in table else "name", **ck)
+            _check(parts.scheme == "https" or b.allow_http or _private_host(parts.hostname or ""),
+                   f"plain http to {parts.hostname}, not a private address: the box key would travel in clear; "
+                   "use https, or set allow_http = true", key=f"{key}.{name}", field_name=name, **ck)
+        _check(bool(b.key), "give the box key (that box's [admin] key): its admin API and health need it",
+               key=f"{key}.key", field_name="key" if "key" in table else "name", **ck)
+        _check(0.1 <= b.poll_s <= 60, "expected seconds between 0.1 and 60", key=f"{key}.poll_s",
+               field_name="poll_s", **ck)
+        _check(0.1 <= b.timeout_s <= 30, "expected seconds between 0.1 and 30", key=f"{key}.timeout_s",
+               field_name="timeout_s", **ck)
+        out.append(b)
+    return tuple(out)
 
 
 def _check_batches(b: BatchesConfig, *, file: str, text: str) -> None:

@@ -116,5 +116,12 @@ class CircuitBreaker:
                 self.open_until = now + min(self.max_backoff_s, self.min_backoff_s * 2 ** min(extra, 16))
                 self._to(BreakerState.OPEN)
 
+    def trip(self, now: float) -> None:
+        """Open at once, whatever the count: the replica is known to be gone (its box is down);
+        the first probe may go after the shortest backoff, or when the box is seen back."""
+        self.open_until = now + self.min_backoff_s
+        self.probe_out = False
+        self._to(BreakerState.OPEN)
+
     def describe(self) -> dict[str, object]:
         return {"state": self.state.value, "failures": self.failures}

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from passerelle.config import Config
+from passerelle.runtimes.boxes import BoxBackend
 from passerelle.runtimes.factory import build_runtime
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
@@ -81,8 +82,9 @@ class Fleet:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def serving(self) -> dict[str, Backend]:
-        """The backends by name, those draining from an earlier reload left out."""
-        return {b.name: b for b in self.registry.backends if not b.draining}
+        """The backends by name, those draining from an earlier reload left out, and other boxes'
+        replicas too (those follow their box, not the configuration's backends)."""
+        return {b.name: b for b in self.registry.backends if not b.draining and not isinstance(b, BoxBackend)}
 
     async def stage(self, plan: ReloadPlan, cfg: Config) -> Staged:
         """Build the backends ``plan`` starts, and start their runtimes (on-demand ones excepted)
@@ -135,7 +137,9 @@ class Fleet:
                 self.supervisor.retiring.add(old)  # stopped at shutdown too, if still draining then
             self._spawn(self._retire(current[name], old, drain_timeout_s), f"retire-{name}")
         kept = [current[n] for n in plan.backends.kept]
-        self.registry.set_backends(kept + staged.backends + [current[n] for n in plan.drains] + still_draining)
+        remote: list[Backend] = [b for b in self.registry.backends if isinstance(b, BoxBackend)]  # (boxes.py)
+        self.registry.set_backends(kept + staged.backends + [current[n] for n in plan.drains] + still_draining
+                                   + remote)
         if self.on_ready is not None and staged.backends:
             self.on_ready()  # requests queued for a model the new backends serve may go now
 

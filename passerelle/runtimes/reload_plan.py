@@ -43,6 +43,7 @@ RESTART: Mapping[str, tuple[str, ...]] = {
     "admin": ("host", "port"),  # the admin listener
     "auth": ("db",),  # the SQLite file of keys and usage
     "store": ALL,  # the key store (PostgreSQL)
+    "boxes": ALL,  # the other boxes: their watcher is set up at start-up (runtimes/boxes.py)
     "metrics": ALL,  # the Prometheus registry's labels and the dashboard's window
     "tracing": ALL,  # the tracer
     "batches": ALL,  # the Batch API's store and runners

@@ -35,6 +35,7 @@ from passerelle.observe.record import RequestRecord
 from passerelle.observe.runtime_metrics import RuntimeMetrics
 from passerelle.observe.tracing import start_tracer
 from passerelle.proxy.gateway import Gateway
+from passerelle.runtimes.boxes import Boxes
 from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.memory import MemoryBook
@@ -109,7 +110,8 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
         keys_api=KeysApi(admin_key_check, stores.keys, key_manager, keys, stores.usage, stores.reports, people),
         body_budget=body_budget, forwarded=ForwardedTrust(cfg.server), admin_guard=admin_guard,
         admin_login=AdminLogin(admin_guard, body_budget),
-        loader=loader, backends_configured=backends_configured, people=people)
+        loader=loader, backends_configured=backends_configured, people=people,
+        boxes=Boxes(cfg.boxes, cfg.timeouts) if cfg.boxes else None)  # other boxes' replicas (runtimes/boxes.py)
     # The Batch API: its store beside the keys' database, its lines at the least urgent class; it
     # reads the service's parts (batches/parts.py), so a reload's are the ones it sees.
     service.batches = BatchApi(cfg.batches, cfg.db_path().parent, service, metrics.registry, admin_key_check)

@@ -23,23 +23,34 @@ from urllib.parse import parse_qs
 import orjson
 
 from passerelle.errors import InvalidRequest, NoBackend, NotFound, clip
+from passerelle.runtimes.boxes import BoxBackend
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.supervisor import RuntimeFailed, Supervisor
 
 
 def runtimes(sup: Supervisor | None, backends: Iterable[Backend] = (),
-             swaps: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every launched runtime, then every backend passerelle reaches at a URL (state ``external``),
-    the memory budget, and the swaps (``swaps``: the swapper's account)."""
+             swaps: dict[str, Any] | None = None, *, boxes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every launched runtime, then every backend passerelle reaches at a URL (state ``external``;
+    another box's replica: its box's state, ``where`` naming the box), the memory budget, the
+    swaps (``swaps``: the swapper's account), and the other boxes with where each model runs
+    (``boxes``: runtimes/boxes.py)."""
     rows = sup.describe() if sup else []
+    for r in rows:
+        r["where"] = "local"
     launched = {r["name"] for r in rows}
     for b in backends:
         if b.name not in launched:
-            rows.append({"name": b.name, "kind": b.kind, "flavour": b.cfg.flavour or None, "state": "external",
+            box = b.box.cfg.name if isinstance(b, BoxBackend) else ""
+            rows.append({"name": b.name, "kind": b.kind, "flavour": b.cfg.flavour or None,
+                         "state": b.box.status.state.value if isinstance(b, BoxBackend) else "external",
                          "pid": None, "url": b.url, "restarts": 0, "in_flight": b.in_flight, "up": b.stats.up,
-                         "on_demand": False,
+                         "on_demand": False, "where": box or "external", "remote": bool(box),
+                         "remote_state": b.remote_state if isinstance(b, BoxBackend) else None,
                          "models": list(b.models), **b.capacity_info.as_dict()})
-    return {"runtimes": rows, "budget": sup.budget() if sup else {}, "swaps": (swaps or {}) if sup else {}}
+    out = {"runtimes": rows, "budget": sup.budget() if sup else {}, "swaps": (swaps or {}) if sup else {}}
+    if boxes is not None:
+        out["boxes"] = boxes
+    return out
 
 
 async def runtime_action(sup: Supervisor | None, path: str, method: str, query: bytes) -> dict[str, Any] | str:
@@ -80,7 +91,7 @@ def render(body: bytes) -> str:
            f"{'RESTARTS':>9}{'EST GiB':>9}{'MEASURED':>10}{'RAM':>7}{'GPU':>7}{'COUNTS':>8}  URL"]
     for r in rows:
         flags = [f for f, on in (("on demand", r.get("on_demand")), ("persistent", r.get("persistent")),
-                                 ("unloading", r.get("fenced"))) if on]
+                                 ("unloading", r.get("fenced")), (f"box {r.get('where')}", r.get("remote"))) if on]
         measured = _gib(r.get("measured_gib")) + ("" if r.get("measured_now") or r.get("measured_gib") is None
                                                   else "*")
         out.append(f"{r['name']:16}{r['kind']:14}{r.get('flavour') or '-':13}"
@@ -99,7 +110,26 @@ def render(body: bytes) -> str:
     if any(r.get("measured_gib") is not None and not r.get("measured_now") for r in rows):
         out.append("* measured when it last ran (learned; kept across restarts of passerelle)")
     out.append("COUNTS: what the budget counts (measured, else configured memory_gib, else the estimate)")
+    out += _render_boxes(data.get("boxes"))
     details = [f"  {r['name']}: {r['capacity_detail']}" for r in rows if r.get("capacity_detail")]
     if details:
         out += ["", "capacity, requests at once:", *details]
     return "\n".join(out)
+
+
+def _render_boxes(boxes: dict[str, Any] | None) -> list[str]:
+    """The other boxes (state, cause, budget) and where each model runs: replicas (it fits a box)
+    or split (it fits none alone)."""
+    if not boxes:
+        return []
+    out = ["", "boxes:"]
+    for b in boxes.get("boxes", []):
+        mem = b.get("memory") or {}
+        budget = f"{_gib(mem.get('loaded_gib'))} of {_gib(mem.get('max_loaded_gib'))} GiB loaded"
+        cause = f" ({b['cause']})" if b.get("cause") else ""
+        out.append(f"  {b['name']:14}{b['state']:9}{budget:28}{b['url']}{cause}")
+    out.append("placement:")
+    for p in boxes.get("placements", []):
+        where = ", ".join(p["boxes"]) or "-"
+        out.append(f"  {p['model']:24}{p['mode']:10}{_gib(p.get('need_gib')):>7} GiB  on {where}  ({p['why']})")
+    return out

@@ -42,6 +42,8 @@ _ui_page: list[bytes] = []  # the dashboard, read once
 async def health(svc: Service, scope: Scope, receive: Receive, send: Send) -> None:
     # what answers, and which version: a benchmark's report names it (bench/target.py)
     body: dict[str, Any] = {"status": "ok", "server": "passerelle", "version": __version__}
+    if svc.boxes is not None:  # other boxes: each one's state and, when it is not up, why (runtimes/boxes.py)
+        body["boxes"] = svc.boxes.health()
     store = svc.stores.describe()
     if store is None:
         await json_response(send, 200, body)
@@ -166,6 +168,8 @@ async def admin_stats(svc: Service, scope: Scope, receive: Receive, send: Send) 
                               "sessions_in_flight": len(gateway.sessions),
                               "session_refused_total": gateway.sessions.refused}
     snap["runtimes"] = svc.supervisor.describe()  # loaded or not, memory estimated and measured
+    if svc.boxes is not None:  # other boxes: state, replicas, where each model runs (fits or split)
+        snap["boxes"] = svc.boxes.describe()
     snap["swaps"] = svc.swapper.describe()  # budget, swaps and their cost, what waits for a load
     snap["batches"] = svc.batches.snapshot()  # progress of the batches in progress
     snap.update(svc.keys.snapshot())  # auth_throttle, tenants, keys (tenants/policy.py)
@@ -184,7 +188,8 @@ async def reload(svc: Service, scope: Scope, receive: Receive, send: Send) -> No
 
 
 async def runtimes(svc: Service, scope: Scope, receive: Receive, send: Send) -> None:
-    await json_response(send, 200, control.runtimes(svc.supervisor, svc.registry.backends, svc.swapper.describe()))
+    await json_response(send, 200, control.runtimes(svc.supervisor, svc.registry.backends, svc.swapper.describe(),
+                                                    boxes=svc.boxes.describe() if svc.boxes is not None else None))
 
 
 async def runtime_action(svc: Service, scope: Scope, receive: Receive, send: Send) -> None:

@@ -49,9 +49,11 @@ from passerelle.observe.runtime_metrics import RuntimeMetrics
 from passerelle.observe.tracing import RequestTracer
 from passerelle.proxy.gateway import Gateway
 from passerelle.runtimes import embedded
+from passerelle.runtimes.boxes import BoxBackend, Boxes
 from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.factory import expand
 from passerelle.runtimes.fleet import Fleet
+from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.reload_plan import effective, plan_reload
 from passerelle.runtimes.supervisor import RuntimeFailed, Supervisor
@@ -107,6 +109,7 @@ class Service:
     # The configuration lists backends (not the embedded default): a reload to none is refused.
     backends_configured: bool = True
     people: PeopleBook | None = None  # the names and emails a front-end forwards (tenants/people.py)
+    boxes: Boxes | None = None  # [[boxes]]: other boxes' models as replicas here (runtimes/boxes.py)
     # What a reload changes in the backends (runtimes/fleet.py), and who hears the list changed.
     batches: BatchApi = field(init=False)  # (built by build.py with the service itself: batches/parts.py)
     fleet: Fleet = field(init=False)
@@ -151,6 +154,9 @@ class Service:
         await self.supervisor.start_all()
         await self.registry.start()
         self.registry.on_up = self.scheduler.dispatch
+        if self.boxes is not None:
+            self.boxes.on_change = self._box_replicas
+            await self.boxes.start()
         await self.stores.start()
         if self.people is not None:
             self.people.start()
@@ -182,6 +188,8 @@ class Service:
             self._ending.cancel()
         await self.batches.stop()  # (its lines' usage rows are written by the usage store's stop)
         await self.swapper.stop()
+        if self.boxes is not None:
+            await self.boxes.stop()
         await self.registry.stop()
         await self.supervisor.stop_all()
         self.access_log.flush()  # (requests cut short after this are flushed at exit)
@@ -245,6 +253,15 @@ class Service:
         for model in self.catalogue.names:
             for cls in self.cfg.classes:
                 self.metrics.waiting.labels(model, cls.name).set(counts.get((model, cls.name), 0))
+
+    def _box_replicas(self, replicas: list[Backend]) -> None:
+        """Other boxes' replicas came, went, or changed health: the registry holds them beside this
+        box's backends, and queued requests may go to one that is up now."""
+        current = self.registry.backends
+        if [b for b in current if isinstance(b, BoxBackend)] != replicas:
+            self.registry.set_backends([b for b in current if not isinstance(b, BoxBackend)] + replicas)
+            self._backends_changed()
+        self.scheduler.dispatch()
 
     def _backends_changed(self) -> None:
         if self.on_backends_change is not None:

@@ -1,0 +1,99 @@
+"""Replicas on two boxes behind one gateway: each box a network namespace with its own passerelle
+supervising its runtime, the team's gateway in the root namespace reading them ([[boxes]]).
+
+The fair-share test uses the fake runtime: its exact timing (every request the same length) makes
+the tenants' shares a count of requests, which a real model's varying answers would blur."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from passerelle.testing.netns import Network, available
+from tests.integration.boxes_support import boxes_config, fake_box_config, start_box
+from tests.waiting import wait_until
+
+
+def cli(env: dict[str, str], *args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "passerelle", *args], env={**os.environ, **env}, capture_output=True,
+                          text=True, check=True, timeout=60).stdout
+
+
+def test_one_gateway_shares_two_boxes_fairly_by_the_tenants_weights(gateway, tmp_path):
+    assert available() == ""
+    env = {"PASSERELLE_STATE": str(tmp_path / "state")}
+    heavy = cli(env, "keys", "create", "--tenant", "heavy", "--weight", "3").strip()
+    light = cli(env, "keys", "create", "--tenant", "light", "--weight", "1").strip()
+    with Network("bf", boxes=2) as net:
+        for box in net.boxes:
+            start_box(box, tmp_path / "boxes", fake_box_config(net, slots=2, ttft_ms=60, itl_ms=15))
+        gw = gateway(boxes_config(net), env=env)
+        runtimes = httpx.get(gw.url + "/admin/runtimes", timeout=10).json()
+        remote = {r["name"]: r for r in runtimes["runtimes"] if r.get("remote")}
+        assert set(remote) == {f"{b.name}/fake-model" for b in net.boxes}
+        assert all(r["capacity"] == 2 and r["up"] for r in remote.values())  # each box's slots, not more
+        placement = runtimes["boxes"]["placements"]
+        assert [(p["model"], p["mode"], p["fits"]) for p in placement] == [("fake-model", "replicas", True)]
+
+        done: list[tuple[str, float]] = []
+        stop = threading.Event()
+        errors: list[str] = []
+
+        def client(tenant: str, key: str) -> None:
+            with httpx.Client(timeout=60) as http:
+                while not stop.is_set():
+                    r = http.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                  json={"model": "fake-model", "max_tokens": 8,
+                                        "messages": [{"role": "user", "content": "hello"}]})
+                    if r.status_code != 200:
+                        errors.append(f"{r.status_code} {r.text[:200]}")
+                    else:
+                        done.append((tenant, time.monotonic()))
+
+        threads = [threading.Thread(target=client, args=(t, k)) for t, k in (("heavy", heavy), ("light", light))
+                   for _ in range(6)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(done) >= 180 or errors, 120, what="180 requests served")
+        t_end = time.monotonic()
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:5]
+        # both tenants have requests waiting the whole time (6 clients each, 4 slots in all): from
+        # the second second to the stop, each is served in proportion to its weight
+        window = [tenant for tenant, at in done if t0 + 2 <= at <= t_end]
+        assert len(window) > 100, len(window)
+        share = window.count("heavy") / len(window)
+        assert abs(share - 0.75) <= 0.075, (share, len(window))
+        used = {line["backend"] for line in gw.access_log() if line["cause"] == "ok"}
+        assert used == {f"{b.name}/fake-model" for b in net.boxes}
+
+
+def test_a_model_a_box_loads_on_demand_is_placed_there_through_its_admin_api(gateway, tmp_path):
+    assert available() == ""
+    with Network("bp", boxes=2) as net:
+        a, b = net.boxes
+        start_box(a, tmp_path / "boxes", fake_box_config(net))
+        # b's runtime is not started by b itself: the team's gateway starts it, a replica first
+        start_box(b, tmp_path / "boxes", fake_box_config(net, on_demand=True))
+        gw = gateway(boxes_config(net))
+
+        def replicas_up() -> set[str]:
+            rows = httpx.get(gw.url + "/admin/runtimes", timeout=10).json()["runtimes"]
+            return {r["name"] for r in rows if r.get("remote") and r["up"] and r["remote_state"] == "loaded"}
+
+        wait_until(lambda: replicas_up() == {f"{a.name}/fake-model", f"{b.name}/fake-model"}, 60,
+                   what="the model loaded on both boxes")
+        assert f"box {b.name}: starting fake" in gw.log_text()
+        listing = subprocess.run([sys.executable, "-m", "passerelle", "runtime", "list", "--url", gw.url],
+                                 capture_output=True, text=True, timeout=60)
+        assert listing.returncode == 0, listing.stderr
+        assert f"box {a.name}" in listing.stdout and "placement:" in listing.stdout
+        assert "fake-model" in listing.stdout and "replicas" in listing.stdout
