@@ -150,7 +150,8 @@ class RemoteBox:
             self._missed(cause, hard=hard)
             return
         if self.status.seen_up():
-            log.info("box %s is up: replicas %s", self.cfg.name, ", ".join(sorted(self.replicas)) or "-")
+            log.info("box %s is up: replicas %s", self.cfg.name,
+                     ", ".join(sorted(r.name for r in self.replicas.values())) or "-")
         self._follow()
         if self.cfg.place:
             self._place()
@@ -202,7 +203,7 @@ class RemoteBox:
                 replica.breaker.trip(now)
                 replica.cut()
             log.warning("box %s is DOWN (%s): replicas %s out of the rotation, their breakers open, their streams "
-                        "ended", self.cfg.name, cause, ", ".join(sorted(self.replicas)) or "-")
+                        "ended", self.cfg.name, cause, ", ".join(sorted(r.name for r in self.replicas.values())) or "-")
             self.on_change()
         else:
             log.warning("box %s is suspect (%s, was %s): one more miss takes its replicas out", self.cfg.name, cause,
