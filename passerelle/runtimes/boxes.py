@@ -39,6 +39,7 @@ from passerelle.config import BackendConfig, BoxConfig, TimeoutConfig
 from passerelle.endpoints import ENDPOINTS
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.box_state import BoxState, BoxStatus
+from passerelle.runtimes.breaker import BreakerState, Outcome
 from passerelle.runtimes.placement import BoxMemory, RemoteModel, decide, to_start
 from passerelle.upstream.client import ConnectFailed, HTTPClientError, ServerDisconnected, UpstreamClient
 
@@ -149,7 +150,15 @@ class RemoteBox:
             cause, hard = _cause(exc, self.cfg.timeout_s)
             self._missed(cause, hard=hard)
             return
+        self._answered()
+
+    def _answered(self) -> None:
+        """A whole reading arrived (learnt): the box is up, its replicas follow what it said."""
         if self.status.seen_up():
+            now = time.monotonic()
+            for replica in self.replicas.values():  # the box is back: no probe needed to believe it
+                if replica.breaker.state is not BreakerState.CLOSED:
+                    replica.breaker.record(Outcome.SUCCESS, probe=False, now=now)
             log.info("box %s is up: replicas %s", self.cfg.name,
                      ", ".join(sorted(r.name for r in self.replicas.values())) or "-")
         self._follow()

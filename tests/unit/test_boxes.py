@@ -141,8 +141,7 @@ def make_box() -> tuple[RemoteBox, list[int]]:
 def test_a_reading_makes_one_replica_per_model_with_the_box_slots():
     box, _ = make_box()
     box._learn(*reading(capacity=4))
-    box.status.seen_up()
-    box._follow()
+    box._answered()
     (replica,) = box.replicas.values()
     assert replica.name == "a/qwen" and replica.models == ("qwen",)
     assert replica.capacity == 4 and replica.capacity_info.source == "reported"
@@ -155,8 +154,7 @@ def test_a_reading_makes_one_replica_per_model_with_the_box_slots():
 def test_a_box_going_down_takes_its_replicas_out_opens_their_breakers_and_names_the_cause():
     box, changes = make_box()
     box._learn(*reading())
-    box.status.seen_up()
-    box._follow()
+    box._answered()
     replica = box.replicas["qwen"]
     box._missed("no answer within 1 s", hard=False)
     assert box.status.state is BoxState.SUSPECT and replica.stats.up  # not yet
@@ -165,14 +163,13 @@ def test_a_box_going_down_takes_its_replicas_out_opens_their_breakers_and_names_
     assert replica.breaker.state is BreakerState.OPEN
     assert replica.stats.error == "box a down: no answer within 1 s"
     assert box.describe()["cause"] == "no answer within 1 s" and changes
-    box.status.seen_up()
-    box._follow()
-    assert replica.stats.up  # back with its box
+    box._answered()
+    assert replica.stats.up and replica.routable(0.0)  # back with its box, its breaker closed at once
+    assert replica.breaker.state is BreakerState.CLOSED
 
 
 def test_a_model_whose_runtime_is_down_on_its_box_is_not_routed_there():
     box, _ = make_box()
     box._learn(*reading(state="down"))
-    box.status.seen_up()
-    box._follow()
+    box._answered()
     assert not box.replicas["qwen"].stats.up
