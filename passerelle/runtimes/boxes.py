@@ -37,11 +37,12 @@ import orjson
 
 from passerelle.config import BackendConfig, BoxConfig, TimeoutConfig
 from passerelle.endpoints import ENDPOINTS
+from passerelle.errors import UpstreamError
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.box_state import BoxState, BoxStatus
 from passerelle.runtimes.breaker import BreakerState, Outcome
 from passerelle.runtimes.placement import BoxMemory, RemoteModel, decide, to_start
-from passerelle.upstream.client import ConnectFailed, HTTPClientError, ServerDisconnected, UpstreamClient
+from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, ServerDisconnected, UpstreamClient
 
 log = logging.getLogger("passerelle.runtimes.boxes")
 
@@ -83,6 +84,15 @@ class BoxBackend(Backend):
     async def scrape(self) -> BackendStats:
         return self.stats  # kept by the box's own reading (RemoteBox.poll)
 
+    async def post(self, path: str, body: bytes, *, request_id: str = "", content_type: bytes = b"application/json",
+                   traceparent: bytes = b"") -> Response:
+        try:
+            return await super().post(path, body, request_id=request_id, content_type=content_type,
+                                      traceparent=traceparent)
+        except UpstreamError:
+            self.box.poke()  # a request could not reach the box: read it now rather than at the next interval
+            raise
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "box": self.box.cfg.name, "remote": True,
                 "box_state": self.box.status.state.value}
@@ -109,6 +119,7 @@ class RemoteBox:
         self._public: UpstreamClient | None = None
         self._admin: UpstreamClient | None = None
         self._starting: dict[str, float] = {}  # runtime -> when its start was asked
+        self._wake: asyncio.Event | None = None  # set by poke: the reading loop reads at once
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def _clients(self) -> tuple[UpstreamClient, UpstreamClient]:
@@ -119,6 +130,18 @@ class RemoteBox:
             self._admin = UpstreamClient(self.cfg.admin_url or self.cfg.url, limit=4, connect_timeout=t,
                                          headers={"Authorization": f"Bearer {self.cfg.key}"})
         return self._public, self._admin
+
+    def poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def wait(self, seconds: float) -> None:
+        """The reading loop's pause: ``seconds``, or less when a request found the box unreachable."""
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        self._wake.clear()
 
     def close(self) -> None:
         for task in self._tasks:
@@ -303,7 +326,7 @@ class Boxes:
     async def _loop(self, box: RemoteBox) -> None:
         while True:
             if box.status.state is not BoxState.SUSPECT:  # a suspect box is read again at once
-                await asyncio.sleep(box.cfg.poll_s)
+                await box.wait(box.cfg.poll_s)
             try:
                 await box.poll()
             except Exception:  # the loop must outlive any one box's misbehaviour

@@ -120,6 +120,14 @@ def check_gone(gw, streams: list[Stream], lost: str, t0: float) -> None:
     assert r.status_code == 200, r.text
 
 
+def in_session(gw, session: str) -> str:
+    """One short request of an agent's session; the replica that served it."""
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, headers={"X-Claude-Code-Session-Id": session},
+                   json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200, r.text
+    return gw.log_for(r.headers["x-request-id"])["backend"]
+
+
 def finish(streams: list[Stream]) -> None:
     """End the long streams still running (the box's processes go with the network)."""
     for s in streams:
@@ -131,11 +139,15 @@ def test_a_box_killed_while_streams_run_leaves_at_once_and_comes_back_when_it_re
     with Network("bk", boxes=2) as net:
         _, gw = two_boxes(net, gateway, tmp_path)
         streams = streams_on_both(gw, net)
-        lost = net.boxes[0]
+        home = in_session(gw, "agent-7")
+        assert in_session(gw, "agent-7") == home  # the session stays where its cache is
+        lost = next(b for b in net.boxes if home == f"{b.name}/{MODEL}")
         t0 = time.monotonic()
         lost.kill()
         check_gone(gw, streams, lost.name, t0)
         assert "connection" in box_health(gw, lost.name)["cause"]  # refused or reset: not a timeout
+        moved = in_session(gw, "agent-7")
+        assert moved != home and moved.endswith(f"/{MODEL}")  # re-routed to the box that is left
         start_box(lost, tmp_path / "boxes", llama_box_config(net))
         wait_until(lambda: replicas(gw)[f"{lost.name}/{MODEL}"]["up"], 30, what="the returned box's replica up")
         assert box_health(gw, lost.name)["state"] == "up"
