@@ -41,6 +41,7 @@ from passerelle.errors import UpstreamError
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.box_state import BoxState, BoxStatus
 from passerelle.runtimes.breaker import BreakerState, Outcome
+from passerelle.runtimes.kinds import KINDS
 from passerelle.runtimes.placement import BoxMemory, RemoteModel, decide, to_start
 from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, ServerDisconnected, UpstreamClient
 
@@ -50,6 +51,7 @@ _READ_LIMIT = 4 * 1024 * 1024  # one reading's body at most
 _BY_PATH = {e.upstream: e.name for e in ENDPOINTS}  # public path -> endpoint name
 _START_RETRY_S = 60.0  # a start the box refused is asked again after this
 _START_TIMEOUT_S = 900.0  # a box loading a model answers the start once it is ready
+_CONTINUABLE = frozenset(c for k in KINDS.values() if (c := k.continuation))  # the dialects resume.py speaks
 
 
 class BoxBackend(Backend):
@@ -211,6 +213,11 @@ class RemoteBox:
                 replica = self.replicas[name] = BoxBackend(self, name, endpoints, self.timeouts)
             slots = sum(int(r.get("capacity") or 0) for r in served)
             replica.set_slots(max(1, slots))
+            # a stream suspended for a better class resumes there as a continuation in its
+            # runtime's dialect (proxy/resume.py; the box passes the body through), where every
+            # runtime serving the model there speaks the same one
+            kinds = {r.get("kind") for r in served}
+            replica.continuation = next(iter(kinds)) if len(kinds) == 1 and kinds <= _CONTINUABLE else ""
             replica.remote_state = models[name].state
         for gone in set(self.replicas) - set(models):
             self._spawn(self.replicas.pop(gone).close())
