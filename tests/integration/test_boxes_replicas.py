@@ -97,3 +97,10 @@ def test_a_model_a_box_loads_on_demand_is_placed_there_through_its_admin_api(gat
         assert listing.returncode == 0, listing.stderr
         assert f"box {a.name}" in listing.stdout and "placement:" in listing.stdout
         assert "fake-model" in listing.stdout and "replicas" in listing.stdout
+        # a reload of the team's gateway keeps the boxes' replicas (they follow their boxes, not
+        # the file's backends); [[boxes]] itself waits for a restart
+        cfg = gw.extra["config"]
+        cfg.write_text(cfg.read_text().replace("poll_s = 0.5", "poll_s = 0.6"))
+        plan = httpx.post(gw.url + "/admin/reload", timeout=60).json()
+        assert plan["needs_restart"] == ["boxes"] and plan["removed"] == []
+        assert replicas_up() == {f"{a.name}/fake-model", f"{b.name}/fake-model"}

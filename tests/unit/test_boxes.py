@@ -102,6 +102,16 @@ def test_a_box_and_a_backend_cannot_share_a_name(tmp_path):
     assert err.value.key == "boxes[0].name"
 
 
+def test_a_reload_keeps_the_running_boxes_and_says_they_wait_for_a_restart():
+    from passerelle.config import Config
+    from passerelle.runtimes.reload_plan import effective, plan_reload
+
+    old = Config(boxes=(BoxConfig("a", url="http://10.0.0.2:8080", key=KEY),))
+    new = Config(boxes=(BoxConfig("a", url="http://10.0.0.3:8080", key=KEY),))
+    assert plan_reload(old, new).restart == ("boxes",)
+    assert effective(old, new).boxes == old.boxes
+
+
 # -- placement -----------------------------------------------------------------------------------
 def test_a_model_that_fits_a_box_runs_as_replicas_and_one_that_fits_none_is_split():
     small = RemoteModel("m", state="loaded", need_gib=20.0, runtimes=("m",))
@@ -166,6 +176,18 @@ def test_a_box_going_down_takes_its_replicas_out_opens_their_breakers_and_names_
     box._answered()
     assert replica.stats.up and replica.routable(0.0)  # back with its box, its breaker closed at once
     assert replica.breaker.state is BreakerState.CLOSED
+
+
+def test_a_replica_resumes_suspended_streams_only_in_the_one_dialect_its_runtimes_speak():
+    box, _ = make_box()
+    listing, runtimes = reading()
+    runtimes["runtimes"][0]["kind"] = "llama-server"
+    box._learn(listing, runtimes)
+    assert box.replicas["qwen"].continuation == "llama-server"
+    listing["data"][0]["backends"] = ["qwen-rt", "qwen-openai"]
+    runtimes["runtimes"].append({"name": "qwen-openai", "capacity": 2, "models": ["qwen"], "kind": "openai"})
+    box._learn(listing, runtimes)
+    assert box.replicas["qwen"].continuation == "" and box.replicas["qwen"].capacity == 6
 
 
 def test_a_model_whose_runtime_is_down_on_its_box_is_not_routed_there():
