@@ -160,6 +160,9 @@ class RemoteBox:
                 body = await resp.read(_READ_LIMIT)
             finally:
                 resp.close()
+        if resp.status in (401, 403):
+            raise ValueError(f"GET {path}: HTTP {resp.status} (is the key that box's [admin] key, and this gateway's "
+                             "address in its [admin] allow?)")
         if resp.status != 200:
             raise ValueError(f"GET {path}: HTTP {resp.status}")
         return _get_json(body)

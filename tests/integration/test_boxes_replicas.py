@@ -92,6 +92,13 @@ def test_a_model_a_box_loads_on_demand_is_placed_there_through_its_admin_api(gat
         wait_until(lambda: replicas_up() == {f"{a.name}/fake-model", f"{b.name}/fake-model"}, 60,
                    what="the model loaded on both boxes")
         assert f"box {b.name}: starting fake" in gw.log_text()
+        # the dashboard's figures and /health say which box each replica is on, and each box's state
+        stats = httpx.get(gw.url + "/admin/stats", timeout=10).json()
+        assert {(x["name"], x["box"]) for x in stats["backends"]} == {(f"{n}/fake-model", n) for n in (a.name, b.name)}
+        assert [x["state"] for x in stats["boxes"]["boxes"]] == ["up", "up"]
+        health = httpx.get(gw.url + "/health", timeout=10).json()
+        assert [(x["name"], x["state"], x["replicas_up"]) for x in health["boxes"]] == [(a.name, "up", 1),
+                                                                                          (b.name, "up", 1)]
         listing = subprocess.run([sys.executable, "-m", "passerelle", "runtime", "list", "--url", gw.url],
                                  capture_output=True, text=True, timeout=60)
         assert listing.returncode == 0, listing.stderr
