@@ -111,3 +111,47 @@ def test_a_model_a_box_loads_on_demand_is_placed_there_through_its_admin_api(gat
         plan = httpx.post(gw.url + "/admin/reload", timeout=60).json()
         assert plan["needs_restart"] == ["boxes"] and plan["removed"] == []
         assert replicas_up() == {f"{a.name}/fake-model", f"{b.name}/fake-model"}
+
+
+def test_a_request_queued_when_a_box_dies_is_served_by_the_other_box(gateway, tmp_path):
+    assert available() == ""
+    with Network("bz", boxes=2) as net:
+        for box in net.boxes:
+            start_box(box, tmp_path / "boxes", fake_box_config(net, slots=1, ttft_ms=20, itl_ms=50))
+        gw = gateway(boxes_config(net))
+
+        def in_flight() -> dict[str, int]:
+            rows = httpx.get(gw.url + "/admin/runtimes", timeout=10).json()["runtimes"]
+            return {r["name"]: r["in_flight"] for r in rows if r.get("remote")}
+
+        def ask(max_tokens: int, out: list[httpx.Response]) -> threading.Thread:
+            def run() -> None:
+                out.append(httpx.post(gw.url + "/v1/chat/completions", timeout=120, json={
+                    "model": "fake-model", "max_tokens": max_tokens,
+                    "messages": [{"role": "user", "content": f"a conversation of its own, {max_tokens}"}]}))
+            t = threading.Thread(target=run)
+            t.start()
+            return t
+
+        long_out: list[httpx.Response] = []
+        long_t = ask(160, long_out)  # 8 s on its box
+        held = wait_until(lambda: [n for n, k in in_flight().items() if k == 1], 30, what="the long request running")
+        lost = next(b for b in net.boxes if held == [f"{b.name}/fake-model"])
+        short_out: list[httpx.Response] = []
+        short_t = ask(40, short_out)  # 2 s, on the other box
+        wait_until(lambda: all(k == 1 for k in in_flight().values()), 30, what="both boxes busy")
+        queued_out: list[httpx.Response] = []
+        queued_t = ask(4, queued_out)  # no slot free: it waits in the gateway's queue
+        wait_until(lambda: httpx.get(gw.url + "/admin/stats", timeout=10).json()["classes"]["standard"]["waiting"],
+                   10, what="a request queued")
+        lost.kill()
+        for t in (queued_t, short_t, long_t):
+            t.join(60)
+        assert short_out[0].status_code == 200 and queued_out[0].status_code == 200, queued_out[0].text
+        lines = {line["request_id"]: line for line in gw.access_log()}
+        served = lines[queued_out[0].headers["x-request-id"]]
+        assert served["backend"] != held[0] and served["cause"] == "ok", served
+        # the long answer, not streamed, had sent nothing to its client yet: it was asked again of
+        # the box that is left, and its client got it whole
+        assert long_out[0].status_code == 200 and long_out[0].json()["usage"]["completion_tokens"] == 160
+        assert lines[long_out[0].headers["x-request-id"]]["backend"] != held[0]
