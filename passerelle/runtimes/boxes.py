@@ -38,11 +38,12 @@ import orjson
 from passerelle.config import BackendConfig, BoxConfig, TimeoutConfig
 from passerelle.endpoints import ENDPOINTS
 from passerelle.errors import UpstreamError
+from passerelle.runtimes import placement
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.box_state import BoxState, BoxStatus
 from passerelle.runtimes.breaker import BreakerState, Outcome
 from passerelle.runtimes.kinds import KINDS
-from passerelle.runtimes.placement import BoxMemory, RemoteModel, decide, to_start
+from passerelle.runtimes.placement import BoxMemory, Placement, RemoteModel, decide, to_start
 from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, ServerDisconnected, UpstreamClient
 
 log = logging.getLogger("passerelle.runtimes.boxes")
@@ -316,6 +317,7 @@ class Boxes:
         self.boxes = [RemoteBox(c, timeouts, on_change=self._changed) for c in boxes]
         self.on_change: Callable[[list[Backend]], None] | None = None  # the replica list or their health changed
         self._tasks: list[asyncio.Task[None]] = []
+        self._split: set[str] = set()  # models marked split (fit no box alone), said once each
 
     def __bool__(self) -> bool:
         return bool(self.boxes)
@@ -324,6 +326,7 @@ class Boxes:
         return [r for box in self.boxes for r in box.replicas.values()]
 
     def _changed(self) -> None:
+        self._plan()
         if self.on_change is not None:
             self.on_change(self.replicas())
 
@@ -352,10 +355,25 @@ class Boxes:
         for box in self.boxes:
             box.close()
 
-    def placements(self) -> list[dict[str, object]]:
+    def _decide(self) -> list[Placement]:
         names = sorted({m for box in self.boxes for m in box.models})
         return [decide(m, {box.cfg.name: (box.models[m], box.memory) for box in self.boxes if m in box.models})
-                .as_dict() for m in names]
+                for m in names]
+
+    def placements(self) -> list[dict[str, object]]:
+        return [p.as_dict() for p in self._decide()]
+
+    def _plan(self) -> None:
+        """A model newly found to fit no box alone: said once, and handed to the split's maker
+        (placement.SPLIT_HOOK) where there is one."""
+        split = {p.model: p for p in self._decide() if p.mode == "split"}
+        for name in sorted(split.keys() - self._split):
+            p = split[name]
+            log.warning("model %s fits no box alone: %s", name, p.why)
+            hook = placement.SPLIT_HOOK
+            if hook is not None:
+                hook(p, {box.cfg.name: box.memory for box in self.boxes if name in box.models})
+        self._split = set(split)
 
     def health(self) -> list[dict[str, object]]:
         """For ``/health``: each box's state and its cause."""

@@ -8,7 +8,7 @@ import pytest
 from passerelle.config import BoxConfig, TimeoutConfig, load_config
 from passerelle.errors import ConfigError
 from passerelle.runtimes.box_state import BoxState, BoxStatus, IllegalTransition
-from passerelle.runtimes.boxes import RemoteBox
+from passerelle.runtimes.boxes import Boxes, RemoteBox
 from passerelle.runtimes.breaker import BreakerState
 from passerelle.runtimes.placement import BoxMemory, RemoteModel, decide, to_start
 
@@ -195,3 +195,21 @@ def test_a_model_whose_runtime_is_down_on_its_box_is_not_routed_there():
     box._learn(*reading(state="down"))
     box._answered()
     assert not box.replicas["qwen"].stats.up
+
+
+def test_a_model_that_fits_no_box_is_marked_split_once_and_handed_to_the_split_hook(monkeypatch):
+    from passerelle.runtimes import placement
+
+    boxes = Boxes((BoxConfig("a", url="http://10.0.0.2:8080", key=KEY),
+                   BoxConfig("b", url="http://10.0.0.3:8080", key=KEY)), TimeoutConfig())
+    handed: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(placement, "SPLIT_HOOK", lambda p, mem: handed.append((p.model, sorted(mem))))
+    for box in boxes.boxes:
+        listing, runtimes = reading(state="down")
+        listing["data"][0]["memory_gib"] = 130.0  # over each box's 96 GiB budget
+        box._learn(listing, runtimes)
+    for box in (*boxes.boxes, *boxes.boxes):
+        box._answered()
+    assert handed == [("qwen", ["a", "b"])]  # once, with the boxes that list it
+    (p,) = boxes.placements()
+    assert (p["model"], p["mode"], p["fits"], p["need_gib"]) == ("qwen", "split", False, 130.0)
