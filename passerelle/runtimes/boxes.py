@@ -58,7 +58,7 @@ _CONTINUABLE = frozenset(c for k in KINDS.values() if (c := k.continuation))  # 
 class BoxBackend(Backend):
     """One model on another box: requests go to that box's passerelle."""
 
-    kind = "openai"
+    kind = "passerelle"  # (shown as such: its runtimes' kinds are the box's own business)
 
     def __init__(self, box: RemoteBox, model: str, endpoints: tuple[str, ...], timeouts: TimeoutConfig) -> None:
         cfg = box.cfg
@@ -317,7 +317,7 @@ class Boxes:
         self.boxes = [RemoteBox(c, timeouts, on_change=self._changed) for c in boxes]
         self.on_change: Callable[[list[Backend]], None] | None = None  # the replica list or their health changed
         self._tasks: list[asyncio.Task[None]] = []
-        self._split: set[str] = set()  # models marked split (fit no box alone), said once each
+        self._split: dict[str, tuple[str, ...]] = {}  # models marked split (fit no box alone): on which boxes
 
     def __bool__(self) -> bool:
         return bool(self.boxes)
@@ -356,24 +356,27 @@ class Boxes:
             box.close()
 
     def _decide(self) -> list[Placement]:
-        names = sorted({m for box in self.boxes for m in box.models})
-        return [decide(m, {box.cfg.name: (box.models[m], box.memory) for box in self.boxes if m in box.models})
+        """Where each model runs, from the boxes that serve now (a box that is down says nothing)."""
+        serving = [box for box in self.boxes if box.status.serving]
+        names = sorted({m for box in serving for m in box.models})
+        return [decide(m, {box.cfg.name: (box.models[m], box.memory) for box in serving if m in box.models})
                 for m in names]
 
     def placements(self) -> list[dict[str, object]]:
         return [p.as_dict() for p in self._decide()]
 
     def _plan(self) -> None:
-        """A model newly found to fit no box alone: said once, and handed to the split's maker
-        (placement.SPLIT_HOOK) where there is one."""
+        """A model found to fit no box alone, or whose boxes changed (one went, one came): said in
+        the log, and handed to the split's maker (placement.SPLIT_HOOK) where there is one."""
         split = {p.model: p for p in self._decide() if p.mode == "split"}
-        for name in sorted(split.keys() - self._split):
-            p = split[name]
-            log.warning("model %s fits no box alone: %s", name, p.why)
+        for name, p in sorted(split.items()):
+            if self._split.get(name) == p.boxes:
+                continue
+            log.warning("model %s fits no box alone: %s (boxes %s)", name, p.why, ", ".join(p.boxes))
             hook = placement.SPLIT_HOOK
             if hook is not None:
-                hook(p, {box.cfg.name: box.memory for box in self.boxes if name in box.models})
-        self._split = set(split)
+                hook(p, {box.cfg.name: box.memory for box in self.boxes if box.cfg.name in p.boxes})
+        self._split = {name: p.boxes for name, p in split.items()}
 
     def health(self) -> list[dict[str, object]]:
         """For ``/health``: each box's state and its cause."""

@@ -94,7 +94,7 @@ def render(body: bytes) -> str:
                                  ("unloading", r.get("fenced")), (f"box {r.get('where')}", r.get("remote"))) if on]
         measured = _gib(r.get("measured_gib")) + ("" if r.get("measured_now") or r.get("measured_gib") is None
                                                   else "*")
-        out.append(f"{r['name']:16}{r['kind']:14}{r.get('flavour') or '-':13}"
+        out.append(f"{r['name']:15} {r['kind']:14}{r.get('flavour') or '-':13}"
                    f"{r['state']:10}{r['pid'] or '-':>8}{'yes' if r['up'] else 'no':>4}"
                    f"{r['in_flight']:>6}{r.get('capacity', '-'):>9} {r.get('capacity_source', '-'):9}"
                    f"{r['restarts']:>9}{_gib(r.get('estimated_gib')):>9}{measured:>10}"

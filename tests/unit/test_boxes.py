@@ -197,7 +197,7 @@ def test_a_model_whose_runtime_is_down_on_its_box_is_not_routed_there():
     assert not box.replicas["qwen"].stats.up
 
 
-def test_a_model_that_fits_no_box_is_marked_split_once_and_handed_to_the_split_hook(monkeypatch):
+def test_a_model_that_fits_no_box_is_marked_split_and_handed_to_the_split_hook_as_its_boxes_change(monkeypatch):
     from passerelle.runtimes import placement
 
     boxes = Boxes((BoxConfig("a", url="http://10.0.0.2:8080", key=KEY),
@@ -210,6 +210,8 @@ def test_a_model_that_fits_no_box_is_marked_split_once_and_handed_to_the_split_h
         box._learn(listing, runtimes)
     for box in (*boxes.boxes, *boxes.boxes):
         box._answered()
-    assert handed == [("qwen", ["a", "b"])]  # once, with the boxes that list it
+    assert handed == [("qwen", ["a"]), ("qwen", ["a", "b"])]  # as each box is seen, then no more
     (p,) = boxes.placements()
     assert (p["model"], p["mode"], p["fits"], p["need_gib"]) == ("qwen", "split", False, 130.0)
+    boxes.boxes[1]._missed("connection reset", hard=True)  # a box that goes: the split is planned again
+    assert handed[-1] == ("qwen", ["a"]) and boxes.placements()[0]["boxes"] == ["a"]
