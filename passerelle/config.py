@@ -812,7 +812,10 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                f"no backend serves '{m.target}'; served: {', '.join(sorted(served))}",
                key=f"models[{i}].served_name", field_name="served_name" if m.served_name else "name", **ck)
         known = {b.name for b in backends}
-        _check(set(m.backends) <= known, f"unknown backend; expected some of {', '.join(sorted(known))}",
+        # (another box's replica is BOX/MODEL: known once the box answers)
+        unknown = [n for n in m.backends if n not in known and n.partition("/")[0] not in {x.name for x in boxes}]
+        _check(not unknown, f"unknown backend; expected some of {', '.join(sorted(known))}"
+               + (" or BOX/MODEL of a [[boxes]] box" if boxes else ""),
                key=f"models[{i}].backends", field_name="backends", **ck)
         missing = [f for f in m.fallbacks if f not in names and not boxes]
         _check(not missing, f"unknown fallback '{missing[0] if missing else ''}'; expected a [[models]] name "

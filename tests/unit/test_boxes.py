@@ -112,6 +112,16 @@ def test_a_reload_keeps_the_running_boxes_and_says_they_wait_for_a_restart():
     assert effective(old, new).boxes == old.boxes
 
 
+def test_a_catalogue_entry_may_name_a_box_replica(tmp_path):
+    cfg, _ = load(tmp_path, f'[[boxes]]\nname = "b"\nurl = "http://10.0.0.2"\nkey = "{KEY}"\n'
+                            '[[models]]\nname = "chat"\nserved_name = "qwen"\nbackends = ["b/qwen"]\n')
+    assert cfg.models[0].backends == ("b/qwen",)
+    with pytest.raises(ConfigError, match="BOX/MODEL") as err:
+        load(tmp_path, f'[[boxes]]\nname = "b"\nurl = "http://10.0.0.2"\nkey = "{KEY}"\n'
+                       '[[models]]\nname = "chat"\nbackends = ["c/qwen"]\n')
+    assert (err.value.key, err.value.line) == ("models[0].backends", 7)
+
+
 # -- placement -----------------------------------------------------------------------------------
 def test_a_model_that_fits_a_box_runs_as_replicas_and_one_that_fits_none_is_split():
     small = RemoteModel("m", state="loaded", need_gib=20.0, runtimes=("m",))
