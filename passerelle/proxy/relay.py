@@ -143,6 +143,14 @@ class Client(Protocol):
     def mark_finishing(self) -> None: ...
 
 
+class DirectClient(Client, Protocol):
+    """A client whose body can also be written at once, without a send (``Exchange``)."""
+
+    def writable(self) -> bool: ...
+
+    def write_now(self, body: bytes) -> None: ...
+
+
 class StreamRelay:
     """Relay one upstream SSE response to an ASGI client, timing it into ``rec``.
 
@@ -170,6 +178,11 @@ class StreamRelay:
         self.done = False
         self.upstream_error = False
         self.sending = False  # waiting for the client to take bytes (not the runtime's time)
+        # The client, when ``send`` is its own send and it can be written at once: then, once the
+        # head is out, the stream's bytes are relayed in the upstream connection's callback.
+        self.direct: DirectClient | None = None
+        if client is not None and hasattr(client, "write_now") and send == getattr(client, "send", None):
+            self.direct = client  # type: ignore[assignment]
 
     def _scan(self, events: list[bytes], now: float) -> bytes:
         """Account for ``events``; return the bytes to send (all of them unless one is dropped).
@@ -294,8 +307,52 @@ class StreamRelay:
         between = t.between_tokens_s
         slack = min(1.0, between / 10)
         seen = 0  # content chunks (with repair, the runtime's text deltas too) when the deadline last moved
+        # Once the head is out, a stream the gateway passes on as it comes (no tool-call repair, to
+        # the client's own connection) is relayed in the upstream connection's callback as its bytes
+        # arrive: the same split, scan and deadline as the loop below, and the bytes written at
+        # once, with no task switch, no coroutines and no message per chunk. The task waits until
+        # the sink hands over: at the end, on an error, or when the client cannot take bytes now
+        # (the loop then sends them, waiting for the client as usual).
+        direct = self.direct if repair is None and hasattr(resp, "sink_into") else None
+        failed: list[BaseException] = []
+
+        def sink(resp: Response) -> bool:
+            nonlocal seen
+            if not direct.writable():  # type: ignore[union-attr]
+                return False
+            try:
+                events = scanner.feed(resp.take())
+                if not events:
+                    return True
+                payload = self._scan(events, time.perf_counter())
+                if rec.content_chunks != seen:  # (the deadline as in the loop below)
+                    seen = rec.content_chunks
+                    now = loop.time()
+                    left = budget.when() - now  # type: ignore[operator]
+                    if not between <= left <= between + slack:
+                        budget.reschedule(min(total_at, now + between + slack))
+                if self.done and self.on_done is not None:
+                    self.on_done()
+                    self.on_done = None
+                if payload:
+                    direct.write_now(payload)  # type: ignore[union-attr]
+            except Exception as exc:  # (raised by the task, as if the loop had met it)
+                failed.append(exc)
+                return False
+            return not self.done
+
         try:
             while not self.done:
+                if direct is not None and held is None:
+                    waiter = resp.sink_into(sink)
+                    if waiter is not None:
+                        try:
+                            await waiter
+                        finally:
+                            resp.unsink()
+                        if failed:
+                            raise failed.pop()
+                        continue
                 data = await read()
                 if not data:
                     break
