@@ -193,7 +193,10 @@ class StreamRelay:
         out: list[bytes] | None = None
         for i, ev in enumerate(events):
             keep = True
-            if CHAT.search(ev):
+            # (the form every OpenAI-compatible runtime sends first: a plain find, which settles a
+            # content event without the regex; anything else is the regex's to decide)
+            at = ev.find(b'"content":"')
+            if (0 <= at < len(ev) - 11 and ev[at + 11] != 34) or CHAT.search(ev):
                 if rec.content_chunks == 0:
                     rec.t_first = now
                     rec.to(State.STREAMING)
@@ -212,12 +215,12 @@ class StreamRelay:
                     rec.cached_tokens = cached_of(obj)
                 if self.strip_usage and _EMPTY_CHOICES.search(ev):
                     keep = False
-            elif _DONE.match(ev):  # (anchored: fails within a few bytes on a content event)
+            elif b"[DONE]" in ev and _DONE.match(ev):
                 self.done = True
                 if i + 1 < len(events):  # events after [DONE] are not relayed
                     out = list(events[:i + 1]) if out is None else [*out, ev]
                     break
-            elif _ERROR.match(ev):
+            elif b'"error"' in ev and _ERROR.match(ev):
                 self.upstream_error = True
                 rec.error = "the runtime sent an error event"
             if not keep and out is None:
