@@ -183,6 +183,9 @@ class StreamRelay:
         self.direct: DirectClient | None = None
         if client is not None and hasattr(client, "write_now") and send == getattr(client, "send", None):
             self.direct = client  # type: ignore[assignment]
+        # With a direct client, the bytes that end the stream ([DONE]'s) are not sent here but kept
+        # for the caller's last send, which writes them with the end of the body in one write.
+        self.final = b""
 
     def _scan(self, events: list[bytes], now: float) -> bytes:
         """Account for ``events``; return the bytes to send (all of them unless one is dropped).
@@ -337,7 +340,9 @@ class StreamRelay:
                 if self.done and self.on_done is not None:
                     self.on_done()
                     self.on_done = None
-                if payload:
+                if self.done:
+                    self.final = payload  # (for the caller's last send: see __init__)
+                elif payload:
                     direct.write_now(payload)  # type: ignore[union-attr]
             except Exception as exc:  # (raised by the task, as if the loop had met it)
                 failed.append(exc)
@@ -346,7 +351,7 @@ class StreamRelay:
 
         try:
             while not self.done:
-                if direct is not None and held is None:
+                if direct is not None and held is None and direct.writable():
                     waiter = resp.sink_into(sink)
                     if waiter is not None:
                         try:
@@ -394,7 +399,9 @@ class StreamRelay:
                 if self.done and self.on_done is not None:
                     self.on_done()
                     self.on_done = None
-                if payload:
+                if self.done and self.direct is not None:
+                    self.final = payload  # (for the caller's last send: see __init__)
+                elif payload:
                     self.sending = True
                     await send({"type": "http.response.body", "body": payload, "more_body": True})
                 self.sending = False
