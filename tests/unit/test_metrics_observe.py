@@ -7,7 +7,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from passerelle.observe.metrics import TOKEN_GAP_BUCKETS, observe_many
+from passerelle.observe.metrics import LATENCY_BUCKETS, TOKEN_GAP_BUCKETS, observe_many, observe_one
 from tests.inprocess import fake_runtime, gateway
 from tests.waiting import until
 
@@ -87,3 +87,20 @@ async def test_the_waiting_gauge_follows_the_queue_through_kept_children():
         assert metrics.registry.get_sample_value(
             "passerelle_requests_total", {"model": "fake-model", "priority": "standard", "cause": "ok",
                                           "tenant": "anonymous"}) == 3.0
+
+
+def test_observe_one_equals_observe():
+    """observe_one() (the bucket by bisection) must expose what observe() does, on the bounds, between
+    them, past the last finite one, negative, infinite and NaN."""
+    rng = random.Random(9)
+    values = [*LATENCY_BUCKETS, 0.0, -1.0, 1e-9, 0.0051, 61.0, float("inf"), float("nan")]
+    values += [rng.lognormvariate(-2, 2) for _ in range(500)]
+    texts = []
+    for fast in (False, True):
+        registry = CollectorRegistry()
+        child = Histogram("lat_seconds", "x", ["b"], buckets=LATENCY_BUCKETS, registry=registry).labels("b1")
+        for v in values:
+            observe_one(child, v) if fast else child.observe(v)
+        texts.append([line for line in generate_latest(registry).decode().splitlines()
+                      if not line.startswith("lat_seconds_created")])
+    assert texts[0] == texts[1]
