@@ -184,7 +184,8 @@ class StreamRelay:
         if client is not None and hasattr(client, "write_now") and send == getattr(client, "send", None):
             self.direct = client  # type: ignore[assignment]
         # With a direct client, the bytes that end the stream ([DONE]'s) are not sent here but kept
-        # for the caller's last send, which writes them with the end of the body in one write.
+        # for the caller's last send, which writes them with the end of the body in one write
+        # (unless the runtime reported an error: the caller then reports it, and these go out now).
         self.final = b""
 
     def _scan(self, events: list[bytes], now: float) -> bytes:
@@ -340,7 +341,7 @@ class StreamRelay:
                 if self.done and self.on_done is not None:
                     self.on_done()
                     self.on_done = None
-                if self.done:
+                if self.done and not self.upstream_error:
                     self.final = payload  # (for the caller's last send: see __init__)
                 elif payload:
                     direct.write_now(payload)  # type: ignore[union-attr]
@@ -399,7 +400,7 @@ class StreamRelay:
                 if self.done and self.on_done is not None:
                     self.on_done()
                     self.on_done = None
-                if self.done and self.direct is not None:
+                if self.done and self.direct is not None and not self.upstream_error:
                     self.final = payload  # (for the caller's last send: see __init__)
                 elif payload:
                     self.sending = True

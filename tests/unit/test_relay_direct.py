@@ -6,7 +6,7 @@ a real upstream connection on loopback (the path needs the lean client's Respons
 from __future__ import annotations
 
 from passerelle.config import TimeoutConfig
-from passerelle.errors import UpstreamTooLarge
+from passerelle.errors import UpstreamError, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.relay import StreamRelay
@@ -132,3 +132,17 @@ async def test_an_error_met_in_the_callback_is_raised_by_the_relay():
     else:
         raise AssertionError("an event over max_event_bytes must end the relay")
     assert client.body == ROLE + CHUNK % 0  # nothing of the oversized event went out
+
+
+async def test_a_runtime_error_before_done_is_relayed_with_it_and_then_raised():
+    """An error event and [DONE] in one read: both reach the client at once (the caller then sends
+    the gateway's own error event as the body's end), none is kept for a last send that never comes."""
+    client = DirectClient()
+    error = b'data: {"error":{"message":"boom","type":"server_error"}}\n\n'
+    try:
+        await stream_to(client, paced=[ROLE, CHUNK % 0, CHUNK % 1, error + DONE])
+    except UpstreamError as exc:
+        assert "reported an error" in exc.message
+    else:
+        raise AssertionError("a runtime's error event must end the relay with an error")
+    assert client.body == ROLE + CHUNK % 0 + CHUNK % 1 + error + DONE
