@@ -403,8 +403,11 @@ class StreamRelay:
                 if self.done and self.direct is not None and not self.upstream_error:
                     self.final = payload  # (for the caller's last send: see __init__)
                 elif payload:
-                    self.sending = True
-                    await send({"type": "http.response.body", "body": payload, "more_body": True})
+                    if self.direct is not None and self.direct.writable():  # (no wait: no coroutine, no message)
+                        self.direct.write_now(payload)
+                    else:
+                        self.sending = True
+                        await send({"type": "http.response.body", "body": payload, "more_body": True})
                 self.sending = False
         except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "

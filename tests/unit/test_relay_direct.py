@@ -97,10 +97,10 @@ async def test_after_the_head_the_stream_is_written_directly_and_accounted_alike
     rec = await stream_to(client, paced=EVENTS)
     assert client.body == b"".join(EVENTS)  # every byte, in order, nothing twice
     ways = [way for way, _ in client.parts]
-    # the head and the first content go out through send (the role chunk held with them) ...
-    assert ways[:2] == ["start", "send"] and client.parts[1][1] == ROLE + CHUNK % 0
-    # ... and every later event straight to the connection
-    assert set(ways[2:-1]) == {"direct"} and len(ways) >= 7
+    # the head goes out through the client's start, the first content (the role chunk held with
+    # it) and every later event straight to the connection
+    assert ways[0] == "start" and client.parts[1] == ("direct", ROLE + CHUNK % 0)
+    assert set(ways[1:-1]) == {"direct"} and len(ways) >= 7
     # [DONE] is kept for the caller's last send (with the body's end, one write), marked finishing
     assert ways[-1] == "final" and client.parts[-1][1].endswith(DONE) and DONE not in client.body[:-len(DONE)]
     assert client.finishing_at == len(client.parts) - 1
