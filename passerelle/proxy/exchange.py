@@ -48,6 +48,11 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+# What write_now reads of uvicorn's response (its httptools protocol's, uvicorn 0.54): a uvicorn
+# without one of them gets every write through its send, as before.
+_CYCLE_STATE = ("flow", "disconnected", "response_complete", "transport", "chunked_encoding", "scope")
+
+
 def header(scope: Scope, name: bytes) -> str | None:
     for k, v in scope["headers"]:
         if k == name:
@@ -239,7 +244,8 @@ class Exchange:
             headers.append((b"request-id", rid))  # where Anthropic's SDKs and Claude Code read it
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
         cycle = getattr(self._gate.raw if self._gate is not None else self._asgi_send, "__self__", None)
-        if type(cycle) is RequestResponseCycle and cycle.chunked_encoding and cycle.scope["method"] != "HEAD":
+        if (type(cycle) is RequestResponseCycle and all(hasattr(cycle, a) for a in _CYCLE_STATE)
+                and cycle.chunked_encoding and cycle.scope["method"] != "HEAD"):
             self._cycle = cycle
 
     def writable(self) -> bool:
