@@ -11,6 +11,12 @@ arrives (a partial event is of no use to a client). The scan finds:
 * ``[DONE]``: the end; nothing after it is relayed or even read, and a stream that ends without
   it was truncated (the client gets an error event).
 
+Where it runs: once the response head is out and nothing rewrites the stream, a stream to the
+client's own uvicorn connection is relayed in the upstream connection's callback
+(``Response.sink_into``) and written with ``Exchange.write_now``: no task switch and no ASGI
+message per chunk. The request's task waits meanwhile, and takes over (the loop in
+:meth:`StreamRelay.relay`) at the end, on an error, or while the client cannot take bytes at once.
+
 Caps and time: an event is at most ``[limits] max_event_bytes``; the scan is linear in the bytes
 received however they are cut; every wait is bounded by the request's :class:`Deadline`.
 
