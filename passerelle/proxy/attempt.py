@@ -163,7 +163,8 @@ async def fetch(ex: Exchange, req: UpstreamRequest, backend: Backend,
             if sink is None:
                 ex.mark_finishing()
                 with contextlib.suppress(OSError):  # the client may hang up once it has [DONE]
-                    await ex.send_body(b"", more=False)
+                    # (the stream's last bytes, kept by the relay, go out with the body's end: one write)
+                    await ex.send_body(relay.final, more=False)
             finishing = True
             await finish_upstream(resp, budget)
     except TimeoutError:

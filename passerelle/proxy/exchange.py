@@ -36,6 +36,8 @@ import struct
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
 from passerelle.errors import GatewayError
 from passerelle.observe.record import RequestRecord, new_request_id
 from passerelle.proxy import grammars
@@ -44,6 +46,11 @@ from passerelle.proxy.protocols import OPENAI, error_body
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+# What write_now reads of uvicorn's response (its httptools protocol's, uvicorn 0.54): a uvicorn
+# without one of them gets every write through its send, as before.
+_CYCLE_STATE = ("flow", "disconnected", "response_complete", "transport", "chunked_encoding", "scope")
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -91,7 +98,7 @@ class StreamGate:
 
 
 class Exchange:
-    __slots__ = ("_aborted", "_asgi_send", "_cancel_pending", "_cancelled", "_gate", "_loop", "_watcher",
+    __slots__ = ("_aborted", "_asgi_send", "_cancel_pending", "_cancelled", "_cycle", "_gate", "_loop", "_watcher",
                  "disconnected", "errors", "finishing", "grammar", "held", "rec", "receive", "scope", "stalled",
                  "started", "task", "warnings", "writing_since")
 
@@ -115,6 +122,7 @@ class Exchange:
         self.task = task
         self._loop = task.get_loop()
         self._watcher: asyncio.Task[None] | None = None
+        self._cycle: Any = None  # uvicorn's response, once its head is out with chunks to follow (write_now)
         # the API's error shape (protocols.py) and stream grammar (grammars.py), for report()
         self.errors = OPENAI
         self.grammar = "chat"
@@ -235,6 +243,27 @@ class Exchange:
         if self.errors != OPENAI:
             headers.append((b"request-id", rid))  # where Anthropic's SDKs and Claude Code read it
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        cycle = getattr(self._gate.raw if self._gate is not None else self._asgi_send, "__self__", None)
+        if (type(cycle) is RequestResponseCycle and all(hasattr(cycle, a) for a in _CYCLE_STATE)
+                and cycle.chunked_encoding and cycle.scope["method"] != "HEAD"):
+            self._cycle = cycle
+
+    def writable(self) -> bool:
+        """Can :meth:`write_now` write a part of the body at once? (uvicorn's response, its head
+        out and chunked, the connection open and taking bytes, the shutdown not holding writes.)
+        Where not, the body goes through :meth:`send`, which waits for the client or drops."""
+        cycle = self._cycle
+        return (cycle is not None and not cycle.flow.write_paused and not cycle.disconnected
+                and not cycle.response_complete and not cycle.transport.is_closing()
+                and (self._gate is None or not self._gate.closed))
+
+    def write_now(self, body: bytes) -> None:
+        """Write a non-empty, non-final part of the body straight to the client's connection, in the
+        chunked framing uvicorn's send gives it (only when :meth:`writable`): what ``send`` does for
+        it, without the coroutines and the message between (a stream's relay writes a few dozen
+        of them a request). Nothing waits, so ``writing_since`` stays unset; a client that stops
+        reading fills its buffer until uvicorn pauses writing, and then ``send`` waits as usual."""
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
     async def send_body(self, body: bytes, *, more: bool) -> None:
         await self.send({"type": "http.response.body", "body": body, "more_body": more})

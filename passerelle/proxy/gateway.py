@@ -377,7 +377,7 @@ class Gateway:
             else:
                 rec.t_dispatch = now
                 rec.to(State.DISPATCHED)
-            running = self.metrics.running.labels(backend.name, rec.model)
+            running = self.metrics.labelled(self.metrics.running, backend.name, rec.model)
             running.inc()
             sent_with = backend.in_flight
             error: BaseException | None = None

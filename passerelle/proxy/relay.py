@@ -11,6 +11,12 @@ arrives (a partial event is of no use to a client). The scan finds:
 * ``[DONE]``: the end; nothing after it is relayed or even read, and a stream that ends without
   it was truncated (the client gets an error event).
 
+Where it runs: once the response head is out and nothing rewrites the stream, a stream to the
+client's own uvicorn connection is relayed in the upstream connection's callback
+(``Response.sink_into``) and written with ``Exchange.write_now``: no task switch and no ASGI
+message per chunk. The request's task waits meanwhile, and takes over (the loop in
+:meth:`StreamRelay.relay`) at the end, on an error, or while the client cannot take bytes at once.
+
 Caps and time: an event is at most ``[limits] max_event_bytes``; the scan is linear in the bytes
 received however they are cut; every wait is bounded by the request's :class:`Deadline`.
 
@@ -143,6 +149,14 @@ class Client(Protocol):
     def mark_finishing(self) -> None: ...
 
 
+class DirectClient(Client, Protocol):
+    """A client whose body can also be written at once, without a send (``Exchange``)."""
+
+    def writable(self) -> bool: ...
+
+    def write_now(self, body: bytes) -> None: ...
+
+
 class StreamRelay:
     """Relay one upstream SSE response to an ASGI client, timing it into ``rec``.
 
@@ -170,6 +184,15 @@ class StreamRelay:
         self.done = False
         self.upstream_error = False
         self.sending = False  # waiting for the client to take bytes (not the runtime's time)
+        # The client, when ``send`` is its own send and it can be written at once: then, once the
+        # head is out, the stream's bytes are relayed in the upstream connection's callback.
+        self.direct: DirectClient | None = None
+        if client is not None and hasattr(client, "write_now") and send == getattr(client, "send", None):
+            self.direct = client  # type: ignore[assignment]
+        # With a direct client, the bytes that end the stream ([DONE]'s) are not sent here but kept
+        # for the caller's last send, which writes them with the end of the body in one write
+        # (unless the runtime reported an error: the caller then reports it, and these go out now).
+        self.final = b""
 
     def _scan(self, events: list[bytes], now: float) -> bytes:
         """Account for ``events``; return the bytes to send (all of them unless one is dropped).
@@ -180,7 +203,10 @@ class StreamRelay:
         out: list[bytes] | None = None
         for i, ev in enumerate(events):
             keep = True
-            if CHAT.search(ev):
+            # (the form every OpenAI-compatible runtime sends first: a plain find, which settles a
+            # content event without the regex; anything else is the regex's to decide)
+            at = ev.find(b'"content":"')
+            if (0 <= at < len(ev) - 11 and ev[at + 11] != 34) or CHAT.search(ev):
                 if rec.content_chunks == 0:
                     rec.t_first = now
                     rec.to(State.STREAMING)
@@ -199,12 +225,12 @@ class StreamRelay:
                     rec.cached_tokens = cached_of(obj)
                 if self.strip_usage and _EMPTY_CHOICES.search(ev):
                     keep = False
-            elif _DONE.match(ev):  # (anchored: fails within a few bytes on a content event)
+            elif b"[DONE]" in ev and _DONE.match(ev):
                 self.done = True
                 if i + 1 < len(events):  # events after [DONE] are not relayed
                     out = list(events[:i + 1]) if out is None else [*out, ev]
                     break
-            elif _ERROR.match(ev):
+            elif b'"error"' in ev and _ERROR.match(ev):
                 self.upstream_error = True
                 rec.error = "the runtime sent an error event"
             if not keep and out is None:
@@ -294,8 +320,54 @@ class StreamRelay:
         between = t.between_tokens_s
         slack = min(1.0, between / 10)
         seen = 0  # content chunks (with repair, the runtime's text deltas too) when the deadline last moved
+        # Once the head is out, a stream the gateway passes on as it comes (no tool-call repair, to
+        # the client's own connection) is relayed in the upstream connection's callback as its bytes
+        # arrive: the same split, scan and deadline as the loop below, and the bytes written at
+        # once, with no task switch, no coroutines and no message per chunk. The task waits until
+        # the sink hands over: at the end, on an error, or when the client cannot take bytes now
+        # (the loop then sends them, waiting for the client as usual).
+        direct = self.direct if repair is None and hasattr(resp, "sink_into") else None
+        failed: list[BaseException] = []
+
+        def sink(resp: Response) -> bool:
+            nonlocal seen
+            if not direct.writable():  # type: ignore[union-attr]
+                return False
+            try:
+                events = scanner.feed(resp.take())
+                if not events:
+                    return True
+                payload = self._scan(events, time.perf_counter())
+                if rec.content_chunks != seen:  # (the deadline as in the loop below)
+                    seen = rec.content_chunks
+                    now = loop.time()
+                    left = budget.when() - now  # type: ignore[operator]
+                    if not between <= left <= between + slack:
+                        budget.reschedule(min(total_at, now + between + slack))
+                if self.done and self.on_done is not None:
+                    self.on_done()
+                    self.on_done = None
+                if self.done and not self.upstream_error:
+                    self.final = payload  # (for the caller's last send: see __init__)
+                elif payload:
+                    direct.write_now(payload)  # type: ignore[union-attr]
+            except Exception as exc:  # (raised by the task, as if the loop had met it)
+                failed.append(exc)
+                return False
+            return not self.done
+
         try:
             while not self.done:
+                if direct is not None and held is None and direct.writable():
+                    waiter = resp.sink_into(sink)
+                    if waiter is not None:
+                        try:
+                            await waiter
+                        finally:
+                            resp.unsink()
+                        if failed:
+                            raise failed.pop()
+                        continue
                 data = await read()
                 if not data:
                     break
@@ -334,9 +406,14 @@ class StreamRelay:
                 if self.done and self.on_done is not None:
                     self.on_done()
                     self.on_done = None
-                if payload:
-                    self.sending = True
-                    await send({"type": "http.response.body", "body": payload, "more_body": True})
+                if self.done and self.direct is not None and not self.upstream_error:
+                    self.final = payload  # (for the caller's last send: see __init__)
+                elif payload:
+                    if self.direct is not None and self.direct.writable():  # (no wait: no coroutine, no message)
+                        self.direct.write_now(payload)
+                    else:
+                        self.sending = True
+                        await send({"type": "http.response.body", "body": payload, "more_body": True})
                 self.sending = False
         except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{rec.backend}' broke the stream: "

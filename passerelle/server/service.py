@@ -120,6 +120,8 @@ class Service:
     _tasks: set[asyncio.Future[Any]] = field(init=False, default_factory=set)
     _reload_lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)  # one reload at a time
     _ending: asyncio.Future[None] | None = field(init=False, default=None)
+    # passerelle_requests_waiting as last set, per (model, class): _queue_changed sets what changed
+    _waiting_shown: dict[tuple[str, str], int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.fleet = Fleet(self.registry, self.supervisor, on_ready=self.scheduler.dispatch,
@@ -250,9 +252,15 @@ class Service:
         counts: dict[tuple[str, str], int] = {}
         for job in self.scheduler.waiting:
             counts[(job.model, job.cls.name)] = counts.get((job.model, job.cls.name), 0) + 1
+        # (called on every request's dispatch: only a count that changed is set, through a kept child)
+        shown, metrics, waiting = self._waiting_shown, self.metrics, self.metrics.waiting
         for model in self.catalogue.names:
             for cls in self.cfg.classes:
-                self.metrics.waiting.labels(model, cls.name).set(counts.get((model, cls.name), 0))
+                key = (model, cls.name)
+                n = counts.get(key, 0)
+                if shown.get(key) != n:
+                    shown[key] = n
+                    metrics.labelled(waiting, model, cls.name).set(n)
 
     def _box_replicas(self, replicas: list[Backend]) -> None:
         """Other boxes' replicas came, went, or changed health: the registry holds them beside this

@@ -20,6 +20,7 @@ Example (what :meth:`UpstreamClient.request <passerelle.upstream.client.Upstream
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import httptools
@@ -101,7 +102,7 @@ class Response:
     """
 
     __slots__ = ("_chunks", "_closed", "_conn", "_done", "_exc", "_headers", "_raw_headers", "_size",
-                 "_waiter", "keep_alive", "status")
+                 "_waiter", "keep_alive", "sink", "status")
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -115,6 +116,8 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
         self.keep_alive = False
+        # While a reader waits in :meth:`sink_into`: called with this response as body bytes arrive.
+        self.sink: Callable[[Response], bool] | None = None
 
     @property
     def headers(self) -> Headers:
@@ -157,6 +160,37 @@ class Response:
                 await waiter
             finally:
                 self._waiter = None
+
+    def take(self) -> bytes:
+        """What arrived since the last read, without waiting (``b""``: nothing)."""
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._size = 0
+        if self._conn.paused:
+            self._conn.resume()
+        return data
+
+    def sink_into(self, sink: Callable[[Response], bool]) -> asyncio.Future[None] | None:
+        """Have the body's bytes handled by ``sink`` in the connection's own callback, as they are
+        parsed, instead of by a reader's task woken for each read (a stream's relay: no task
+        switch per chunk). ``sink(resp)`` takes them with :meth:`take` and returns True, or
+        returns False to hand over: it has left them or met something its reader must handle.
+        Returns the future that is set when the reader is needed (the sink handed over, the body
+        ended or failed, the response was closed); the reader then calls :meth:`unsink` and reads
+        as usual. None, without a sink: there is something to read now."""
+        if self._chunks or self._exc is not None or self._done or self._closed or self._waiter is not None:
+            return None
+        self.sink = sink
+        waiter = self._waiter = self._conn.loop.create_future()
+        return waiter
+
+    def unsink(self) -> None:
+        """End :meth:`sink_into`: bytes wait for :meth:`readany` again."""
+        self.sink = None
+        self._waiter = None
 
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body; with ``limit``, BodyTooLarge as soon as it is known to be larger (the
@@ -277,6 +311,9 @@ class Connection(asyncio.Protocol):
             self._broken(BadResponse(f"the response head is larger than {MAX_HEAD} bytes"))
             self.transport.close()
             return
+        sink = resp.sink
+        if sink is not None and resp._chunks and sink(resp) and not resp._done:
+            return  # taken in this callback: no reader to wake
         if resp._size > HIGH_WATER and not self.paused and not resp._done:
             self.paused = True
             self.transport.pause_reading()

@@ -62,11 +62,28 @@ def test_parse_reads_the_fields_each_api_names():
     ("infill", {"input_prefix": "a"}, "'input_suffix'"),
     ("detokenize", {}, "'tokens'"),
     ("count_tokens", {"model": "m", "messages": MSGS, "stream": "yes"}, "'stream'"),
+    ("chat", {"model": "m", "messages": MSGS, "max_tokens": -1}, "'max_tokens' must be a non-negative"),
+    ("chat", {"model": "m", "messages": MSGS, "max_completion_tokens": True}, "'max_completion_tokens'"),
+    ("chat", {"model": "m", "messages": MSGS, "n": 0}, "'n' must be a positive"),
+    ("completions", {"model": "m", "prompt": "p", "best_of": 1.5}, "'best_of'"),
+    ("infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": -2}, "'n_predict'"),
+    ("chat", {"model": "m", "messages": MSGS, "stream_options": True}, "'stream_options'"),
+    ("chat", {"model": "m", "messages": MSGS, "user": 7}, "'user' must be"),
+    ("embeddings", {"model": "m", "input": {"a": 1}}, "'input' must be"),
 ])
 def test_parse_refuses_what_the_gateway_relies_on(api, body, text):
     with pytest.raises(InvalidRequest) as info:
         API[api].parse(orjson.dumps(body), None)
     assert text in info.value.message
+
+
+def test_parse_accepts_the_limits_at_their_edges():
+    chat = {"model": "m", "messages": MSGS, "stream": None, "max_tokens": 0, "n": 1, "stream_options": {},
+            "user": "u", "max_completion_tokens": None}
+    assert API["chat"].parse(orjson.dumps(chat), None).max_tokens == 0
+    assert API["infill"].parse(orjson.dumps({"input_prefix": "a", "input_suffix": "b", "n_predict": -1}),
+                               None).max_tokens == -1  # llama-server's "no limit"
+    assert API["embeddings"].parse(orjson.dumps({"model": "m", "input": ["a", "b"]}), None).model == "m"
 
 
 def test_multipart_model_comes_from_the_form():

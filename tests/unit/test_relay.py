@@ -266,3 +266,21 @@ async def test_a_client_that_takes_nothing_past_the_deadline_is_a_client_timeout
     t = TimeoutConfig(first_token_s=5, between_tokens_s=0.1, total_s=5)
     with pytest.raises(ClientTimeout):
         await relay([CHUNK % b"a", CHUNK % b"b", CHUNK % b"c", DONE], timeouts=t, client=Stuck())
+
+
+async def test_the_quick_content_find_counts_exactly_what_the_content_pattern_does():
+    from passerelle.chunks import CHAT
+
+    forms = [b'"content":"a"', b'"content":""', b'"content":null', b'"content": "a"', b'"content":"\\"q"',
+             b'"role":"assistant","content":""', b'"reasoning_content":"r"', b'"content":"",'
+             b'"tool_calls":[{"id":"c"}]', b'"text":"t"', b'"content" : ""', b'"content":"\\n"']
+    events = [b'data: {"choices":[{"index":0,"delta":{%s}}]}\n\n' % f for f in forms]
+    events += [b'data: {"content":"', b'data: {"x":"content":""}']  # (cut short: the find's edge)
+    rng = random.Random(7)
+    stream = [rng.choice(events[:-2]) for _ in range(200)]
+    rec, _ = await relay([b"".join(stream) + DONE])
+    assert rec.content_chunks == sum(1 for ev in stream if CHAT.search(ev))
+    for ev in events:  # one at a time, as the relay's scan sees them
+        r = StreamRelay(record(), Client(), TimeoutConfig(), strip_usage=False)
+        r._scan([ev], 1.0)
+        assert r.rec.content_chunks == (1 if CHAT.search(ev) else 0), ev
