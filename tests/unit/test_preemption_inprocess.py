@@ -31,10 +31,13 @@ def one_slot(fake):
 
 
 async def run_flood(gw, batch_body: dict, *, leave: bool = False):
-    """A batch request, then an interactive one once the batch stream is relaying."""
+    """A batch request, then an interactive one once the batch stream has relayed a few tokens
+    (the interactive request cuts it at once: the fake's continuation restarts its word list, so a
+    cut after one word would look to the splice like llama-server repeating the partial message)."""
     batch = asyncio.create_task(gw.post("/v1/chat/completions", batch_body, headers={"X-Priority": "batch"},
                                         leave_after_chunks=12 if leave else None))
-    await until(lambda: bool((p := gw.app.scheduler.preemptor) and p.suspendable) or batch.done())
+    await until(lambda: bool((p := gw.app.scheduler.preemptor) and p.suspendable
+                             and all(s.tokens >= 3 for s in p.suspendable.values())) or batch.done())
     chat = await gw.post("/v1/chat/completions", CHAT, headers={"X-Priority": "interactive"})
     return await batch, chat
 
