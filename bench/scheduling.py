@@ -177,26 +177,35 @@ def interactive_log(log: Path, since: float, until: float) -> list[dict]:
 
 
 _LLAMA_LINE = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) . (.*)$")
+_SLOT_ID = re.compile(r"id +(\d+) \|")
 
 
-def cancel_to_launch(log: Path, since: float, until: float) -> list[float]:
-    """From llama-server's log (times since it started, ``since``/``until`` on the same clock):
-    for every cut stream's cancel, seconds until the runtime launched its next request (the
-    request waiting for that slot). The cancels at a phase's end (its clients leaving) are the
-    last second's, left out."""
+def llama_gaps(log: Path, since: float, until: float) -> tuple[list[float], list[float]]:
+    """From llama-server's log (times since it started; ``since``/``until`` on the same clock):
+    (1) for every cut stream's cancel, seconds until the runtime launched its next request (the
+    one waiting for that slot); (2) for every slot released, seconds until that slot launched its
+    next request (the slot idle: none waiting in the runtime). Cancels and releases in a phase's
+    last second (its clients leaving) are left out."""
     events: list[tuple[float, str]] = []
     for line in log.read_text(errors="replace").splitlines():
         m = _LLAMA_LINE.match(line)
         if m:
             t = int(m[1]) * 60 + int(m[2]) + int(m[3]) / 1e3 + int(m[4]) / 1e6
             events.append((t, m[5]))
-    out = []
+    cancels, idle = [], []
     for i, (t, text) in enumerate(events):
-        if "cancel task" in text and since <= t < until - 1.0:
+        if not since <= t < until - 1.0:
+            continue
+        if "cancel task" in text:
             nxt = next((u for u, x in events[i + 1:] if "launch_slot_" in x), None)
             if nxt is not None:
-                out.append(nxt - t)
-    return out
+                cancels.append(nxt - t)
+        elif "release:" in text and (m := _SLOT_ID.search(text)):
+            tag = f"id {int(m[1]):2d} |"
+            nxt = next((u for u, x in events[i + 1:] if "launch_slot_" in x and tag in x), None)
+            if nxt is not None:
+                idle.append(nxt - t)
+    return cancels, idle
 
 
 @dataclass
@@ -383,11 +392,19 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
                 recs = [r for w0, w1, _ in a.windows for r in interactive_log(a.log, w0, w1 + 1.0)]
                 q = [r["queue_ms"] for r in recs]
                 rt = [r["ttft_ms"] - r["queue_ms"] for r in recs]
-                c2l = [x * 1000 for _, _, l0 in a.windows
-                       for x in cancel_to_launch(work / "llama.log", l0, l0 + args.phase_s)]
+                gaps = [llama_gaps(work / "llama.log", l0, l0 + args.phase_s) for _, _, l0 in a.windows]
+                c2l = [x * 1000 for c, _ in gaps for x in c]
                 cut = f"  cancel->launch {pct(c2l, 50):4.0f} / {pct(c2l, 95):4.0f} ({len(c2l)})" if c2l else ""
                 print(f"   {n:20} queue {pct(q, 50):4.0f} / {pct(q, 95):4.0f}  runtime {pct(rt, 50):5.0f} / "
                       f"{pct(rt, 95):5.0f}{cut}")
+        print("\n   A slot idle between two requests (ms, llama-server's log: released to its next launch; "
+              "p50 / mean)")
+        for n in floods:
+            if ran(n):
+                idle = [x * 1000 for _, _, l0 in arms[n].windows
+                        for x in llama_gaps(work / "llama.log", l0, l0 + args.phase_s)[1]]
+                if idle:
+                    print(f"   {n:20} {pct(idle, 50):6.1f} / {sum(idle) / len(idle):6.1f}  ({len(idle)} releases)")
     if ran("fair direct"):
         print("\n2. Share of generated tokens, tenant-a (8 streams) vs tenant-b (2 streams), equal weight")
         print(f"   (tokens streamed between {skip:g} s and {args.phase_s:g} s into the phase)")

@@ -27,12 +27,14 @@ LLAMA_LOG = """\
 """
 
 
-def test_a_cancel_is_timed_to_the_next_launch_and_the_phase_end_is_left_out(tmp_path):
+def test_a_cancel_is_timed_to_the_next_launch_a_release_to_its_slots_and_the_phase_end_is_left_out(tmp_path):
     log = tmp_path / "llama.log"
     log.write_text(LLAMA_LOG)
     # the phase: 70 s to 80 s after llama-server started; the cancel at 79.8 s is its clients leaving
-    assert scheduling.cancel_to_launch(log, 70.0, 80.0) == [pytest.approx(0.061)]
-    assert scheduling.cancel_to_launch(log, 0.0, 60.0) == []
+    cancels, idle = scheduling.llama_gaps(log, 70.0, 80.0)
+    assert cancels == [pytest.approx(0.061)]
+    assert idle == [pytest.approx(0.0609)]  # slot 2 released, slot 2 launched again (not slot 1's launch)
+    assert scheduling.llama_gaps(log, 0.0, 60.0) == ([], [])
 
 
 def test_the_interactive_records_of_a_phase_window(tmp_path):
