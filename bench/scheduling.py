@@ -16,10 +16,17 @@ Every prompt is fresh, so that no run profits from llama-server's prompt cache. 
 sends only slots - 1 batch streams straight to llama-server: the interactive request always finds
 a free slot, so its TTFT there is the runtime's own slowdown under the remaining batch work, which
 no gateway in front of it can remove. ``--also-batch-share S`` adds a gateway without preemption
-whose batch class may hold that share of the slots.
+whose batch class may hold that share of the slots. ``--also-src DIR`` adds the preemption arm
+again through passerelle from another source tree (a before/after in one run); ``--rounds N``
+repeats the flood arms N times, in turn (a round reversed every other time), and pools them.
+
+Where preemption's time goes, per interactive request (from the gateways' access logs): the
+wait in passerelle's queue (arrival to the request sent upstream: the preemption decision and
+the cut) and the time in the runtime (sent to first token), against the reference's TTFT; from
+llama-server's log, the time from a cut stream's cancel to the next request it starts.
 
     .venv/bin/python bench/scheduling.py [--slots 4] [--phase-s 40] [--only alone,flood,fair]
-                                         [--also-batch-share 1.0] [--toml ...]
+                                         [--also-batch-share 1.0] [--also-src DIR] [--rounds 1] [--toml ...]
 """
 
 from __future__ import annotations
@@ -30,18 +37,20 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import free_port, pct, wait_http
+from harness import free_port, pct, source_env, wait_http
 
 from passerelle.chunks import CHAT  # a content event: a token, not the empty delta some chunks carry
 from passerelle.runtimes import embedded
@@ -150,6 +159,85 @@ def admin_stats(url: str) -> dict:
         return json.loads(resp.read())
 
 
+def interactive_log(log: Path, since: float, until: float) -> list[dict]:
+    """The access-log records of the interactive requests a gateway finished in [since, until)
+    (wall clock), that got a first token."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if (r.get("priority") == "interactive" and r.get("ttft_ms") is not None and r.get("queue_ms") is not None
+                and since <= r.get("ts", 0) < until):
+            out.append(r)
+    return out
+
+
+_LLAMA_LINE = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) . (.*)$")
+_SLOT_ID = re.compile(r"id +(\d+) \|")
+
+
+def llama_gaps(log: Path, since: float, until: float) -> tuple[list[float], list[float]]:
+    """From llama-server's log (times since it started; ``since``/``until`` on the same clock):
+    (1) for every cut stream's cancel, seconds until the runtime launched its next request (the
+    one waiting for that slot); (2) for every slot released, seconds until that slot launched its
+    next request (the slot idle: none waiting in the runtime). Cancels and releases in a phase's
+    last second (its clients leaving) are left out."""
+    events: list[tuple[float, str]] = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = _LLAMA_LINE.match(line)
+        if m:
+            t = int(m[1]) * 60 + int(m[2]) + int(m[3]) / 1e3 + int(m[4]) / 1e6
+            events.append((t, m[5]))
+    cancels, idle = [], []
+    for i, (t, text) in enumerate(events):
+        if not since <= t < until - 1.0:
+            continue
+        if "cancel task" in text:
+            nxt = next((u for u, x in events[i + 1:] if "launch_slot_" in x), None)
+            if nxt is not None:
+                cancels.append(nxt - t)
+        elif "release:" in text and (m := _SLOT_ID.search(text)):
+            tag = f"id {int(m[1]):2d} |"
+            nxt = next((u for u, x in events[i + 1:] if "launch_slot_" in x and tag in x), None)
+            if nxt is not None:
+                idle.append(nxt - t)
+    return cancels, idle
+
+
+@dataclass
+class Arm:
+    """One arm's phases (one per round) and what they measured, pooled."""
+
+    loads: list[Load] = field(default_factory=list)
+    log: Path | None = None  # the gateway's access log; None: straight to llama-server
+    gateway: str = ""
+    windows: list[tuple[float, float, float]] = field(default_factory=list)  # wall start, end; llama clock start
+    preempt: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [x for ld in self.loads for x in ld.ttfts]
+
+    @property
+    def errors(self) -> int:
+        return sum(ld.errors for ld in self.loads)
+
+    def rate(self, skip_s: float, seconds: float, tenant: str | None = None) -> float:
+        return sum(ld.rate(skip_s, seconds, tenant) for ld in self.loads) / len(self.loads)
+
+    def shares(self, skip_s: float, seconds: float) -> dict[str, float]:
+        counts: dict[str, int] = {}
+        for ld in self.loads:
+            for t, n in ld.steady(skip_s, seconds).items():
+                counts[t] = counts.get(t, 0) + n
+        total = sum(counts.values()) or 1
+        return {t: n / total for t, n in counts.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=4)
@@ -164,10 +252,14 @@ def main() -> int:
     ap.add_argument("--also-batch-share", type=float, action="append", default=[],
                     help="also run the flood through a gateway whose batch class may hold this share of the "
                          "slots (the default is 0.75): the latency / throughput trade-off, same run")
+    ap.add_argument("--also-src", type=Path, metavar="DIR",
+                    help="also run the preemption arm through passerelle from this source tree (before/after)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the flood arms this many times, in turn, pooled")
     args = ap.parse_args()
     binary, model = embedded.find_or_build_llama_server(), embedded.ensure_gemma()
     lport = free_port()
     work = Path(tempfile.mkdtemp(prefix="passerelle-sched-"))
+    llama_t0 = time.time()  # (llama-server's log counts from its start)
     llama = subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL, "--port", str(lport),
                               "-np", str(args.slots), "-c", str(args.slots * 2048), "--metrics", "--slots",
                               # --swa-full, as the embedded runtime: a continuation reuses its cache
@@ -175,56 +267,78 @@ def main() -> int:
                              stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     gateways: list[subprocess.Popen] = []
 
-    def start_gateway(tag: str, extra: str) -> str:
+    def start_gateway(tag: str, extra: str, src: Path | None = None) -> str:
         port = free_port()
         cfg = work / f"{tag}.toml"
         # no max_concurrency: llama-server reports its slots (/props total_slots)
         cfg.write_text(args.toml + "\n" + extra + '\n[auth]\nanonymous_max_priority = "interactive"\n'
-                       f'[server]\naccess_log = {"true" if args.keep else "false"}\n'
+                       '[server]\naccess_log = true\n'
                        f'[[backends]]\nname = "b"\nkind = "llama-server"\nurl = "http://127.0.0.1:{lport}"\n'
                        f'models = ["{MODEL}"]\n')
         gateways.append(subprocess.Popen(
             [sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(port)],
             stdout=open(work / f"{tag}.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "PASSERELLE_STATE": str(work / tag)}))
+            cwd=src or Path(__file__).resolve().parent.parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PASSERELLE_STATE": str(work / tag),
+                 **source_env(src or Path(__file__).resolve().parent.parent)}))
         return f"http://127.0.0.1:{port}"
 
     no_preempt = "[scheduler]\npreemption = false\n"
-    direct, gateway = f"http://127.0.0.1:{lport}", start_gateway("gateway", "")  # the defaults: preemption on
-    shared = start_gateway("share", no_preempt)  # preemption off: batch holds 0.75 of the slots
-    variants = {f"flood share {s:g}": start_gateway(f"share-{s:g}", no_preempt + f'[[classes]]\nname = "batch"\n'
-                                                                    f'rank = 2\nmax_queue = 4096\nslot_share = {s}\n')
-                for s in args.also_batch_share}
+    direct = f"http://127.0.0.1:{lport}"
+    arms: dict[str, Arm] = {}
+
+    def arm(name: str, tag: str = "", extra: str = "", src: Path | None = None) -> Arm:
+        a = arms[name] = Arm(log=work / f"{tag}.log" if tag else None)
+        a.gateway = start_gateway(tag, extra, src) if tag else direct
+        return a
+
     flood = 3 * args.slots
-    results: dict[str, tuple[Load, float]] = {}
+    reference = f"flood direct {args.slots - 1}"
+    plan: list[tuple[str, dict]] = []  # the phases, in order; a flood arm once per round
+    arm("alone direct")
+    gateway = arm("alone gateway", "gateway").gateway  # the defaults: preemption on
+    arm("flood direct")
+    arm(reference)
+    arms["flood share 0.75"] = Arm(log=work / "share.log", gateway=start_gateway("share", no_preempt))
+    arms["flood preemption"] = Arm(log=work / "gateway.log", gateway=gateway)
+    variants = [f"flood share {s:g}" for s in args.also_batch_share]
+    for s_ in args.also_batch_share:
+        arm(f"flood share {s_:g}", f"share-{s_:g}", no_preempt + f'[[classes]]\nname = "batch"\nrank = 2\n'
+                                                            f'max_queue = 4096\nslot_share = {s_}\n')
+    if args.also_src:
+        arm("flood preemption B", "before", src=args.also_src)
+        variants.append("flood preemption B")
+    arms["fair direct"] = Arm(gateway=direct)
+    arms["fair gateway"] = Arm(log=work / "gateway.log", gateway=gateway)
+    floods = ["flood direct", reference, "flood share 0.75", "flood preemption", *variants]
+    plan += [("alone direct", {}), ("alone gateway", {})]
+    for r in range(args.rounds):
+        plan += [(n, {"flood": args.slots - 1 if n == reference else flood}) for n in (floods if r % 2 == 0
+                                                                                      else floods[::-1])]
+    plan += [("fair direct", {"fair": (8, 2), "interactive": False}),
+             ("fair gateway", {"fair": (8, 2), "interactive": False})]
     try:
         wait_http(direct + "/health")
-        for url in (gateway, shared, *variants.values()):
-            wait_http(url + "/ready")
+        for a in {a.gateway for a in arms.values()} - {direct}:
+            wait_http(a + "/ready")
         asyncio.run(phase(direct, 5, interactive=True))  # warm-up
         only = set(args.only.split(",")) if args.only else {"alone", "flood", "fair"}
-        preempt: dict[str, dict[str, float]] = {}
-        for name, base, kw in [
-            ("alone direct", direct, {}),
-            ("alone gateway", gateway, {}),
-            ("flood direct", direct, {"flood": flood}),
-            (f"flood direct {args.slots - 1}", direct, {"flood": args.slots - 1}),
-            ("flood share 0.75", shared, {"flood": flood}),
-            ("flood preemption", gateway, {"flood": flood}),
-            *((name, url, {"flood": flood}) for name, url in variants.items()),
-            ("fair direct", direct, {"fair": (8, 2), "interactive": False}),
-            ("fair gateway", gateway, {"fair": (8, 2), "interactive": False}),
-        ]:
+        for name, kw in plan:
             if name.split()[0] not in only:
                 continue
+            a = arms[name]
             print(f"running: {name} ({args.phase_s:g} s)", file=sys.stderr, flush=True)
             settle(direct)
-            before = admin_stats(gateway)["preemption"] if base == gateway else None
-            results[name] = asyncio.run(phase(base, args.phase_s, every_s=args.interactive_every, **kw))
+            before = admin_stats(a.gateway)["preemption"] if a.gateway != direct else None
+            w0 = time.time()
+            load, _ = asyncio.run(phase(a.gateway, args.phase_s, every_s=args.interactive_every, **kw))
+            a.loads.append(load)
+            a.windows.append((w0, time.time(), w0 - llama_t0))
             if before is not None:
-                after = admin_stats(gateway)["preemption"]
-                preempt[name] = {k: after[k] - before[k] for k in after if isinstance(after[k], int | float)
-                                 and not isinstance(after[k], bool)}
+                after = admin_stats(a.gateway)["preemption"]
+                for k in after:
+                    if isinstance(after[k], int | float) and not isinstance(after[k], bool):
+                        a.preempt[k] = a.preempt.get(k, 0) + after[k] - before[k]
         holds = admin_stats(gateway).get("slot_holds")
     finally:
         for gw in gateways:
@@ -233,66 +347,95 @@ def main() -> int:
             gw.wait(60)
         llama.terminate()
         llama.wait(30)
+    report(args, arms, floods, reference, holds, work)
+    return 0
+
+
+def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], reference: str, holds: object,
+           work: Path) -> None:
+    def ran(name: str) -> bool:
+        return name in arms and bool(arms[name].loads)
 
     def p95(name: str) -> float:
-        xs = results[name][0].ttfts
+        xs = arms[name].ttfts
         return pct(xs, 95) * 1000 if xs else math.nan
 
-    floods = ["flood share 0.75", "flood preemption", *variants]
-
     skip = min(10.0, args.phase_s / 4)
-
-    def report(name: str) -> bool:
-        return name in results
-
+    flood = 3 * args.slots
+    rounds = f", {args.rounds} rounds pooled" if args.rounds > 1 else ""
     print(f"\nGemma 3 270M on llama-server, {args.slots} slots; batch flood = {flood} closed-loop streams of 64 "
           f"tokens; interactive = a request every {args.interactive_every:g} s, 16 tokens; {args.phase_s:g} s per "
-          f"phase; fresh prompts.\n")
+          f"phase{rounds}; fresh prompts.\n")
     print("1. Interactive TTFT (ms)")
     print(f"   {'':20}{'n':>4}{'p50':>9}{'p95':>9}{'p95/alone':>11}{'p95/ref':>9}")
-    reference = f"flood direct {args.slots - 1}"
-    for name in ("alone direct", "alone gateway", "flood direct", reference, *floods):
-        if report(name):
-            xs = results[name][0].ttfts or [math.nan]  # (none in the phase: a runtime far too slow)
+    for name in ("alone direct", "alone gateway", *floods):
+        if ran(name):
+            xs = arms[name].ttfts or [math.nan]  # (none in the phase: a runtime far too slow)
             alone = "alone direct" if "direct" in name or "alone" in name else "alone gateway"
-            rel = f"{p95(name) / p95(alone):10.2f}x" if report(alone) and "alone" not in name else " " * 11
-            ref = f"{p95(name) / p95(reference):8.2f}x" if report(reference) and name.startswith("flood") else ""
+            rel = f"{p95(name) / p95(alone):10.2f}x" if ran(alone) and "alone" not in name else " " * 11
+            ref = f"{p95(name) / p95(reference):8.2f}x" if ran(reference) and name.startswith("flood") else ""
             print(f"   {name:20}{len(xs):>4}{pct(xs, 50) * 1000:9.0f}{pct(xs, 95) * 1000:9.0f}{rel}{ref}")
-    if report(reference):
+    if ran(reference):
         print(f"   {reference}: only {args.slots - 1} batch streams straight to llama-server, so one slot is "
               f"always free for the\n   interactive request: the runtime's own slowdown, the least a gateway can "
               f"give (goal with preemption: p95 <= 1.2x this)")
-    if report("fair direct"):
+        gated = [n for n in floods if ran(n) and arms[n].log is not None and arms[n].log.exists()]
+        if gated:
+            print("\n   Where the time goes (ms; p50 / p95): in passerelle's queue (arrival to sent upstream), in the "
+                  "runtime\n   (sent to first token, against the reference's TTFT), and in llama-server from a cut "
+                  "stream's cancel\n   to the next request it started")
+            ref_x = [x * 1000 for x in arms[reference].ttfts]
+            print(f"   {reference:20} {'':>13}  runtime {pct(ref_x, 50):5.0f} / {pct(ref_x, 95):5.0f}")
+            for n in gated:
+                a = arms[n]
+                assert a.log is not None
+                recs = [r for w0, w1, _ in a.windows for r in interactive_log(a.log, w0, w1 + 1.0)]
+                q = [r["queue_ms"] for r in recs]
+                rt = [r["ttft_ms"] - r["queue_ms"] for r in recs]
+                gaps = [llama_gaps(work / "llama.log", l0, l0 + args.phase_s) for _, _, l0 in a.windows]
+                c2l = [x * 1000 for c, _ in gaps for x in c]
+                cut = f"  cancel->launch {pct(c2l, 50):4.0f} / {pct(c2l, 95):4.0f} ({len(c2l)})" if c2l else ""
+                print(f"   {n:20} queue {pct(q, 50):4.0f} / {pct(q, 95):4.0f}  runtime {pct(rt, 50):5.0f} / "
+                      f"{pct(rt, 95):5.0f}{cut}")
+        print("\n   A slot idle between two requests (ms, llama-server's log: released to its next launch; "
+              "p50 / mean)")
+        for n in floods:
+            if ran(n):
+                idle = [x * 1000 for _, _, l0 in arms[n].windows
+                        for x in llama_gaps(work / "llama.log", l0, l0 + args.phase_s)[1]]
+                if idle:
+                    print(f"   {n:20} {pct(idle, 50):6.1f} / {sum(idle) / len(idle):6.1f}  ({len(idle)} releases)")
+    if ran("fair direct"):
         print("\n2. Share of generated tokens, tenant-a (8 streams) vs tenant-b (2 streams), equal weight")
         print(f"   (tokens streamed between {skip:g} s and {args.phase_s:g} s into the phase)")
         for name in ("fair direct", "fair gateway"):
-            shares = results[name][0].shares(skip, args.phase_s)
+            shares = arms[name].shares(skip, args.phase_s)
             print(f"   {name:16} a {shares.get('tenant-a', 0):6.1%}   b {shares.get('tenant-b', 0):6.1%}"
                   f"   (goal through passerelle: 50% +/- 10%)")
         print(f"   freed slots held for a returning tenant: {holds}")
-    if report("flood direct"):
+    if ran("flood direct"):
         print(f"\n3. Tokens/s under the flood (streamed between {skip:g} s and {args.phase_s:g} s), vs direct FIFO")
         print(f"   {'':20}{'all':>8}{'ratio':>8}{'batch':>8}{'ratio':>8}")
-        base_all = results["flood direct"][0].rate(skip, args.phase_s)
-        base_batch = results["flood direct"][0].rate(skip, args.phase_s, "bulk")
-        for n in ("flood direct", *floods):
-            if report(n):
-                load = results[n][0]
-                a, b = load.rate(skip, args.phase_s), load.rate(skip, args.phase_s, "bulk")
-                print(f"   {n:20}{a:8.1f}{a / base_all:8.3f}{b:8.1f}{b / base_batch:8.3f}")
-        print("   (goal with preemption: batch >= 0.97 of direct FIFO)")
-        if "flood preemption" in preempt:
-            p = preempt["flood preemption"]
-            resumes = max(p.get("resumed_streams", 0), 1)
-            print(f"   preemption: {p.get('suspended', 0)} suspensions ({p.get('suspended', 0) * 60 / args.phase_s:.1f}"
-                  f" a minute), {p.get('resumed', 0)} resumes; prompt tokens computed again per resumed stream "
-                  f"{p.get('resume_prompt_tokens_processed', 0) / resumes:.1f} (from cache: "
-                  f"{p.get('resume_prompt_tokens_cached', 0) / resumes:.1f})")
-    errors = {n: r[0].errors for n, r in results.items() if r[0].errors}
+        base_all = arms["flood direct"].rate(skip, args.phase_s)
+        base_batch = arms["flood direct"].rate(skip, args.phase_s, "bulk")
+        for n in floods:
+            if ran(n) and n != reference:
+                a_, b_ = arms[n].rate(skip, args.phase_s), arms[n].rate(skip, args.phase_s, "bulk")
+                print(f"   {n:20}{a_:8.1f}{a_ / base_all:8.3f}{b_:8.1f}{b_ / base_batch:8.3f}")
+        print("   (goal with preemption: work served, all tokens, >= 0.97 of direct FIFO)")
+        for n in ("flood preemption", "flood preemption B"):
+            if ran(n):
+                p = arms[n].preempt
+                resumes = max(p.get("resumed_streams", 0), 1)
+                minutes = args.phase_s * len(arms[n].loads) / 60
+                print(f"   {n}: {p.get('suspended', 0):g} suspensions ({p.get('suspended', 0) / minutes:.1f}"
+                      f" a minute), {p.get('resumed', 0):g} resumes; prompt tokens computed again per resumed "
+                      f"stream {p.get('resume_prompt_tokens_processed', 0) / resumes:.1f} (from cache: "
+                      f"{p.get('resume_prompt_tokens_cached', 0) / resumes:.1f})")
+    errors = {n: a.errors for n, a in arms.items() if a.errors}
     print(f"\nerrors: {errors or 'none'}")
     if args.keep:
         print(f"logs (access logs, llama-server's): {work}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -338,9 +338,10 @@ class SchedulerConfig:
     # wait; alone it may fill the queue, and a newcomer then takes the place of its newest queued request.
     # 1.0: off.
     tenant_queue_share: float = 0.5
-    # Preemption (scheduling/preemption.py): a request of a better class that waited preempt_after_ms
-    # while every slot it may use is busy suspends a stream of a preemptible class, which resumes
-    # later as a continuation, the client seeing one unbroken stream.
+    # Preemption (scheduling/preemption.py): a request of a better class that finds every slot it
+    # may use busy suspends a stream of a preemptible class at once (or after preempt_after_ms at
+    # most, while a stream there is expected to end by itself within it), which resumes later as
+    # a continuation, the client seeing one unbroken stream.
     preemption: bool = True
     preempt_after_ms: float = 50.0
     min_run_s: float = 2.0  # a stream is not suspended twice within this
@@ -443,7 +444,7 @@ class ClassConfig:
 
 
 # With preemption on (the default) batch may use every slot: a better class that arrives takes
-# one back within preempt_after_ms. With it off, batch keeps a quarter of the slots free.
+# one back at once. With it off, batch keeps a quarter of the slots free.
 DEFAULT_CLASSES = (
     ClassConfig("interactive", 0, max_queue=256, max_queue_wait_s=60.0, slot_share=1.0),
     ClassConfig("standard", 1, max_queue=512, max_queue_wait_s=120.0, slot_share=1.0),

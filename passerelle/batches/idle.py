@@ -2,10 +2,11 @@
 serve it have a slot for it beyond what every other class needs now.
 
 Preemption alone does not keep a batch out of interactive traffic's way: it suspends a batch
-stream only after a better request has waited ``preempt_after_ms``, and never one near its end
-(short lines always are), so with every slot full of batch lines an interactive request waits for
-one of them to finish. So the runner holds its lines back before they reach the scheduler. For the
-replicas of a line's model that take requests (up, not draining), with C slots in all:
+stream once a better request waits, the runtime frees its slot only a decode step or two after
+the cut, and it never cuts one near its end (short lines always are), so with every slot full of
+batch lines an interactive request waits for one of them to finish. So the runner holds its
+lines back before they reach the scheduler. For the replicas of a line's model that take
+requests (up, not draining), with C slots in all:
 
     lines in flight  <  C  -  max(R, slots other classes use)  -  other classes' requests waiting
 

@@ -32,7 +32,9 @@ Example::
 
 from __future__ import annotations
 
+import math
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -105,6 +107,9 @@ class Splice:
         self._down: Send | None = None
         self._streaming: Callable[[], None] | None = None
         self._strip = ""  # per-event counters passerelle asked for and the client did not
+        # this attempt's pace: when its first and latest content events came, and the tokens by then
+        self._paced_from = self._paced_to = 0.0
+        self._paced_tokens: tuple[int, int] | None = None
 
     # -- requests ------------------------------------------------------------------------------
     @property
@@ -150,6 +155,17 @@ class Splice:
                 data[key] = max(1, data[key] - self.tokens)
         return data
 
+    @property
+    def left_s(self) -> float:
+        """Seconds until the stream ends by itself: its tokens left at this attempt's pace so far
+        (inf while the pace is unknown, under two tokens, or the request sets no max_tokens).
+        The scheduler waits for a stream about to end rather than cut another (preemption.py)."""
+        left = self.tokens_left()
+        if left is None or self._paced_tokens is None or self._paced_tokens[1] <= self._paced_tokens[0]:
+            return math.inf
+        first, last = self._paced_tokens
+        return max(0, left) * (self._paced_to - self._paced_from) / (last - first)
+
     def tokens_left(self) -> int | None:
         for key in _MAX_TOKENS_KEYS:
             if isinstance(self.data.get(key), int) and self.data[key] > 0:
@@ -169,6 +185,7 @@ class Splice:
         self.suspended = False
         self.attempt_tokens = self.attempt_events = 0
         self._counted = self._prompt_seen = False
+        self._paced_tokens = None
         return self._send
 
     def suspend(self) -> bool:
@@ -313,6 +330,7 @@ class Splice:
             if new:
                 self.text.append(new)
                 self.attempt_events += 1
+                self._pace()
                 if self._streaming is not None:
                     self._streaming()
                     self._streaming = None
@@ -325,6 +343,14 @@ class Splice:
         if self._continuing and not content and not delta.get("tool_calls"):
             return False, edited  # a continuation's role chunk, or what it only repeated
         return True, edited
+
+    def _pace(self) -> None:
+        now, tokens = time.monotonic(), self.tokens
+        if self._paced_tokens is None:
+            self._paced_from, self._paced_tokens = now, (tokens, tokens)
+        else:
+            self._paced_tokens = (self._paced_tokens[0], tokens)
+        self._paced_to = now
 
     def _unecho(self, content: str) -> str:
         """``content`` less the continued message, when the runtime repeats it: llama-server

@@ -72,6 +72,11 @@ class Suspendable(Protocol):
         """Tokens it has sent so far: what resuming it costs."""
         ...
 
+    @property
+    def left_s(self) -> float:
+        """Seconds until it ends by itself, at its own pace (its tokens left); inf when unknown."""
+        ...
+
 
 @dataclass(eq=False)
 class Job:

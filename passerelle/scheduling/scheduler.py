@@ -16,9 +16,10 @@ request arrives, the waiting request with the smallest key is dispatched to a re
 
 A class may hold only a share of a backend's slots (``slot_share``), so that a request of a better
 class finds a slot free. With preemption (preemption.py, on by default) batch may hold every slot:
-a better request that waited ``preempt_after_ms`` suspends one batch stream, whose slot it takes,
-and the suspended stream queues again and resumes later as a continuation. Service is charged at
-dispatch from an estimate (prompt tokens + max_tokens) and corrected with the real usage at the end.
+a better request that finds every slot busy suspends one batch stream at once (or waits up to
+``preempt_after_ms`` for a stream about to end), takes its slot, and the suspended stream queues
+again and resumes later as a continuation. Service is charged at dispatch from an estimate
+(prompt tokens + max_tokens) and corrected with the real usage at the end.
 
 Admission is fair too: a tenant may hold at most ``tenant_queue_share`` of a class's queue (per
 model) while other tenants' requests wait there (429 ``tenant_queue_full`` past it). Alone, a tenant

@@ -18,13 +18,14 @@ pytestmark = pytest.mark.llama
 
 
 def config(url: str) -> str:
-    """Preemption at its defaults (min_run_s shorter: the test is short); no max_concurrency:
-    llama-server reports its 2 slots."""
+    """Preemption at its defaults (min_run_s shorter: the test is short; preempt_after_ms longer,
+    so that a request that waited it shows); no max_concurrency: llama-server reports its 2 slots."""
     return f"""
     [auth]
     anonymous_max_priority = "interactive"
     [scheduler]
     min_run_s = 0.5
+    preempt_after_ms = 300
     [[backends]]
     name = "b1"
     kind = "llama-server"
@@ -107,8 +108,10 @@ def test_a_batch_stream_is_cut_resumed_on_its_slot_and_reads_as_if_uninterrupted
     rec = gw.log_for(cut.request_id)
     chat_rec = gw.log_for(chat.request_id)
     assert rec["suspensions"] == 1 and rec["cause"] == "ok"
-    # the interactive request ran in the slot the batch stream left, which came back to it after
-    assert chat_rec["slot"] == rec["slot"] and chat_rec["queue_ms"] < 2000
+    # the interactive request ran in the slot the batch stream left, which came back to it after;
+    # it was sent the moment the cut was (no stream was about to end: nothing to wait for), not
+    # after preempt_after_ms, and llama-server queued it until the cut stream let the slot go
+    assert chat_rec["slot"] == rec["slot"] and chat_rec["queue_ms"] < 300
     # one well-formed stream: one id, one role chunk, the end once, usage of the original request
     assert cut.status == 200 and cut.events[-1] == "[DONE]"
     assert len({c["id"] for c in cut.chunks}) == 1

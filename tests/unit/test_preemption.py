@@ -4,6 +4,7 @@ and how a suspended stream queues again (scheduling/preemption.py, the scheduler
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -35,10 +36,16 @@ def job(pool, cls="batch", tenant="t", **kw) -> Job:
 class Stream:
     """A running stream's side of a suspension (a Suspendable): counts the calls, may refuse."""
 
-    def __init__(self, ok: bool = True, tokens: int = 0) -> None:
+    def __init__(self, ok: bool = True, tokens: int = 0, *, ends_at: float = math.inf,
+                 clock: Clock | None = None) -> None:
         self.ok = ok
         self.calls = 0
         self.tokens = tokens
+        self.ends_at, self.clock = ends_at, clock  # when it would end by itself (inf: not in sight)
+
+    @property
+    def left_s(self) -> float:
+        return self.ends_at - self.clock.now if self.clock is not None else math.inf
 
     def suspend(self) -> bool:
         self.calls += 1
@@ -58,18 +65,16 @@ def running_batch(s: Scheduler, b, n: int, clock, tenant="bulk") -> list[tuple[J
     return out
 
 
-async def test_a_waiting_interactive_request_suspends_a_batch_stream_after_preempt_after(clock):
+async def test_a_waiting_interactive_request_suspends_a_batch_stream_at_once(clock):
+    """No stream is about to end by itself: waiting preempt_after_ms would only delay the
+    request, so a stream is cut the moment it is queued and its slot is the request's."""
     b = FakeBackend(capacity=2)
     s = make(clock)
     (_older, s1), (newer, s2) = running_batch(s, b, 2, clock)
     chat = job([b], "interactive")
     s.submit(chat)
     assert chat.backend is None  # every slot is busy (batch may hold them all with preemption on)
-    clock.now += 0.049
-    s.preemptor.check()
-    assert chat.backend is None and s1.calls == s2.calls == 0  # a slot may still free by itself
-    clock.now += 0.002
-    s.preemptor.check()
+    s.preemptor.check()  # (the timer's call, due at once)
     # the stream that started last is cut; its slot goes to the interactive request at once
     assert (s2.calls, s1.calls) == (1, 0)
     assert chat.backend is b and b.in_flight == 2
@@ -81,6 +86,37 @@ async def test_a_waiting_interactive_request_suspends_a_batch_stream_after_preem
     s.release(chat)
     assert newer.backend is b and later.backend is None
     assert (s.preemptor.suspensions, s.preemptor.resumes) == (1, 1)
+
+
+async def test_a_stream_about_to_end_is_waited_for_at_most_preempt_after(clock):
+    """A stream expected to end by itself within preempt_after_ms frees a slot for nothing: the
+    request waits for it; if it has not ended by then, a stream is cut after all."""
+    b = FakeBackend(capacity=2)
+    s = make(clock)
+    (ending, s1), (_other, s2) = running_batch(s, b, 2, clock)
+    s1.ends_at, s1.clock = clock.now + 0.03, clock  # 3 tokens left at 10 ms each
+    chat = job([b], "interactive")
+    s.submit(chat)
+    s.preemptor.check()
+    assert chat.backend is None and s1.calls == s2.calls == 0
+    clock.now += 0.02
+    s.preemptor.check()
+    assert chat.backend is None
+    s.release(ending)  # it ended by itself: its slot, and nothing was cut
+    assert chat.backend is b and s2.calls == 0 and s.preemptor.suspensions == 0
+
+    s = make(clock)
+    (slow, s1), (_other, s2) = running_batch(s, b := FakeBackend(capacity=2), 2, clock)
+    s1.ends_at, s1.clock = clock.now + 0.045, clock  # expected within the wait, but it runs late
+    chat = job([b], "interactive")
+    s.submit(chat)
+    clock.now += 0.012
+    s.preemptor.check()
+    assert chat.backend is None and s1.calls == s2.calls == 0  # it might still end within the wait
+    clock.now += 0.039
+    s.preemptor.check()
+    assert chat.backend is b and s.preemptor.suspensions == 1  # 51 ms: one was cut after all
+    assert slow.backend is b  # (not the one about to end: it may still free its slot by itself)
 
 
 async def test_nothing_is_suspended_while_a_slot_is_free_or_for_the_same_class(clock):
@@ -276,7 +312,8 @@ async def test_a_check_that_comes_a_little_early_comes_back(clock):
     the request is due must not leave it waiting for a slot to free by itself."""
     b = FakeBackend(capacity=1)
     s = make(clock)
-    running_batch(s, b, 1, clock)
+    ((_bulk, stream),) = running_batch(s, b, 1, clock)
+    stream.ends_at, stream.clock = clock.now + 0.0499, clock  # about to end: waited for, up to preempt_after_ms
     chat = job([b], "interactive")
     s.submit(chat)
     clock.now += 0.0497

@@ -31,10 +31,13 @@ def one_slot(fake):
 
 
 async def run_flood(gw, batch_body: dict, *, leave: bool = False):
-    """A batch request, then an interactive one once the batch stream is relaying."""
+    """A batch request, then an interactive one once the batch stream has relayed a few tokens
+    (the interactive request cuts it at once: the fake's continuation restarts its word list, so a
+    cut after one word would look to the splice like llama-server repeating the partial message)."""
     batch = asyncio.create_task(gw.post("/v1/chat/completions", batch_body, headers={"X-Priority": "batch"},
                                         leave_after_chunks=12 if leave else None))
-    await until(lambda: bool((p := gw.app.scheduler.preemptor) and p.suspendable) or batch.done())
+    await until(lambda: bool((p := gw.app.scheduler.preemptor) and p.suspendable
+                             and all(s.tokens >= 3 for s in p.suspendable.values())) or batch.done())
     chat = await gw.post("/v1/chat/completions", CHAT, headers={"X-Priority": "interactive"})
     return await batch, chat
 
@@ -150,3 +153,23 @@ async def test_a_stream_is_cut_only_once_its_first_token_went_out():
         assert chat.status == 200 and recs["batch"].suspensions == 1
         first_token = recs["batch"].t_first
         assert recs["interactive"].t_dispatch >= first_token  # it waited for the first token, then cut
+
+
+async def test_an_interactive_request_cuts_a_long_stream_at_once_and_waits_for_one_about_to_end():
+    """preempt_after_ms (here 2 s) is the most a better request waits, and only for a stream
+    expected to end by itself within it (its tokens left at its pace): a stream with 4 s to go is
+    cut the moment the request queues; one with a fraction of a second left ends uncut."""
+    sched = SchedulerConfig(preempt_after_ms=2000)
+    async with fake_runtime(itl_ms=10, slots=1) as fake, gateway(one_slot(fake), auth=AUTH, scheduler=sched) as gw:
+        batch, chat = await run_flood(gw, {**BATCH, "stream": True, "max_tokens": 400})  # 4 s of tokens
+        assert batch.status == chat.status == 200
+        recs = {r.priority: r for r in gw.records}
+        assert recs["batch"].suspensions == 1
+        assert recs["interactive"].queue_wait < 1.0  # not the 2 s preempt_after_ms
+        gw.records.clear()
+        batch, chat = await run_flood(gw, {**BATCH, "stream": True, "max_tokens": 40})  # 0.4 s of tokens
+        recs = {r.priority: r for r in gw.records}
+        assert recs["batch"].suspensions == 0 and gw.app.scheduler.preemptor.suspensions == 1  # (the first's)
+        assert recs["interactive"].t_dispatch >= recs["batch"].t_end - 0.05  # it took the slot the stream left
+        assert recs["interactive"].queue_wait < 2.0
+        assert settled(gw)

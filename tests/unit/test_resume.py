@@ -208,3 +208,33 @@ async def test_a_stream_that_produced_reasoning_is_never_suspended(field):
     await send({"body": ev(think), "more_body": True})
     await send({"body": ev(chat_chunk("A", "x", timings=timings(3, 0, 2))), "more_body": True})
     assert splice.suspend() is False  # the continuation would lose the reasoning
+
+
+async def test_a_stream_says_when_it_ends_by_itself_at_its_own_pace(monkeypatch):
+    """left_s: the tokens left at the attempt's pace, what the scheduler weighs before cutting a
+    stream (a slot about to free by itself is waited for instead)."""
+    import math
+
+    from passerelle.proxy import resume
+
+    now = [100.0]
+    monkeypatch.setattr(resume.time, "monotonic", lambda: now[0])
+    splice = Splice(DATA, "chat")  # max_tokens 10
+    send = splice.watch(FakeResp(), Client(), "llama-server")
+    await send({"type": "http.response.body", "body": ev(chat_chunk("A", role=True))
+                + ev(chat_chunk("A", "Once", timings=timings(12, 0, 1)))})
+    assert splice.left_s == math.inf  # one token: no pace yet
+    for n, word in ((2, " upon"), (3, " a"), (4, " time")):
+        now[0] += 0.05
+        await send({"type": "http.response.body", "body": ev(chat_chunk("A", word, timings=timings(12, 0, n)))})
+    assert splice.left_s == pytest.approx(6 * 0.05)  # 6 tokens left, 50 ms each
+    assert splice.suspend() is True
+    splice.resumed()
+    splice.watch(FakeResp(), Client(), "llama-server")
+    assert splice.left_s == math.inf  # a new attempt, a new pace (it may run beside other work)
+    unbounded = Splice({**DATA, "max_tokens": None}, "chat")
+    send = unbounded.watch(FakeResp(), Client(), "llama-server")
+    for n in (1, 2, 3):
+        now[0] += 0.05
+        await send({"type": "http.response.body", "body": ev(chat_chunk("A", "x", timings=timings(12, 0, n)))})
+    assert unbounded.left_s == math.inf  # no max_tokens: its end is not in sight
