@@ -59,14 +59,14 @@ def _parse_upstream(spec: str, index: int) -> BackendConfig:
 def build_app(cfg: Config, loader: Callable[[], Config] | None = None) -> App:
     """The ASGI app for ``cfg`` with its supervised runtimes (nothing started yet); ``loader``
     re-reads the configuration on reload."""
-    from passerelle.runtimes.factory import build_runtime, expand
+    from passerelle.runtimes.factory import build_runtime, expand, rpc_workers
     from passerelle.server.app import App
 
     configured = not cfg.uses_embedded
     cfg = expand(cfg)
     built = [build_runtime(bc, cfg.timeouts, cfg.state_path()) for bc in cfg.backends]
-    return App(cfg, [b for b, _ in built], [p for _, p in built if p is not None], loader=loader,
-               backends_configured=configured)
+    return App(cfg, [b for b, _ in built], [*(p for _, p in built if p is not None), *rpc_workers(cfg)],
+               loader=loader, backends_configured=configured)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

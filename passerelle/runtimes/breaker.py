@@ -116,5 +116,20 @@ class CircuitBreaker:
                 self.open_until = now + min(self.max_backoff_s, self.min_backoff_s * 2 ** min(extra, 16))
                 self._to(BreakerState.OPEN)
 
+    def trip(self, now: float) -> None:
+        """Open now, without waiting for failures: the replica is known to be broken (a split
+        whose member died, rpc.py). It stays open until :meth:`reset` or its backoff passes."""
+        self.failures = max(self.failures, self.failure_threshold)
+        self.open_until = now + self.max_backoff_s
+        self.probe_out = False
+        self._to(BreakerState.OPEN)
+
+    def reset(self) -> None:
+        """Closed again: the replica was rebuilt whole (what opened it is known to be gone)."""
+        self.failures = 0
+        self.open_until = 0.0
+        self.probe_out = False
+        self._to(BreakerState.CLOSED)
+
     def describe(self) -> dict[str, object]:
         return {"state": self.state.value, "failures": self.failures}

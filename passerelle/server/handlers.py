@@ -42,6 +42,9 @@ _ui_page: list[bytes] = []  # the dashboard, read once
 async def health(svc: Service, scope: Scope, receive: Receive, send: Send) -> None:
     # what answers, and which version: a benchmark's report names it (bench/target.py)
     body: dict[str, Any] = {"status": "ok", "server": "passerelle", "version": __version__}
+    troubles = svc.supervisor.troubles()  # a split replica out, its member named (the gateway still serves)
+    if troubles:
+        body["runtimes_out"] = troubles
     store = svc.stores.describe()
     if store is None:
         await json_response(send, 200, body)
