@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from passerelle.config import _SECTIONS, BackendConfig, ClassConfig, ModelConfig, load_config
+from passerelle.config import _SECTIONS, BackendConfig, ClassConfig, ModelConfig, RpcWorkerConfig, load_config
 from passerelle.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "passerelle.example.toml"
-TABLES: dict[str, type] = {**_SECTIONS, "backends": BackendConfig, "classes": ClassConfig, "models": ModelConfig}
+TABLES: dict[str, type] = {**_SECTIONS, "backends": BackendConfig, "classes": ClassConfig, "models": ModelConfig,
+                           "rpc_workers": RpcWorkerConfig}
 
 
 def accepted_keys() -> dict[str, list[str]]:

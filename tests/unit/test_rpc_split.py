@@ -203,8 +203,9 @@ async def test_a_lost_member_takes_the_replica_out_at_once_and_its_return_brings
         await until(lambda: proc.pid != head, 5, "the head killed")
         stat = Path(f"/proc/{head}/stat")
         assert not stat.exists() or stat.read_text().split(")")[1].split()[0] == "Z"  # gone (or a zombie)
-        await until(lambda: group.state is G.WAITING, 10, "the restart waits for the member")
-        assert "refuses connections" in group.cause and not backend.routable(loop.time())
+        await until(lambda: group.state is G.WAITING and "waiting for" in group.cause, 10,
+                    "the restart waits for the member")
+        assert f"member {endpoint} refuses connections" in group.cause and not backend.routable(loop.time())
         await member.start(member.port)  # the member returns on its port
         await until(lambda: group.state is G.SERVING and proc.state is ProcState.READY, 30, "the split back whole")
         assert backend.stats.up and backend.breaker.state is BreakerState.CLOSED and group.cause == ""
