@@ -510,6 +510,10 @@ class Supervisor:
         await asyncio.shield(task)
 
     async def _start(self, proc: RuntimeProcess, evict_idle: bool, budget: bool) -> None:
+        if proc.watcher is not None and proc.state is not ProcState.READY:
+            # what it needs elsewhere first (a split's members), outside the start lock: a member
+            # that is away must not hold up this box's other runtimes
+            await proc.watcher.before_launch(proc.ready_timeout_s)
         async with self._lock:
             if proc.state is ProcState.READY and not proc.stopping:
                 return

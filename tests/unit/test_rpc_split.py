@@ -254,3 +254,32 @@ async def test_a_worker_is_up_while_its_port_accepts(tmp_path):
     assert await backend.check_health()
     await member.kill()
     assert not await backend.check_health()
+
+
+async def test_a_split_waiting_for_its_member_does_not_hold_up_the_box_s_other_runtimes(tmp_path):
+    from passerelle.config import RuntimesConfig
+    from passerelle.runtimes.supervisor import Supervisor
+
+    member = Member()
+    await member.start()
+    port = member.port
+    await member.kill()
+    fake = (sys.executable, "-m", "passerelle", "fake-backend", "--port", "{port}", "--ttft-ms", "1", "--itl-ms", "1")
+    split = BackendConfig(name="big", kind="openai", launch=head_launch(port), models=("m",),
+                          log_file=str(tmp_path / "big.log"), ready_timeout_s=30, rpc=(f"127.0.0.1:{port}",))
+    other = BackendConfig(name="small", kind="openai", launch=fake, models=("s",), log_file=str(tmp_path / "s.log"),
+                          ready_timeout_s=60)
+    built = [build_runtime(split, TimeoutConfig()), build_runtime(other, TimeoutConfig())]
+    sup = Supervisor([p for _, p in built if p is not None], RuntimesConfig())
+    starting = asyncio.gather(sup.start("big"), sup.start("small"), return_exceptions=True)
+    try:
+        await until(lambda: sup.processes["small"].state is ProcState.READY, 25, "the other runtime ready")
+        assert sup.processes["big"].pid is None  # still waiting for its member, not launched
+        await member.start(port)
+        await until(lambda: sup.processes["big"].state is ProcState.READY, 30, "the split ready once its member is")
+        assert await starting == [None, None]
+    finally:
+        await sup.stop_all()
+        for b, _ in built:
+            await b.close()
+        await member.kill()
