@@ -46,7 +46,8 @@ def test_rpc_server_and_llama_server_s_rpc_flag_are_built(rpc_build):
     binary, rpc_server, _ = rpc_build
     usage = subprocess.run([str(rpc_server), "--help"], capture_output=True, text=True, timeout=30)
     assert "--host HOST" in usage.stderr and "--port PORT" in usage.stderr
-    helptext = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60).stdout
+    shown = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
+    helptext = shown.stdout + shown.stderr
     assert "--rpc SERVERS" in helptext
 
 
