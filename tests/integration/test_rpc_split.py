@@ -167,3 +167,37 @@ def test_a_member_killed_while_streams_run_takes_the_replica_out_and_its_return_
     assert head.runtimes()["split"]["restarts"] >= 1
     assert chat(head.url).strip()
     assert "runtimes_out" not in httpx.get(head.url + "/health", timeout=2).json()
+
+
+def test_a_member_s_cable_pulled_while_streams_run_takes_the_replica_out_and_plugging_it_back_restores_it(split):
+    net, head, _, endpoint, _ = split
+    outs: list[dict] = [{} for _ in range(2)]
+    starts = [threading.Event() for _ in outs]
+    threads = [threading.Thread(target=stream, args=(head.url, o, s), daemon=True)
+               for o, s in zip(outs, starts, strict=True)]
+    for t in threads:
+        t.start()
+    for s in starts:
+        assert s.wait(120), "a stream did not start"
+    member_box = net.boxes[1]
+    pulled_at = time.monotonic()
+    member_box.link_down()  # no FIN, no RST: the head's data to the member goes unanswered
+
+    def out_named() -> dict | None:
+        for t in httpx.get(head.url + "/health", timeout=2).json().get("runtimes_out", []):
+            if t["runtime"] == "split" and endpoint in t["cause"]:
+                return t
+        return None
+
+    trouble = wait_until(out_named, 5, what="the split out with its member named in /health")
+    assert time.monotonic() - pulled_at <= 5.0 and "does not answer" in trouble["cause"], trouble
+    for t in threads:
+        t.join(15)
+        assert not t.is_alive(), "a stream hung after its member's cable was pulled"
+    for o in outs:
+        last = orjson.loads(o["events"][-1].removeprefix(b"data:").strip())
+        assert "error" in last, o["events"][-3:]
+    member_box.link_up()
+    wait_until(lambda: head.runtimes()["split"]["split"]["state"] == "serving", 180,
+               what="the split back once its member's cable is back")
+    assert chat(head.url).strip()
