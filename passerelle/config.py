@@ -795,6 +795,9 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         _check(b.name not in {o.name for o in backends}, f"duplicate backend name '{b.name}'",
                key=f"{key}.name", field_name="name", **ck)
         _check_split(b, key=key, ck=ck)
+        shared = [m for m in b.rpc if any(m in o.rpc for o in backends)]
+        _check(not shared, f"{shared[0] if shared else ''} is a member of another backend's split: an rpc-server "
+               "serves one head at a time", key=f"{key}.rpc", field_name="rpc", **ck)
         backends.append(b)
     backends.extend(upstreams)
     _check_runtimes(sections["runtimes"], file=file, text=text)

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import orjson
 import pytest
 
 from passerelle.config import BackendConfig, RpcWorkerConfig, TimeoutConfig, load_config, rpc_endpoint
@@ -21,6 +22,7 @@ from passerelle.runtimes.breaker import BreakerState
 from passerelle.runtimes.factory import build_runtime
 from passerelle.runtimes.rpc import Conn, GroupState, SplitGroup, judge, parse_tcp_table
 from passerelle.runtimes.supervisor import ProcState
+from passerelle.server.control import render
 from tests.waiting import until
 
 G = GroupState
@@ -63,6 +65,24 @@ def test_rpc_needs_a_launched_llama_server_and_keeps_its_own_flags(tmp_path):
         load_config(write(tmp_path, HEAD.replace('"{port}"]', '"{port}", "--rpc", "h:1"]')
                           + 'rpc = ["10.0.0.2:50052"]\n'), env={})
     assert e.value.key == "backends[0].launch"
+
+
+def test_a_member_serves_one_head(tmp_path):
+    second = HEAD.replace('name = "big"', 'name = "other"')
+    with pytest.raises(ConfigError, match="serves one head at a time") as e:
+        load_config(write(tmp_path, HEAD + 'rpc = ["10.0.0.2:50052"]\n' + second + 'rpc = ["10.0.0.2:50052"]\n'),
+                    env={})
+    assert (e.value.key, e.value.line) == ("backends[1].rpc", 14)
+
+
+def test_runtime_list_names_a_split_s_members_and_why_it_is_out():
+    row = {"name": "big", "kind": "llama-server", "state": "failed", "pid": None, "up": False, "in_flight": 0,
+           "restarts": 1, "url": "http://127.0.0.1:1",
+           "split": {"state": "waiting", "cause": "waiting for member 10.0.0.2:50052 refuses connections", "lost": 1,
+                     "members": [{"endpoint": "10.0.0.2:50052", "up": False}]}}
+    text = render(orjson.dumps({"runtimes": [row]}))
+    assert ("split big: waiting; members 10.0.0.2:50052 DOWN; out: waiting for member 10.0.0.2:50052 refuses "
+            "connections") in text
 
 
 def test_a_valid_split_loads_and_its_head_command_names_the_members_and_the_shares(tmp_path):
