@@ -49,7 +49,7 @@ from typing import Any
 from passerelle.config import BackendConfig, RpcWorkerConfig, TimeoutConfig, rpc_endpoint
 from passerelle.errors import ConfigError
 from passerelle.runtimes import embedded
-from passerelle.runtimes.base import Backend
+from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.supervisor import RuntimeFailed, RuntimeProcess
 
 log = logging.getLogger("passerelle.runtimes.rpc")
@@ -361,7 +361,7 @@ class RpcWorkerBackend(Backend):
         # a connection while no head holds it: accepted and closed at once by rpc-server
         return not await probe(self.host, self.port, timeout)
 
-    async def scrape(self) -> Any:
+    async def scrape(self) -> BackendStats:
         self.stats.up = await self.check_health()
         self.stats.scraped_at = time.time()
         return self.stats
