@@ -303,3 +303,14 @@ async def test_a_split_waiting_for_its_member_does_not_hold_up_the_box_s_other_r
         for b, _ in built:
             await b.close()
         await member.kill()
+
+
+def test_a_reload_names_a_changed_worker_and_keeps_the_running_one():
+    from passerelle.config import Config
+    from passerelle.runtimes.reload_plan import effective, plan_reload
+
+    old = Config(rpc_workers=(RpcWorkerConfig(name="lend", host="10.0.0.2"),))
+    new = Config(rpc_workers=(RpcWorkerConfig(name="lend", host="10.0.0.2", port=50053),))
+    plan = plan_reload(old, new)
+    assert plan.restart == ("rpc_workers",) and plan.live == ()
+    assert effective(old, new).rpc_workers == old.rpc_workers
