@@ -243,9 +243,13 @@ def run(urls: dict[str, str], args: argparse.Namespace, box_urls: list[str]) -> 
     return {"results": results, "members": mem}
 
 
-def member_lines(layout: str, mem: list[dict[str, object]]) -> str:
-    """The memory of the processes a layout runs on (by runtime name in the namespaces)."""
-    wanted = {"one box": {"one"}, "replicas": {"one", "two"}, "split": {"split", "lend"}}.get(layout)
+# The runtimes each layout runs on, by name, in the namespaces (on real boxes every runtime of the
+# boxes given with --box is listed under the table instead).
+NAMESPACE_MEMBERS = {"one box": {"one"}, "replicas": {"one", "two"}, "split": {"split", "lend"}}
+
+
+def member_lines(mem: list[dict[str, object]], wanted: set[str] | None = None) -> str:
+    """The memory of the processes (those named ``wanted``, else all)."""
     rows = [m for m in mem if wanted is None or m["name"] in wanted]
     return ", ".join(f"{m['name']} ({m['kind']}) {_gib(m['rss_gib'])}" + (f" + GPU {_gib(m['gpu_gib'])}"
                                                                            if m.get("gpu_gib") else "")
@@ -256,7 +260,7 @@ def _gib(x: object) -> str:
     return f"{float(x):.2f} GiB" if isinstance(x, (int, float)) else "-"
 
 
-def table(out: dict[str, object], args: argparse.Namespace) -> str:
+def table(out: dict[str, object], args: argparse.Namespace, *, real: bool) -> str:
     results: dict[str, dict[int, Level]] = out["results"]  # type: ignore[assignment]
     mem: list[dict[str, object]] = out["members"]  # type: ignore[assignment]
     head = "| layout | " + " | ".join(f"{u} user{'s' if u > 1 else ''}: tok/s, TTFT p95" for u in args.users)
@@ -271,7 +275,10 @@ def table(out: dict[str, object], args: argparse.Namespace) -> str:
             p95 = percentile(sorted(lv.ttft), 95) if lv.ttft else float("nan")
             errors = f" ({lv.errors} err)" if lv.errors else ""
             cells.append(f"{lv.tokens / lv.wall_s:.1f}, {p95 * 1000:.0f} ms{errors}")
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {member_lines(name, mem)} |")
+        mine = member_lines(mem, NAMESPACE_MEMBERS.get(name)) if not real else "below"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {mine} |")
+    if real:
+        lines += ["", "memory per runtime of the boxes: " + member_lines(mem)]
     return "\n".join(lines)
 
 
@@ -316,7 +323,7 @@ def main() -> int:
             finally:
                 ns.stop()
         where = "network namespaces on one shared machine"
-    text = table(out, args)
+    text = table(out, args, real=bool(real))
     print(f"\n{args.model}, {args.max_tokens} tokens an answer, {args.rounds} rounds, {where} "
           f"({time.monotonic() - t0:.0f} s):\n{text}\n{advise(out['results'], max(args.users))}")  # type: ignore[arg-type]
     if args.out:
