@@ -138,7 +138,9 @@ def cmd_setup(args: argparse.Namespace) -> int:
     model = embedded.ensure_default_model()
     gemma = embedded.ensure_gemma()  # the other built-in model ([embedded] model), which the tests use
     detected = f" (detected: {build.detection.reason})" if build.detection and args.flavour == "auto" else ""
-    print(f"llama-server: {build.binary}\nflavour: {build.flavour}{detected}\nmodel: {model}\nalso: {gemma}\n"
+    rpc_server = embedded.cached_rpc_server(build.spec) if build.spec is not None else None
+    worker = f"rpc-server: {rpc_server}\n" if rpc_server is not None and rpc_server.is_file() else ""
+    print(f"llama-server: {build.binary}\n{worker}flavour: {build.flavour}{detected}\nmodel: {model}\nalso: {gemma}\n"
           f"{_version_text()}")
     return 0
 

@@ -384,7 +384,8 @@ def worker_runtime(w: RpcWorkerConfig, timeouts: TimeoutConfig, state: Path | No
     binary = w.rpc_server or str(embedded.cached_rpc_server())
     if not w.rpc_server and not Path(binary).is_file():
         raise ConfigError(f"rpc worker {w.name!r} runs the cached rpc-server, and there is none at {binary}: "
-                          "run `passerelle setup` first (it builds rpc-server beside llama-server)", file=source,
+                          "run `passerelle setup --flavour cpu` (or vulkan, rocm, cuda: the build that lends this "
+                          "box's devices) first; it builds rpc-server beside llama-server", file=source,
                           key="rpc_workers.rpc_server")
     backend = RpcWorkerBackend(w, timeouts)
     log_path = Path(w.log_file) if w.log_file else state / "logs" / f"{w.name}.log" if state else None

@@ -314,3 +314,14 @@ def test_a_reload_names_a_changed_worker_and_keeps_the_running_one():
     plan = plan_reload(old, new)
     assert plan.restart == ("rpc_workers",) and plan.live == ()
     assert effective(old, new).rpc_workers == old.rpc_workers
+
+
+def test_a_worker_without_an_rpc_server_built_says_how_to_build_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("PASSERELLE_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match="passerelle setup --flavour cpu") as e:
+        rpc.worker_runtime(RpcWorkerConfig(name="lend", host="10.0.0.2"), TimeoutConfig(), None)
+    assert e.value.key == "rpc_workers.rpc_server"
+    proc = rpc.worker_runtime(RpcWorkerConfig(name="lend", host="10.0.0.2", rpc_server="/bin/true"), TimeoutConfig(),
+                              tmp_path)
+    assert proc.template == ("/bin/true", "-H", "10.0.0.2", "-p", "50052") and proc.backend.cfg.persistent
+    assert proc.log_path == tmp_path / "logs" / "lend.log"
