@@ -59,14 +59,14 @@ def _parse_upstream(spec: str, index: int) -> BackendConfig:
 def build_app(cfg: Config, loader: Callable[[], Config] | None = None) -> App:
     """The ASGI app for ``cfg`` with its supervised runtimes (nothing started yet); ``loader``
     re-reads the configuration on reload."""
-    from passerelle.runtimes.factory import build_runtime, expand
+    from passerelle.runtimes.factory import build_runtime, expand, rpc_workers
     from passerelle.server.app import App
 
     configured = not cfg.uses_embedded
     cfg = expand(cfg)
     built = [build_runtime(bc, cfg.timeouts, cfg.state_path()) for bc in cfg.backends]
-    return App(cfg, [b for b, _ in built], [p for _, p in built if p is not None], loader=loader,
-               backends_configured=configured)
+    return App(cfg, [b for b, _ in built], [*(p for _, p in built if p is not None), *rpc_workers(cfg)],
+               loader=loader, backends_configured=configured)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -138,7 +138,9 @@ def cmd_setup(args: argparse.Namespace) -> int:
     model = embedded.ensure_default_model()
     gemma = embedded.ensure_gemma()  # the other built-in model ([embedded] model), which the tests use
     detected = f" (detected: {build.detection.reason})" if build.detection and args.flavour == "auto" else ""
-    print(f"llama-server: {build.binary}\nflavour: {build.flavour}{detected}\nmodel: {model}\nalso: {gemma}\n"
+    rpc_server = embedded.cached_rpc_server(build.spec) if build.spec is not None else None
+    worker = f"rpc-server: {rpc_server}\n" if rpc_server is not None and rpc_server.is_file() else ""
+    print(f"llama-server: {build.binary}\n{worker}flavour: {build.flavour}{detected}\nmodel: {model}\nalso: {gemma}\n"
           f"{_version_text()}")
     return 0
 

@@ -138,6 +138,28 @@ class BackendConfig:
     idle_ttl_s: float = 0.0  # stop a launched runtime after this long without requests (0: never)
     memory_gib: float = 0.0  # what it needs loaded; 0: measured once it ran, estimated from the GGUF before
     persistent: bool = False  # pinned: never stopped for the memory budget nor when idle
+    # A model split with llama.cpp's RPC (runtimes/rpc.py): the members' rpc-servers, "host:port",
+    # the launched llama-server spreads its layers over (--rpc … -sm layer); one replica whose
+    # health needs every member
+    rpc: tuple[str, ...] = ()
+    rpc_split: tuple[float, ...] = ()  # --tensor-split proportions, the members first; empty: by free memory
+
+
+@dataclass(frozen=True)
+class RpcWorkerConfig:
+    """A box that lends its memory: llama.cpp's ``rpc-server``, supervised here, listening on
+    this box's private address for the head that splits a model over it (runtimes/rpc.py)."""
+
+    name: str
+    host: str  # an address of this box on the private link; never a public one unless allow_public
+    port: int = 50052
+    threads: int = 0  # CPU threads of its CPU device; 0: rpc-server's default
+    devices: tuple[str, ...] = ()  # the devices it lends (rpc-server --device); empty: all of them
+    cache: bool = False  # rpc-server's local tensor cache (-c): a head's reload sends less
+    rpc_server: str = ""  # the binary; empty: the one `passerelle setup` built beside llama-server
+    allow_public: bool = False  # the RPC protocol has no authentication: only behind your own firewall
+    ready_timeout_s: float = 60.0
+    log_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -472,12 +494,14 @@ class Config:
     backends: tuple[BackendConfig, ...] = ()
     models: tuple[ModelConfig, ...] = ()
     boxes: tuple[BoxConfig, ...] = ()
+    rpc_workers: tuple[RpcWorkerConfig, ...] = ()
     source: str = "<defaults>"
 
     @property
     def uses_embedded(self) -> bool:
-        """No runtime of its own and no other box to send work to: the embedded default serves."""
-        return not self.backends and not self.boxes
+        """No runtime of its own and no other box to send work to: the embedded default serves (a box
+        that only lends its memory to a split, [[rpc_workers]], serves no model itself)."""
+        return not self.backends and not self.boxes and not self.rpc_workers
 
     def state_path(self, env: Mapping[str, str] | None = None) -> Path:
         """This instance's state directory (keys, usage, audit log), in order:
@@ -509,6 +533,7 @@ class Config:
         return Path(self.auth.db).expanduser() if self.auth.db else self.state_path(env) / "passerelle.db"
 
 
+_ARRAYS = ("backends", "classes", "models", "rpc_workers")  # the arrays of tables ([[backends]] …)
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
                               "scheduler": SchedulerConfig, "routing": RoutingConfig,
@@ -517,7 +542,7 @@ _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig,
                               "store": StoreConfig}
 
 
-_ARRAYS = ("backends", "classes", "models", "boxes")
+_ARRAYS = ("backends", "classes", "models", "boxes", "rpc_workers")
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:
@@ -797,6 +822,10 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                field_name="on_demand", **ck)
         _check(b.name not in {o.name for o in backends}, f"duplicate backend name '{b.name}'",
                key=f"{key}.name", field_name="name", **ck)
+        _check_split(b, key=key, ck=ck)
+        shared = [m for m in b.rpc if any(m in o.rpc for o in backends)]
+        _check(not shared, f"{shared[0] if shared else ''} is a member of another backend's split: an rpc-server "
+               "serves one head at a time", key=f"{key}.rpc", field_name="rpc", **ck)
         backends.append(b)
     backends.extend(upstreams)
     _check_runtimes(sections["runtimes"], file=file, text=text)
@@ -825,7 +854,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
                   routing=sections["routing"], runtimes=sections["runtimes"], limits=limits,
                   batches=sections["batches"], tracing=tracing, store=store,
-                  backends=tuple(backends), models=models, boxes=boxes, source=file)
+                  backends=tuple(backends), models=models, boxes=boxes,
+                  rpc_workers=_load_rpc_workers(data.get("rpc_workers", []), file=file, text=text), source=file)
 
 
 def _private_host(host: str) -> bool:
@@ -871,6 +901,68 @@ def _load_boxes(raw: Any, backend_names: set[str], *, file: str, text: str) -> t
         _check(0.1 <= b.timeout_s <= 30, "expected seconds between 0.1 and 30", key=f"{key}.timeout_s",
                field_name="timeout_s", **ck)
         out.append(b)
+    return tuple(out)
+
+
+def rpc_endpoint(text: str) -> tuple[str, int] | None:
+    """``host:port`` (``[v6]:port`` for an IPv6 address) as (host, port); None if it is not one."""
+    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([A-Za-z0-9.-]+):(\d{1,5})", text.strip())
+    if m is None:
+        return None
+    host, port = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+    return (host, int(port)) if 0 < int(port) < 65536 else None
+
+
+def _check_split(b: BackendConfig, *, key: str, ck: dict[str, Any]) -> None:
+    """A split head: a llama-server passerelle launches, its members' endpoints, its shares."""
+    if not b.rpc:
+        _check(not b.rpc_split, "rpc_split needs rpc (the members)", key=f"{key}.rpc_split", field_name="rpc_split",
+               **ck)
+        return
+    _check(b.kind == "llama-server" and bool(b.launch), "rpc needs a llama-server that passerelle launches "
+           "(kind = \"llama-server\" and a launch command)", key=f"{key}.rpc", field_name="rpc", **ck)
+    bad = [m for m in b.rpc if rpc_endpoint(m) is None]
+    _check(not bad, f"expected host:port, got {bad[0] if bad else ''!r}", key=f"{key}.rpc", field_name="rpc", **ck)
+    _check(len(set(b.rpc)) == len(b.rpc), "a member is listed twice", key=f"{key}.rpc", field_name="rpc", **ck)
+    _check(not {"--rpc", "--tensor-split", "-ts", "-sm", "--split-mode"} & set(b.launch),
+           "leave --rpc, --tensor-split and --split-mode out of launch: passerelle adds them from rpc and rpc_split",
+           key=f"{key}.launch", field_name="launch", **ck)
+    _check(not b.rpc_split or (len(b.rpc_split) >= len(b.rpc) and all(x >= 0 for x in b.rpc_split)
+                               and sum(b.rpc_split) > 0),
+           "expected one share per member (then one per GPU of this box), none negative",
+           key=f"{key}.rpc_split", field_name="rpc_split", **ck)
+
+
+def _load_rpc_workers(raw: Any, *, file: str, text: str) -> tuple[RpcWorkerConfig, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError("expected an array of tables ([[rpc_workers]])", file=file, key="rpc_workers")
+    out: list[RpcWorkerConfig] = []
+    for i, table in enumerate(raw):
+        w: RpcWorkerConfig = _build(RpcWorkerConfig, table, file=file, text=text, header="rpc_workers", nth=i)
+        key = f"rpc_workers[{i}]"
+        ck: dict[str, Any] = dict(file=file, text=text, header="rpc_workers", nth=i)
+        try:
+            address = ipaddress.ip_address(w.host)
+        except ValueError:
+            raise ConfigError("expected an IP address of this box (rpc-server binds one address)", file=file,
+                              key=f"{key}.host", line=_line_of(text, "rpc_workers", "host", i)) from None
+        private = (address.is_private or address.is_loopback or address.is_link_local) and not address.is_unspecified
+        _check(private or w.allow_public, f"{w.host} is {'every address' if address.is_unspecified else 'public'}: "
+               "the RPC protocol has no authentication, so bind it to a private link (or set allow_public = true "
+               "behind a firewall of your own)", key=f"{key}.host", field_name="host", **ck)
+        _check(0 < w.port < 65536, "expected a port between 1 and 65535", key=f"{key}.port", field_name="port", **ck)
+        _check(w.threads >= 0, "expected 0 (rpc-server's default) or a number of threads", key=f"{key}.threads",
+               field_name="threads", **ck)
+        _check(w.ready_timeout_s > 0, "expected a positive number of seconds", key=f"{key}.ready_timeout_s",
+               field_name="ready_timeout_s", **ck)
+        _check(not w.rpc_server or shutil.which(w.rpc_server) is not None,
+               f"the program {w.rpc_server!r} is not an executable file or a command on PATH",
+               key=f"{key}.rpc_server", field_name="rpc_server", **ck)
+        _check(w.name not in {o.name for o in out}, f"duplicate rpc worker name '{w.name}'", key=f"{key}.name",
+               field_name="name", **ck)
+        _check((w.host, w.port) not in {(o.host, o.port) for o in out}, f"{w.host}:{w.port} is taken by another "
+               "rpc worker", key=f"{key}.port", field_name="port", **ck)
+        out.append(w)
     return tuple(out)
 
 

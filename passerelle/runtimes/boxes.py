@@ -41,7 +41,7 @@ from passerelle.errors import UpstreamError
 from passerelle.runtimes import placement
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.box_state import BoxState, BoxStatus
-from passerelle.runtimes.breaker import BreakerState, Outcome
+from passerelle.runtimes.breaker import BreakerState
 from passerelle.runtimes.kinds import KINDS
 from passerelle.runtimes.placement import BoxMemory, Placement, RemoteModel, decide, to_start
 from passerelle.upstream.client import ConnectFailed, HTTPClientError, Response, ServerDisconnected, UpstreamClient
@@ -184,10 +184,9 @@ class RemoteBox:
     def _answered(self) -> None:
         """A whole reading arrived (learnt): the box is up, its replicas follow what it said."""
         if self.status.seen_up():
-            now = time.monotonic()
             for replica in self.replicas.values():  # the box is back: no probe needed to believe it
                 if replica.breaker.state is not BreakerState.CLOSED:
-                    replica.breaker.record(Outcome.SUCCESS, probe=False, now=now)
+                    replica.breaker.reset()
             log.info("box %s is up: replicas %s", self.cfg.name,
                      ", ".join(sorted(r.name for r in self.replicas.values())) or "-")
         self._follow()

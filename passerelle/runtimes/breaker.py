@@ -116,12 +116,22 @@ class CircuitBreaker:
                 self.open_until = now + min(self.max_backoff_s, self.min_backoff_s * 2 ** min(extra, 16))
                 self._to(BreakerState.OPEN)
 
-    def trip(self, now: float) -> None:
-        """Open at once, whatever the count: the replica is known to be gone (its box is down);
-        the first probe may go after the shortest backoff, or when the box is seen back."""
-        self.open_until = now + self.min_backoff_s
+    def trip(self, now: float, hold_s: float | None = None) -> None:
+        """Open now, without waiting for failures: the replica is known to be gone (its box is down,
+        runtimes/boxes.py; a split whose member died, rpc.py). The first probe may go after
+        ``hold_s`` (default: the shortest backoff), unless :meth:`reset` closes it before."""
+        self.failures = max(self.failures, self.failure_threshold)
+        self.open_until = now + (self.min_backoff_s if hold_s is None else hold_s)
         self.probe_out = False
         self._to(BreakerState.OPEN)
+
+    def reset(self) -> None:
+        """Closed again: the replica was rebuilt whole, or its box is back (what opened it is known
+        to be gone)."""
+        self.failures = 0
+        self.open_until = 0.0
+        self.probe_out = False
+        self._to(BreakerState.CLOSED)
 
     def describe(self) -> dict[str, object]:
         return {"state": self.state.value, "failures": self.failures}

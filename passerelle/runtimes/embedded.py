@@ -38,6 +38,10 @@ from passerelle.runtimes.flavours import Detection, FlavourSpec
 
 # The llama.cpp source release the embedded runtime is built from (pinned: versioned command line).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+# What a cached build folder is named after: the source release and what passerelle builds of it
+# (``+rpc``: every flavour is built with the RPC backend and its ``rpc-server``, rpc.py). A build of
+# the same source without them sits in another folder and is never taken for one with them.
+BUILD_ID = f"{LLAMA_CPP_PYTHON_VERSION}+rpc"
 
 COMMON_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -48,7 +52,13 @@ COMMON_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # otherwise CMake tries to download UI assets
+    # llama.cpp's distributed backend: llama-server's --rpc, and the rpc-server a lending box runs
+    # (it serves that box's own devices: a Vulkan or ROCm build's rpc-server lends its GPU)
+    "-DGGML_RPC=ON",
 )
+# The CMake targets built, and the names their binaries are cached under (llama.cpp names the RPC
+# worker's target ggml-rpc-server; its documentation and users call it rpc-server).
+BUILD_TARGETS = {"llama-server": "llama-server", "ggml-rpc-server": "rpc-server"}
 CPU_FLAGS = flavours.CPU_FLAGS
 # The CPU build's cache key. Other builds: `passerelle setup --flavour vulkan|rocm|cuda` (flavours.py);
 # PASSERELLE_LLAMA_FLAVOUR and PASSERELLE_LLAMA_CMAKE_FLAGS name a build of one's own.
@@ -145,13 +155,18 @@ def resolve(wanted: str = "auto", *, detection: Detection | None = None,
 
 
 def build_dir(spec: FlavourSpec | None = None) -> Path:
-    """Where one flavour's build is cached: ``llama.cpp/<llama-cpp-python version>-<flavour key>``."""
+    """Where one flavour's build is cached: ``llama.cpp/<build id>-<flavour key>``."""
     spec = spec or flavours.spec("cpu")
-    return cache_dir() / "llama.cpp" / f"{LLAMA_CPP_PYTHON_VERSION}-{spec.key}"
+    return cache_dir() / "llama.cpp" / f"{BUILD_ID}-{spec.key}"
 
 
 def cached_binary(spec: FlavourSpec | None = None) -> Path:
     return build_dir(spec) / "bin" / "llama-server"
+
+
+def cached_rpc_server(spec: FlavourSpec | None = None) -> Path:
+    """The flavour's ``rpc-server``, built beside its ``llama-server``."""
+    return build_dir(spec) / "bin" / "rpc-server"
 
 
 def build_info(spec: FlavourSpec | None = None) -> dict[str, Any] | None:
@@ -167,7 +182,7 @@ def built_flavours() -> list[dict[str, Any]]:
     """Every cached build of the pinned source, each its build-info with ``binary`` added."""
     out = []
     root = cache_dir() / "llama.cpp"
-    for info_file in sorted(root.glob(f"{LLAMA_CPP_PYTHON_VERSION}-*/build-info.json")):
+    for info_file in sorted(root.glob(f"{BUILD_ID}-*/build-info.json")):
         binary = info_file.parent / "bin" / "llama-server"
         try:
             info = json.loads(info_file.read_text())
@@ -278,8 +293,9 @@ def _build_env(spec: FlavourSpec) -> dict[str, str]:
 
 
 def build_llama_server(spec: FlavourSpec | None = None, *, log: Log = print) -> Path:
-    """Build only the ``llama-server`` target of ``spec`` into the cache (prerequisites checked
-    first); shows CMake's progress lines. The work folder is kept until it succeeds."""
+    """Build the ``llama-server`` and ``rpc-server`` targets of ``spec`` into the cache
+    (prerequisites checked first); shows CMake's progress lines. The work folder is kept until it
+    succeeds."""
     spec = spec or flavours.spec("cpu")
     prerequisites.check(spec.kind)
     target = build_dir(spec)
@@ -290,18 +306,23 @@ def build_llama_server(spec: FlavourSpec | None = None, *, log: Log = print) -> 
     out = work / "build"
     env = _build_env(spec)
     flags = (*COMMON_FLAGS, *spec.cmake_flags)
-    log(f"passerelle: building llama-server ({spec.key}: {' '.join(spec.cmake_flags)}); "
+    log(f"passerelle: building llama-server and rpc-server ({spec.key}: {' '.join(spec.cmake_flags)}); "
         "this takes several minutes (GPU flavours longer)")
     subprocess.run(["cmake", "-S", str(src), "-B", str(out), *flags], check=True, stdout=subprocess.DEVNULL, env=env)
-    subprocess.run(["cmake", "--build", str(out), "--target", "llama-server", "-j", jobs], check=True, env=env)
+    subprocess.run(["cmake", "--build", str(out), "--target", *BUILD_TARGETS, "-j", jobs], check=True, env=env)
     (target / "bin").mkdir(parents=True, exist_ok=True)
     staged = target / "bin" / "llama-server.partial"
     shutil.copy2(out / "bin" / "llama-server", staged)
+    # the worker first: a cached llama-server (renamed last) means its rpc-server is there too
+    shutil.copy2(out / "bin" / "ggml-rpc-server", target / "bin" / "rpc-server.partial")
+    (target / "bin" / "rpc-server.partial").rename(target / "bin" / "rpc-server")
     version = subprocess.run([str(staged), "--version"], capture_output=True, text=True, timeout=60)
     guarded = source_patches.MARK in (src / source_patches.VULKAN_SOURCE).read_text(errors="replace") \
         if spec.kind == "vulkan" else False
     info = {
         "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+        "build_id": BUILD_ID,
+        "binaries": sorted(BUILD_TARGETS.values()),
         "flavour": spec.flavour,
         "kind": spec.kind,
         "gpu_target": spec.gpu_target,

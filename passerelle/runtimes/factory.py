@@ -10,7 +10,7 @@ from pathlib import Path
 from passerelle.config import CACHED_LLAMA_SERVER, BackendConfig, Config, ModelConfig, TimeoutConfig
 from passerelle.endpoints import ENDPOINTS
 from passerelle.errors import ConfigError
-from passerelle.runtimes import embedded, tiny_reranker
+from passerelle.runtimes import embedded, rpc, tiny_reranker
 from passerelle.runtimes.kinds import Backend, make_backend
 from passerelle.runtimes.prerequisites import MissingPrerequisites
 from passerelle.runtimes.supervisor import RuntimeProcess
@@ -132,4 +132,12 @@ def build_runtime(bc: BackendConfig, timeouts: TimeoutConfig,
     if not bc.launch:
         return backend, None
     log_path = Path(bc.log_file) if bc.log_file else state / "logs" / f"{bc.name}.log" if state else None
-    return backend, RuntimeProcess(backend, bc.launch, ready_timeout_s=bc.ready_timeout_s, log_path=log_path)
+    proc = RuntimeProcess(backend, rpc.head_command(bc), ready_timeout_s=bc.ready_timeout_s, log_path=log_path)
+    if bc.rpc:
+        rpc.SplitGroup(proc, bc.rpc)  # a split: its health needs every member (attached as its watcher)
+    return backend, proc
+
+
+def rpc_workers(cfg: Config) -> list[RuntimeProcess]:
+    """The supervised rpc-servers this box lends its memory with (``[[rpc_workers]]``)."""
+    return [rpc.worker_runtime(w, cfg.timeouts, cfg.state_path(), source=cfg.source) for w in cfg.rpc_workers]

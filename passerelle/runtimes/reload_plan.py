@@ -47,6 +47,7 @@ RESTART: Mapping[str, tuple[str, ...]] = {
     "metrics": ALL,  # the Prometheus registry's labels and the dashboard's window
     "tracing": ALL,  # the tracer
     "batches": ALL,  # the Batch API's store and runners
+    "rpc_workers": ALL,  # the rpc-servers this box lends (a head holds their connection: never swapped live)
 }
 # Changes the fleet and the catalogue carry out, reported under backends / models / routes.
 _FLEET = frozenset({"backends", "models", "embedded", "server.extra_routes"})

@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 from passerelle.config import RuntimesConfig, budget_share
 from passerelle.errors import PasserelleError
@@ -66,6 +67,19 @@ _ALLOWED = {
 
 class RuntimeFailed(PasserelleError):
     """A runtime process exited or never became ready."""
+
+
+class Watcher(Protocol):
+    """What else a runtime's health needs besides its own process (a split's members, rpc.py):
+    asked before each launch, told when it is ready, run beside it while it serves (its verdict
+    kills the process), told when it died and when it was stopped."""
+
+    async def before_launch(self, timeout_s: float) -> None: ...  # raises RuntimeFailed
+    def ready(self) -> None: ...
+    async def guard(self) -> str: ...  # returns a cause once the runtime cannot serve any more
+    async def exited(self, code: int | None) -> None: ...
+    def stopped(self) -> None: ...
+    def describe(self) -> dict[str, Any]: ...
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -108,6 +122,7 @@ class RuntimeProcess:
         self.load_s = 0.0  # how long its last start took, launch to ready
         self.reading: Reading | None = None  # its measured memory, this run (None until measured)
         self.device_before: int | None = None  # GPUs' used memory just before its launch, until measured
+        self.watcher: Watcher | None = None  # what else its health needs (a split's members)
 
     @property
     def pid(self) -> int | None:
@@ -161,6 +176,12 @@ class RuntimeProcess:
 
     async def _spawn_and_wait(self) -> None:
         t0 = time.monotonic()
+        if self.watcher is not None:
+            try:
+                await self.watcher.before_launch(self.ready_timeout_s)
+            except RuntimeFailed:
+                self._set(ProcState.FAILED)
+                raise
         self.port = free_port()
         self.command = [part.replace("{port}", str(self.port)) for part in self.template]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,6 +213,8 @@ class RuntimeProcess:
                     self.ready_at = time.monotonic()
                     self.load_s = self.ready_at - t0
                     self._set(ProcState.READY)
+                    if self.watcher is not None:
+                        self.watcher.ready()
                     return
                 continue
             await asyncio.sleep(0.1)
@@ -210,13 +233,14 @@ class RuntimeProcess:
         """Restart a crashed runtime with exponential backoff (1 s, 2 s, 4 s … 30 s)."""
         backoff = 1.0
         while True:
-            assert self.proc is not None
-            code = await self.proc.wait()
+            code = await self._wait_exit()
             if self._stopping:
                 return
             self.backend.stats.up = False
             self._set(ProcState.FAILED)
             self.reading = None
+            if self.watcher is not None:
+                await self.watcher.exited(code)
             log.error("runtime %s exited with code %s; last output:\n%s", self.backend.name, code, self.log_tail(5))
             if not self.restart:
                 if self.on_exit is not None:
@@ -234,6 +258,27 @@ class RuntimeProcess:
                     break
                 except RuntimeFailed as exc:
                     log.error("%s", exc)
+
+    async def _wait_exit(self) -> int:
+        """The process's exit; with a watcher, also its verdict: a runtime that cannot serve any
+        more (a split's member gone) is killed at once, so its streams end instead of hanging."""
+        proc = self.proc
+        assert proc is not None
+        if self.watcher is None:
+            return await proc.wait()
+        exit_ = asyncio.ensure_future(proc.wait())
+        guard = asyncio.create_task(self.watcher.guard(), name=f"guard-{self.backend.name}")
+        try:
+            await asyncio.wait({exit_, guard}, return_when=asyncio.FIRST_COMPLETED)
+            if not exit_.done() and not self._stopping:
+                cause = guard.result() if not guard.cancelled() and guard.exception() is None else "its guard failed"
+                log.error("runtime %s: killed, it cannot serve: %s", self.backend.name, cause)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            return await exit_
+        finally:
+            guard.cancel()
+            exit_.cancel()
 
     async def _kill(self, grace: float = 10.0) -> None:
         proc = self.proc
@@ -268,6 +313,8 @@ class RuntimeProcess:
             self.backend.stats.up = False
             self.reading = None
             self._set(ProcState.STOPPED)
+            if self.watcher is not None:
+                self.watcher.stopped()
         finally:
             self._stopped.set_result(None)
             self._stopped = None
@@ -463,6 +510,10 @@ class Supervisor:
         await asyncio.shield(task)
 
     async def _start(self, proc: RuntimeProcess, evict_idle: bool, budget: bool) -> None:
+        if proc.watcher is not None and proc.state is not ProcState.READY:
+            # what it needs elsewhere first (a split's members), outside the start lock: a member
+            # that is away must not hold up this box's other runtimes
+            await proc.watcher.before_launch(proc.ready_timeout_s)
         async with self._lock:
             if proc.state is ProcState.READY and not proc.stopping:
                 return
@@ -548,7 +599,17 @@ class Supervisor:
                 "resident_s": round(now - p.ready_at, 1) if p.state is ProcState.READY else None,
                 "load_s": round(p.load_s, 2) if p.load_s else None,
                 **p.backend.capacity_info.as_dict(),
+                **({"split": p.watcher.describe()} if p.watcher is not None else {}),
                 "log": str(p.log_path), "command": p.command or list(p.template)})
+        return out
+
+    def troubles(self) -> list[dict[str, object]]:
+        """Runtimes out for a cause other than their own process (a split's member gone), named."""
+        out: list[dict[str, object]] = []
+        for name, p in self.processes.items():
+            split = p.watcher.describe() if p.watcher is not None else None
+            if split is not None and split.get("cause"):
+                out.append({"runtime": name, "state": split["state"], "cause": split["cause"]})
         return out
 
     def budget(self) -> dict[str, object]:

@@ -110,6 +110,12 @@ def render(body: bytes) -> str:
     if any(r.get("measured_gib") is not None and not r.get("measured_now") for r in rows):
         out.append("* measured when it last ran (learned; kept across restarts of passerelle)")
     out.append("COUNTS: what the budget counts (measured, else configured memory_gib, else the estimate)")
+    for r in rows:
+        if split := r.get("split"):
+            members = ", ".join(f"{m['endpoint']} {'up' if m['up'] else 'DOWN' if m['up'] is False else '?'}"
+                                for m in split["members"])
+            out.append(f"split {r['name']}: {split['state']}; members {members}"
+                       + (f"; out: {split['cause']}" if split.get("cause") else ""))
     out += _render_boxes(data.get("boxes"))
     details = [f"  {r['name']}: {r['capacity_detail']}" for r in rows if r.get("capacity_detail")]
     if details:

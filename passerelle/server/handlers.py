@@ -44,6 +44,9 @@ async def health(svc: Service, scope: Scope, receive: Receive, send: Send) -> No
     body: dict[str, Any] = {"status": "ok", "server": "passerelle", "version": __version__}
     if svc.boxes is not None:  # other boxes: each one's state and, when it is not up, why (runtimes/boxes.py)
         body["boxes"] = svc.boxes.health()
+    troubles = svc.supervisor.troubles()  # a split replica out, its member named (the gateway still serves)
+    if troubles:
+        body["runtimes_out"] = troubles
     store = svc.stores.describe()
     if store is None:
         await json_response(send, 200, body)

@@ -100,3 +100,15 @@ def test_may_retry_only_before_the_first_byte_and_takes_from_the_budget_last():
         assert not may_retry(**{**ok, **change})
     assert budget.balance == 1.0  # none of those took anything
     assert may_retry(**ok) and not may_retry(**ok)
+
+
+def test_trip_opens_at_once_and_reset_closes_whole():
+    b = CircuitBreaker()
+    b.trip(10.0, b.max_backoff_s)  # a split's member died: no failures to wait for
+    assert b.state is BreakerState.OPEN and not b.allows(11.0) and b.retry_at == 10.0 + b.max_backoff_s
+    assert b.allows(10.0 + b.max_backoff_s)  # (half-open after the longest backoff, if nothing resets it)
+    assert b.dispatched(10.0 + b.max_backoff_s)  # the probe is out...
+    b.trip(80.0, b.max_backoff_s)  # ...and it is known broken again: open, the probe slot freed
+    assert b.state is BreakerState.OPEN and not b.probe_out
+    b.reset()  # rebuilt whole
+    assert b.state is BreakerState.CLOSED and b.failures == 0 and b.allows(81.0)

@@ -10,13 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from passerelle.config import _SECTIONS, BackendConfig, BoxConfig, ClassConfig, ModelConfig, load_config
+from passerelle.config import (
+    _SECTIONS,
+    BackendConfig,
+    BoxConfig,
+    ClassConfig,
+    ModelConfig,
+    RpcWorkerConfig,
+    load_config,
+)
 from passerelle.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "passerelle.example.toml"
 TABLES: dict[str, type] = {**_SECTIONS, "backends": BackendConfig, "classes": ClassConfig, "models": ModelConfig,
-                         "boxes": BoxConfig}
+                         "boxes": BoxConfig, "rpc_workers": RpcWorkerConfig}
 
 
 def accepted_keys() -> dict[str, list[str]]:

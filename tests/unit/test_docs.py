@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 URL = "http://127.0.0.1:8080"  # the address every example uses
-TABLES = {*_SECTIONS, "backends", "classes", "models", "boxes"}  # a configuration's top-level tables
+TABLES = {*_SECTIONS, "backends", "classes", "models", "boxes", "rpc_workers"}  # a configuration's top-level tables
 
 
 def prose(text: str) -> list[str]:

@@ -223,9 +223,11 @@ def test_builds_are_cached_side_by_side_per_flavour(tmp_path, monkeypatch):
     monkeypatch.setenv("PASSERELLE_CACHE", str(tmp_path))
     for name in ("PASSERELLE_LLAMA_FLAVOUR", "PASSERELLE_LLAMA_CMAKE_FLAGS"):
         monkeypatch.delenv(name, raising=False)
-    v = embedded.LLAMA_CPP_PYTHON_VERSION
+    v = embedded.BUILD_ID
+    assert v == f"{embedded.LLAMA_CPP_PYTHON_VERSION}+rpc"  # built with the RPC backend: not an older build's folder
     root = tmp_path / "llama.cpp"
     assert embedded.build_dir() == root / f"{v}-cpu-avx2"
+    assert embedded.cached_rpc_server() == root / f"{v}-cpu-avx2" / "bin" / "rpc-server"
     assert embedded.cached_binary(spec("vulkan")) == root / f"{v}-vulkan" / "bin" / "llama-server"
     assert embedded.build_dir(spec("rocm", gpu_target="gfx1151")) == root / f"{v}-rocm-gfx1151"
     for key in ("cpu-avx2", "vulkan"):
@@ -234,6 +236,7 @@ def test_builds_are_cached_side_by_side_per_flavour(tmp_path, monkeypatch):
         (root / f"{v}-{key}" / "build-info.json").write_text(json.dumps({"flavour": key.split("-")[0]}))
     (root / f"{v}-cuda.work").mkdir()  # a build under way is not a build
     (root / "0.2.0-cpu-avx2" / "bin").mkdir(parents=True)  # another pin's
+    (root / f"{embedded.LLAMA_CPP_PYTHON_VERSION}-cpu-avx2" / "bin").mkdir(parents=True)  # built without RPC
     assert [(b["key"], b["flavour"]) for b in embedded.built_flavours()] == [("cpu-avx2", "cpu"), ("vulkan", "vulkan")]
 
 
@@ -300,16 +303,18 @@ def test_a_build_runs_cmake_with_the_flavour_flags_and_records_what_it_built(tmp
     # CMake's stand-in: records each call; --build leaves a llama-server that prints its version
     _tools(tmp_path, monkeypatch, **{"g++": "exit 0", "cmake": f"""echo "$@" >> {calls}
 if [ "$1" = "--build" ]; then /bin/mkdir -p "$2/bin"
-printf '#!/bin/sh\\necho "version: 1 (test)"\\n' > "$2/bin/llama-server"; /bin/chmod +x "$2/bin/llama-server"; fi"""})
+printf '#!/bin/sh\\necho "version: 1 (test)"\\n' > "$2/bin/llama-server"; /bin/chmod +x "$2/bin/llama-server"
+printf '#!/bin/sh\\n' > "$2/bin/ggml-rpc-server"; /bin/chmod +x "$2/bin/ggml-rpc-server"; fi"""})
     built = spec("cpu", env={"PASSERELLE_LLAMA_FLAVOUR": "openblas",
                              "PASSERELLE_LLAMA_CMAKE_FLAGS": "-DGGML_BLAS=ON -DGGML_BLAS_VENDOR=OpenBLAS"})
     binary = embedded.build_llama_server(built, log=lambda m: None)
-    folder = tmp_path / "cache" / "llama.cpp" / f"{embedded.LLAMA_CPP_PYTHON_VERSION}-openblas"
+    folder = tmp_path / "cache" / "llama.cpp" / f"{embedded.BUILD_ID}-openblas"
     assert binary == folder / "bin" / "llama-server" and os.access(binary, os.X_OK)
+    assert os.access(folder / "bin" / "rpc-server", os.X_OK)  # the RPC worker, built beside it
     configure, build = calls.read_text().splitlines()
     assert configure.split()[-2:] == ["-DGGML_BLAS=ON", "-DGGML_BLAS_VENDOR=OpenBLAS"]
-    assert "-DLLAMA_CURL=OFF" in configure.split() and build.split()[:4] == ["--build", str(folder) + ".work/build",
-                                                                           "--target", "llama-server"]
+    assert {"-DLLAMA_CURL=OFF", "-DGGML_RPC=ON"} <= set(configure.split())  # (an operator's flags keep RPC on)
+    assert build.split()[:5] == ["--build", str(folder) + ".work/build", "--target", "llama-server", "ggml-rpc-server"]
     info = json.loads((folder / "build-info.json").read_text())
     assert (info["flavour"], info["kind"], info["llama_server_version"]) == ("openblas", "cpu", ["version: 1 (test)"])
     assert not (folder.parent / (folder.name + ".work")).exists()  # the work folder goes once it succeeded
@@ -322,7 +327,7 @@ LAVAPIPE = Detection("cpu", "vulkaninfo lists only CPU devices", vulkan_devices=
 
 
 def _cached(tmp_path: Path, key: str) -> None:
-    binary = tmp_path / "llama.cpp" / f"{embedded.LLAMA_CPP_PYTHON_VERSION}-{key}" / "bin" / "llama-server"
+    binary = tmp_path / "llama.cpp" / f"{embedded.BUILD_ID}-{key}" / "bin" / "llama-server"
     binary.parent.mkdir(parents=True)
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
@@ -418,7 +423,7 @@ def test_runtime_list_shows_the_flavour():
 
 def _recorded(tmp_path: Path, key: str, info: dict) -> None:
     _cached(tmp_path, key)
-    folder = tmp_path / "llama.cpp" / f"{embedded.LLAMA_CPP_PYTHON_VERSION}-{key}"
+    folder = tmp_path / "llama.cpp" / f"{embedded.BUILD_ID}-{key}"
     (folder / "build-info.json").write_text(json.dumps(info))
 
 
