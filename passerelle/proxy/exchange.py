@@ -111,6 +111,19 @@ class _HangUp(asyncio.Event):
             ex._hung_up()
 
 
+class _HeldWrites:
+    """Stands in for uvicorn's transport while its send builds a response head, which is then
+    written with what follows it (:meth:`Exchange.start_with`)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+
 class StreamGate:
     """An ASGI ``send`` that can be closed: once ``closed``, what the app sends is dropped, and
     only the shutdown path writes (through ``raw``: server/shutdown.py). An exchange given one
@@ -302,6 +315,28 @@ class Exchange:
         if (type(cycle) is RequestResponseCycle and all(hasattr(cycle, a) for a in _CYCLE_STATE)
                 and cycle.chunked_encoding and cycle.scope["method"] != "HEAD"):
             self._cycle = cycle
+
+    async def start_with(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """:meth:`start`, then ``body`` as the first, non-final part of a chunked body: head and part
+        in one write on uvicorn's connection when it takes bytes now (a write less per request,
+        on the way to the first token); otherwise the head, then the part through :meth:`send`."""
+        cycle = getattr(self._gate.raw if self._gate is not None else self._asgi_send, "__self__", None)
+        if (type(cycle) is RequestResponseCycle and all(hasattr(cycle, a) for a in _CYCLE_STATE)
+                and not cycle.flow.write_paused and not cycle.disconnected and not cycle.transport.is_closing()):
+            transport, held = cycle.transport, _HeldWrites()
+            cycle.transport = held  # (uvicorn's send writes the head and returns: nothing waits)
+            try:
+                await self.start(status, headers)
+            finally:
+                cycle.transport = transport
+            if self._cycle is not None and held.parts:  # (chunked, the head built)
+                transport.write(b"".join(held.parts) + b"%x\r\n%b\r\n" % (len(body), body))
+                return
+            if held.parts:
+                transport.write(b"".join(held.parts))
+        else:
+            await self.start(status, headers)
+        await self.send_body(body, more=True)
 
     def writable(self) -> bool:
         """Can :meth:`write_now` write a part of the body at once? (uvicorn's response, its head

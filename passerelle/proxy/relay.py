@@ -322,7 +322,13 @@ class StreamRelay:
                     payload, held = b"".join(held), None
                     if self.before_first is not None:
                         self.sending = True
-                        await self.before_first()
+                        start_with = getattr(self.direct, "start_with", None)
+                        if start_with is not None and payload and not self.done:
+                            # the head and the first part in one write (the usual first token)
+                            await start_with(200, SSE_HEADERS, payload)
+                            payload = b""
+                        else:
+                            await self.before_first()
                         self.before_first = None
                 if self.done and self.on_done is not None:
                     self.on_done()

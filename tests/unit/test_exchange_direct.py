@@ -149,3 +149,46 @@ async def test_a_hang_up_under_uvicorn_cancels_the_request_at_once_without_a_tas
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
 
+
+class CountingTransport:
+    """uvicorn's transport, its writes counted."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.writes = 0
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+async def test_the_head_and_the_first_part_go_out_in_one_write():
+    seen: dict[str, Any] = {}
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        ex = Exchange(scope, receive, StreamGate(send), "chat")
+        cycle = send.__self__
+        cycle.transport = counting = CountingTransport(cycle.transport)
+        await ex.start_with(200, SSE, b"data: one\n\n")
+        seen["writes"], seen["writable"] = counting.writes, ex.writable()
+        if ex.writable():  # (the direct path still works after it; a HEAD has no body to write)
+            ex.write_now(b"data: two\n\n")
+        ex.mark_finishing()
+        await ex.send_body(b"data: [DONE]\n\n", more=False)
+        ex.close()
+
+    server, port, task = await serve(app)
+    try:
+        raw, body = await fetch(port, "GET")
+        assert seen == {"writes": 1, "writable": True}
+        assert raw.startswith(b"HTTP/1.1 200 OK\r\n") and b"x-request-id: " in raw.lower()
+        assert body.parts == [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
+        raw, body = await fetch(port, "HEAD")  # a HEAD: the head alone, as uvicorn's send gives it
+        assert body.parts == [] and raw.endswith(b"\r\n\r\n")
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
