@@ -276,7 +276,7 @@ class Exchange:
 
     def close(self) -> None:
         watcher = self._watcher
-        if type(watcher) is _HangUp:
+        if isinstance(watcher, _HangUp):
             watcher.exchange = None  # (the connection keeps its event until its next request)
             self._watcher = None
         elif watcher is not None:
@@ -324,7 +324,7 @@ class Exchange:
         if (type(cycle) is RequestResponseCycle and all(hasattr(cycle, a) for a in _CYCLE_STATE)
                 and not cycle.flow.write_paused and not cycle.disconnected and not cycle.transport.is_closing()):
             transport, held = cycle.transport, _HeldWrites()
-            cycle.transport = held  # (uvicorn's send writes the head and returns: nothing waits)
+            cycle.transport = held  # type: ignore[assignment]  # (uvicorn's send writes the head: nothing waits)
             try:
                 await self.start(status, headers)
             finally:
