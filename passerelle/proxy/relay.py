@@ -11,11 +11,13 @@ arrives (a partial event is of no use to a client). The scan finds:
 * ``[DONE]``: the end; nothing after it is relayed or even read, and a stream that ends without
   it was truncated (the client gets an error event).
 
-Where it runs: once the response head is out and nothing rewrites the stream, a stream to the
-client's own uvicorn connection is relayed in the upstream connection's callback
-(``Response.sink_into``) and written with ``Exchange.write_now``: no task switch and no ASGI
-message per chunk. The request's task waits meanwhile, and takes over (the loop in
-:meth:`StreamRelay.relay`) at the end, on an error, or while the client cannot take bytes at once.
+Where it runs: when nothing rewrites the stream, a stream to the client's own uvicorn connection
+is relayed in the upstream connection's callback (``Response.sink_into``): before the first token
+it holds what comes (the role chunk) and hands over to the task, which sends the head with the
+first part in one write (``Exchange.start_with``); after that it writes with ``Exchange.write_now``:
+no task switch and no ASGI message per chunk. The request's task waits meanwhile, and takes over
+(the loop in :meth:`StreamRelay.relay`) at the end, on an error, or while the client cannot take
+bytes at once.
 
 Caps and time: an event is at most ``[limits] max_event_bytes``; the scan is linear in the bytes
 received however they are cut; every wait is bounded by the request's :class:`Deadline`.
@@ -247,12 +249,17 @@ class StreamRelay:
         # once, with no task switch, no coroutines and no message per chunk. The task waits until
         # the sink hands over: at the end, on an error, or when the client cannot take bytes now
         # (the loop then sends them, waiting for the client as usual).
+        # Before the first token the sink only holds what comes (the role chunk), and hands over
+        # (``ready``) once the first content, the end or an error is held: the head goes out from
+        # the task, with the first part, in one write.
         direct = self.direct if repair is None and hasattr(resp, "sink_into") else None
         failed: list[BaseException] = []
+        ready = False
 
         def sink(resp: Response) -> bool:
-            nonlocal seen
-            if not direct.writable():  # type: ignore[union-attr]
+            nonlocal seen, ready
+            before = held
+            if before is None and not direct.writable():  # type: ignore[union-attr]
                 return False
             try:
                 events = scanner.feed(resp.take())
@@ -265,6 +272,10 @@ class StreamRelay:
                     left = budget.when() - now  # type: ignore[operator]
                     if not between <= left <= between + slack:
                         budget.reschedule(min(total_at, now + between + slack))
+                if before is not None:
+                    before.append(payload)
+                    ready = bool(rec.content_chunks or self.done or self.upstream_error)
+                    return not ready
                 if self.done and self.on_done is not None:
                     self.on_done()
                     self.on_done = None
@@ -278,8 +289,8 @@ class StreamRelay:
             return not self.done
 
         try:
-            while not self.done:
-                if direct is not None and held is None and direct.writable():
+            while not self.done or ready:
+                if not ready and direct is not None and (held is not None or direct.writable()):
                     waiter = resp.sink_into(sink)
                     if waiter is not None:
                         try:
@@ -288,30 +299,35 @@ class StreamRelay:
                             resp.unsink()
                         if failed:
                             raise failed.pop()
+                        if not ready:
+                            continue
+                if ready:  # (the sink held the first content, the end or an error: flushed below)
+                    ready, payload = False, b""
+                else:
+                    data = await read()
+                    if not data:
+                        break
+                    events = scanner.feed(data)
+                    if not events:
                         continue
-                data = await read()
-                if not data:
-                    break
-                events = scanner.feed(data)
-                if not events:
-                    continue
-                if repair is not None:  # (before the scan: it accounts what the client gets)
-                    events = repair.feed(events)
-                payload = self._scan(events, time.perf_counter()) if events else b""
-                # (with repair, a call being held is text the runtime generates, though none goes out yet)
-                progress = rec.content_chunks if repair is None else rec.content_chunks + repair.repair.fed
-                if progress != seen:
-                    # Only content moves the deadline (a runtime dripping comments or empty events
-                    # is not producing tokens), and only once per `slack`, not on every chunk: a
-                    # timer reschedule per token is a measurable share of the gateway's CPU. The
-                    # limit then fires between between_tokens_s and that plus slack.
-                    seen = progress
-                    now = loop.time()
-                    left = budget.when() - now  # type: ignore[operator]
-                    if not between <= left <= between + slack:  # (also: the first token)
-                        budget.reschedule(min(total_at, now + between + slack))
-                if not events:
-                    continue
+                    if repair is not None:  # (before the scan: it accounts what the client gets)
+                        events = repair.feed(events)
+                    payload = self._scan(events, time.perf_counter()) if events else b""
+                    # (with repair, a call being held is text the runtime generates, though none goes out yet)
+                    progress = rec.content_chunks if repair is None else rec.content_chunks + repair.repair.fed
+                    if progress != seen:
+                        # Only content moves the deadline (a runtime dripping comments or empty
+                        # events is not producing tokens), and only once per `slack`, not on every
+                        # chunk: a timer reschedule per token is a measurable share of the
+                        # gateway's CPU. The limit then fires between between_tokens_s and that
+                        # plus slack.
+                        seen = progress
+                        now = loop.time()
+                        left = budget.when() - now  # type: ignore[operator]
+                        if not between <= left <= between + slack:  # (also: the first token)
+                            budget.reschedule(min(total_at, now + between + slack))
+                    if not events:
+                        continue
                 if held is not None:
                     # Before the first token nothing goes out (a role chunk is useless alone): a
                     # runtime that fails or times out before then can still be answered with a
