@@ -25,7 +25,7 @@ import orjson
 
 from passerelle.errors import UpstreamError
 from passerelle.proxy.answer import Items, Piece, Text, render
-from passerelle.proxy.relay import SSEScanner
+from passerelle.proxy.sse_scan import SSEScanner
 
 _META = ("id", "created", "model", "system_fingerprint")
 

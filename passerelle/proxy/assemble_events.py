@@ -34,7 +34,7 @@ import orjson
 from passerelle.errors import UpstreamError
 from passerelle.proxy.answer import Piece, Raw, Text, render
 from passerelle.proxy.grammars import data_json
-from passerelle.proxy.relay import SSEScanner
+from passerelle.proxy.sse_scan import SSEScanner
 
 _FINAL = ("response.completed", "response.incomplete", "response.failed")
 _DELTAS = {"text_delta": ("text", "text"), "thinking_delta": ("thinking", "thinking"),

@@ -36,9 +36,11 @@ from passerelle.proxy.assemble import ChatAssembler
 from passerelle.proxy.assemble_events import EventsAssembler
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.exchange import Exchange, Send
-from passerelle.proxy.relay import SSEScanner, StreamRelay, finish_upstream, read_body, read_error
+from passerelle.proxy.relay import StreamRelay
 from passerelle.proxy.repair import repair_body
 from passerelle.proxy.repair_stream import stream_repair
+from passerelle.proxy.sse_scan import SSEScanner
+from passerelle.proxy.upstream_read import finish_upstream, read_body, read_error
 from passerelle.proxy.upstream_request import UpstreamRequest
 from passerelle.runtimes.breaker import Outcome
 from passerelle.runtimes.kinds import Backend

@@ -13,9 +13,10 @@ lives here, on one object, rather than in closures and ``nonlocal`` flags:
   goes through :meth:`Exchange.send`, which notes since when it waits, and the gateway's watchdog
   (one timer for all requests, not one per write) calls :meth:`Exchange.stall`.
 
-Race worth knowing: the watcher task waits on ASGI ``receive()`` and cancels the request's task on
-``http.disconnect``. The request task tells a disconnect-cancel from any other cancellation with
-``take_cancel()``, and ``uncancel()``s only the former.
+Race worth knowing: the client's hang-up (uvicorn's lost-connection notice, or elsewhere a watcher
+task waiting on ASGI ``receive()`` for ``http.disconnect``) cancels the request's task. The
+request task tells a disconnect-cancel from any other cancellation with ``take_cancel()``, and
+``uncancel()``s only the former.
 
 Example::
 
@@ -51,6 +52,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 # What write_now reads of uvicorn's response (its httptools protocol's, uvicorn 0.54): a uvicorn
 # without one of them gets every write through its send, as before.
 _CYCLE_STATE = ("flow", "disconnected", "response_complete", "transport", "chunked_encoding", "scope")
+_HANGUP_STATE = ("message_event", "disconnected", "response_complete")
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -73,6 +75,53 @@ def _transport_of(send: Send) -> Any:
         if fn is None:
             return None
     return None
+
+
+def _cycle_of(send: Send) -> Any:
+    """uvicorn's request/response cycle under an ASGI ``send`` (its send is the cycle's method; a
+    wrapper names what it wraps in ``__wrapped__``), when it has what :class:`_HangUp` reads; None
+    elsewhere (another server, a request the gateway makes itself)."""
+    fn: Any = send
+    for _ in range(8):
+        cycle = getattr(fn, "__self__", None)
+        if type(cycle) is RequestResponseCycle:
+            return cycle if all(hasattr(cycle, a) for a in _HANGUP_STATE) else None
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return None
+    return None
+
+
+class _HangUp(asyncio.Event):
+    """uvicorn's per-request event, put in place once the body is read. uvicorn's connection sets
+    it when the connection is lost (``disconnected``) and when the response is complete; from then
+    on ``receive()`` answers ``http.disconnect``. Being set, it tells the exchange at once (once):
+    what a task waiting on ``receive()`` learns, without a task per request."""
+
+    def __init__(self, cycle: Any, exchange: Exchange) -> None:
+        super().__init__()
+        self.cycle = cycle
+        self.exchange: Exchange | None = exchange
+
+    def set(self) -> None:
+        super().set()
+        ex = self.exchange
+        if ex is not None and (self.cycle.disconnected or self.cycle.response_complete):
+            self.exchange = None
+            ex._hung_up()
+
+
+class _HeldWrites:
+    """Stands in for uvicorn's transport while its send builds a response head, which is then
+    written with what follows it (:meth:`Exchange.start_with`)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
 
 
 class StreamGate:
@@ -121,7 +170,7 @@ class Exchange:
         assert task is not None
         self.task = task
         self._loop = task.get_loop()
-        self._watcher: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | _HangUp | None = None
         self._cycle: Any = None  # uvicorn's response, once its head is out with chunks to follow (write_now)
         # the API's error shape (protocols.py) and stream grammar (grammars.py), for report()
         self.errors = OPENAI
@@ -133,17 +182,32 @@ class Exchange:
     # -- the client leaving, or not reading --------------------------------------------------
     def watch(self) -> None:
         """From now on, a client that hangs up cancels this request (the body must be read first:
-        the watcher takes over ``receive``)."""
+        the watcher takes over ``receive``). On uvicorn's own connection, its lost-connection
+        notice tells the exchange at once (:class:`_HangUp`), with no task per request; elsewhere a
+        watcher task waits on ``receive()``."""
+        cycle = _cycle_of(self._asgi_send)
+        if cycle is not None:
+            event = _HangUp(cycle, self)
+            self._watcher = event
+            cycle.message_event = event
+            if cycle.disconnected or cycle.response_complete:  # (lost before the notice was in place)
+                event.set()
+            return
         self._watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
         while True:
             msg = await self.receive()
             if msg["type"] == "http.disconnect":
-                if not self.finishing and not self.stalled:
-                    self.disconnected = True
-                    self._cancel()
+                self._hung_up()
                 return
+
+    def _hung_up(self) -> None:
+        """The client's connection ended (or its response did): a disconnect, unless the answer was
+        on its last bytes or the gateway cut the client itself."""
+        if not self.finishing and not self.stalled:
+            self.disconnected = True
+            self._cancel()
 
     def _cancel(self) -> None:
         # One cancel per exchange, so that one uncancel() in the gateway balances it (a leftover
@@ -211,8 +275,12 @@ class Exchange:
         return int(size()) if size is not None else 0
 
     def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
+        watcher = self._watcher
+        if isinstance(watcher, _HangUp):
+            watcher.exchange = None  # (the connection keeps its event until its next request)
+            self._watcher = None
+        elif watcher is not None:
+            watcher.cancel()
             # Forget it: the cancelled task keeps its frames (and through them this exchange) in its
             # CancelledError's traceback, a reference cycle per request left to the cyclic collector.
             self._watcher = None
@@ -247,6 +315,28 @@ class Exchange:
         if (type(cycle) is RequestResponseCycle and all(hasattr(cycle, a) for a in _CYCLE_STATE)
                 and cycle.chunked_encoding and cycle.scope["method"] != "HEAD"):
             self._cycle = cycle
+
+    async def start_with(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """:meth:`start`, then ``body`` as the first, non-final part of a chunked body: head and part
+        in one write on uvicorn's connection when it takes bytes now (a write less per request,
+        on the way to the first token); otherwise the head, then the part through :meth:`send`."""
+        cycle = getattr(self._gate.raw if self._gate is not None else self._asgi_send, "__self__", None)
+        if (type(cycle) is RequestResponseCycle and all(hasattr(cycle, a) for a in _CYCLE_STATE)
+                and not cycle.flow.write_paused and not cycle.disconnected and not cycle.transport.is_closing()):
+            transport, held = cycle.transport, _HeldWrites()
+            cycle.transport = held  # type: ignore[assignment]  # (uvicorn's send writes the head: nothing waits)
+            try:
+                await self.start(status, headers)
+            finally:
+                cycle.transport = transport
+            if self._cycle is not None and held.parts:  # (chunked, the head built)
+                transport.write(b"".join(held.parts) + b"%x\r\n%b\r\n" % (len(body), body))
+                return
+            if held.parts:
+                transport.write(b"".join(held.parts))
+        else:
+            await self.start(status, headers)
+        await self.send_body(body, more=True)
 
     def writable(self) -> bool:
         """Can :meth:`write_now` write a part of the body at once? (uvicorn's response, its head

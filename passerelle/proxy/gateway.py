@@ -14,11 +14,12 @@ usage chunk is removed again before it reaches that client; vLLM gets the class 
 
 Races worth knowing:
 
-* The client may leave at any time. A watcher task waits on ASGI ``receive()`` for
-  ``http.disconnect`` and cancels the request task; the upstream response is then closed, so the
-  runtime sees its socket close and frees the slot. uvicorn also answers ``receive()`` with
-  ``http.disconnect`` once the response is complete, so ``Exchange.finishing`` is set before the
-  last ``send`` to tell the two apart (exchange.py keeps the request's flags).
+* The client may leave at any time. uvicorn's lost-connection notice (elsewhere, a task waiting
+  on ASGI ``receive()`` for ``http.disconnect``) cancels the request task; the upstream response
+  is then closed, so the runtime sees its socket close and frees the slot. uvicorn also answers
+  ``receive()`` with ``http.disconnect`` (and gives that notice) once the response is complete,
+  so ``Exchange.finishing`` is set before the last ``send`` to tell the two apart (exchange.py
+  keeps the request's flags).
 * Response headers go out only once the runtime's status is known, so a runtime error before
   the first byte reaches the client with the runtime's status; after that, only an SSE error
   event can report it.

@@ -11,11 +11,13 @@ arrives (a partial event is of no use to a client). The scan finds:
 * ``[DONE]``: the end; nothing after it is relayed or even read, and a stream that ends without
   it was truncated (the client gets an error event).
 
-Where it runs: once the response head is out and nothing rewrites the stream, a stream to the
-client's own uvicorn connection is relayed in the upstream connection's callback
-(``Response.sink_into``) and written with ``Exchange.write_now``: no task switch and no ASGI
-message per chunk. The request's task waits meanwhile, and takes over (the loop in
-:meth:`StreamRelay.relay`) at the end, on an error, or while the client cannot take bytes at once.
+Where it runs: when nothing rewrites the stream, a stream to the client's own uvicorn connection
+is relayed in the upstream connection's callback (``Response.sink_into``): before the first token
+it holds what comes (the role chunk) and hands over to the task, which sends the head with the
+first part in one write (``Exchange.start_with``); after that it writes with ``Exchange.write_now``:
+no task switch and no ASGI message per chunk. The request's task waits meanwhile, and takes over
+(the loop in :meth:`StreamRelay.relay`) at the end, on an error, or while the client cannot take
+bytes at once.
 
 Caps and time: an event is at most ``[limits] max_event_bytes``; the scan is linear in the bytes
 received however they are cut; every wait is bounded by the request's :class:`Deadline`.
@@ -24,17 +26,12 @@ Other APIs' streams (Responses, Anthropic Messages, llama-server's native chunks
 their grammar (grammars.py), which says the same things in their words, and supplies the fields of
 that API a runtime left out of an event (the event is then relayed with them).
 
-Example::
-
-    scanner = SSEScanner()
-    scanner.feed(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\\n\\ndata: [DO')
-    # -> [b'data: {"choices":[{"delta":{"content":"Hi"}}]}\\n\\n'], 'data: [DO' kept for later
+The split into events is sse_scan.py's; a body that is not relayed is read by upstream_read.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import re
 import time
@@ -45,12 +42,13 @@ import orjson
 
 from passerelle.chunks import CHAT
 from passerelle.config import TimeoutConfig
-from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, UpstreamTimeout, UpstreamTooLarge
+from passerelle.errors import ClientTimeout, GatewayError, UpstreamError, UpstreamTimeout
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
-from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar, cached_of, token_count
+from passerelle.proxy.grammars import AMENDED, CONTENT, END, ERROR, Grammar, cached_of
 from passerelle.proxy.repair import StreamRepair
-from passerelle.upstream.client import BodyTooLarge, HTTPClientError, Response
+from passerelle.proxy.sse_scan import SSEScanner, parse_usage
+from passerelle.upstream.client import HTTPClientError, Response
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -58,81 +56,6 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _ERROR = re.compile(rb'^data:\s*\{\s*"error"')
 _DONE = re.compile(rb"^data:\s*\[DONE\]\s*$")
-
-
-class SSEScanner:
-    """Split a byte stream into complete SSE events (``\\n\\n`` or ``\\r\\n\\r\\n`` terminated).
-
-    Linear in the bytes fed, however they are cut: an incomplete event is kept in a bytearray that
-    grows by what arrives, and only the new bytes (plus the 3 before them, for a terminator cut in
-    two) are searched. An event larger than ``max_event`` bytes, complete or still arriving, raises
-    UpstreamTooLarge, so a runtime that sends an endless line costs at most that much memory.
-    """
-
-    __slots__ = ("_tail", "max_event")
-
-    def __init__(self, max_event: int = 1 << 20) -> None:
-        self._tail = bytearray()
-        self.max_event = max_event
-
-    def feed(self, data: bytes) -> list[bytes]:
-        tail = self._tail
-        if tail:
-            if len(tail) > self.max_event:  # (over the cap since the last feed, which had events to return)
-                self._too_large()
-            # The tail holds no terminator: search only the new bytes (and the 3 before them, for a
-            # terminator cut in two). Without one, the bytes are kept and nothing else is touched.
-            search = max(0, len(tail) - 3)
-            tail += data
-            lf = tail.find(b"\n\n", search)
-            crlf = tail.find(b"\r\n\r\n", search)
-            if lf < 0 and crlf < 0:
-                if len(tail) > self.max_event:
-                    self._too_large()
-                return []
-            buf = bytes(tail)  # once per completed event: linear overall
-            tail.clear()
-        else:
-            buf = data
-            lf = buf.find(b"\n\n")
-            crlf = buf.find(b"\r\n\r\n")
-        events: list[bytes] = []
-        start = 0
-        limit = self.max_event
-        # Each terminator is searched again only once the split has passed it: a stream that
-        # never uses one (most never send CRLF) costs one scan of the buffer, not one per event.
-        while lf >= 0 or crlf >= 0:
-            end = lf + 2 if crlf < 0 or (0 <= lf < crlf) else crlf + 4
-            if end - start > limit:
-                self._too_large()
-            events.append(buf[start:end])
-            start = end
-            if 0 <= lf < start:
-                lf = buf.find(b"\n\n", start)
-            if 0 <= crlf < start:
-                crlf = buf.find(b"\r\n\r\n", start)
-        if start < len(buf):
-            tail += buf[start:] if start else buf
-            if len(tail) > limit and not events:
-                self._too_large()  # (with events: they are returned, and the next feed raises)
-        return events
-
-    def _too_large(self) -> None:
-        self._tail = bytearray()
-        raise UpstreamTooLarge("single stream event", self.max_event, "max_event_bytes")
-
-    @property
-    def pending(self) -> bytes:
-        if len(self._tail) > self.max_event:
-            self._too_large()
-        return bytes(self._tail)
-
-
-def parse_usage(obj: Any) -> tuple[int | None, int | None]:
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    if not isinstance(usage, dict):
-        return None, None
-    return token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
 
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -326,12 +249,17 @@ class StreamRelay:
         # once, with no task switch, no coroutines and no message per chunk. The task waits until
         # the sink hands over: at the end, on an error, or when the client cannot take bytes now
         # (the loop then sends them, waiting for the client as usual).
+        # Before the first token the sink only holds what comes (the role chunk), and hands over
+        # (``ready``) once the first content, the end or an error is held: the head goes out from
+        # the task, with the first part, in one write.
         direct = self.direct if repair is None and hasattr(resp, "sink_into") else None
         failed: list[BaseException] = []
+        ready = False
 
         def sink(resp: Response) -> bool:
-            nonlocal seen
-            if not direct.writable():  # type: ignore[union-attr]
+            nonlocal seen, ready
+            before = held
+            if before is None and not direct.writable():  # type: ignore[union-attr]
                 return False
             try:
                 events = scanner.feed(resp.take())
@@ -344,6 +272,10 @@ class StreamRelay:
                     left = budget.when() - now  # type: ignore[operator]
                     if not between <= left <= between + slack:
                         budget.reschedule(min(total_at, now + between + slack))
+                if before is not None:
+                    before.append(payload)
+                    ready = bool(rec.content_chunks or self.done or self.upstream_error)
+                    return not ready
                 if self.done and self.on_done is not None:
                     self.on_done()
                     self.on_done = None
@@ -357,8 +289,8 @@ class StreamRelay:
             return not self.done
 
         try:
-            while not self.done:
-                if direct is not None and held is None and direct.writable():
+            while not self.done or ready:
+                if not ready and direct is not None and (held is not None or direct.writable()):
                     waiter = resp.sink_into(sink)
                     if waiter is not None:
                         try:
@@ -367,30 +299,35 @@ class StreamRelay:
                             resp.unsink()
                         if failed:
                             raise failed.pop()
+                        if not ready:
+                            continue
+                if ready:  # (the sink held the first content, the end or an error: flushed below)
+                    ready, payload = False, b""
+                else:
+                    data = await read()
+                    if not data:
+                        break
+                    events = scanner.feed(data)
+                    if not events:
                         continue
-                data = await read()
-                if not data:
-                    break
-                events = scanner.feed(data)
-                if not events:
-                    continue
-                if repair is not None:  # (before the scan: it accounts what the client gets)
-                    events = repair.feed(events)
-                payload = self._scan(events, time.perf_counter()) if events else b""
-                # (with repair, a call being held is text the runtime generates, though none goes out yet)
-                progress = rec.content_chunks if repair is None else rec.content_chunks + repair.repair.fed
-                if progress != seen:
-                    # Only content moves the deadline (a runtime dripping comments or empty events
-                    # is not producing tokens), and only once per `slack`, not on every chunk: a
-                    # timer reschedule per token is a measurable share of the gateway's CPU. The
-                    # limit then fires between between_tokens_s and that plus slack.
-                    seen = progress
-                    now = loop.time()
-                    left = budget.when() - now  # type: ignore[operator]
-                    if not between <= left <= between + slack:  # (also: the first token)
-                        budget.reschedule(min(total_at, now + between + slack))
-                if not events:
-                    continue
+                    if repair is not None:  # (before the scan: it accounts what the client gets)
+                        events = repair.feed(events)
+                    payload = self._scan(events, time.perf_counter()) if events else b""
+                    # (with repair, a call being held is text the runtime generates, though none goes out yet)
+                    progress = rec.content_chunks if repair is None else rec.content_chunks + repair.repair.fed
+                    if progress != seen:
+                        # Only content moves the deadline (a runtime dripping comments or empty
+                        # events is not producing tokens), and only once per `slack`, not on every
+                        # chunk: a timer reschedule per token is a measurable share of the
+                        # gateway's CPU. The limit then fires between between_tokens_s and that
+                        # plus slack.
+                        seen = progress
+                        now = loop.time()
+                        left = budget.when() - now  # type: ignore[operator]
+                        if not between <= left <= between + slack:  # (also: the first token)
+                            budget.reschedule(min(total_at, now + between + slack))
+                    if not events:
+                        continue
                 if held is not None:
                     # Before the first token nothing goes out (a role chunk is useless alone): a
                     # runtime that fails or times out before then can still be answered with a
@@ -401,7 +338,13 @@ class StreamRelay:
                     payload, held = b"".join(held), None
                     if self.before_first is not None:
                         self.sending = True
-                        await self.before_first()
+                        start_with = getattr(self.direct, "start_with", None)
+                        if start_with is not None and payload and not self.done:
+                            # the head and the first part in one write (the usual first token)
+                            await start_with(200, SSE_HEADERS, payload)
+                            payload = b""
+                        else:
+                            await self.before_first()
                         self.before_first = None
                 if self.done and self.on_done is not None:
                     self.on_done()
@@ -443,54 +386,3 @@ class StreamRelay:
         if not self.done:
             raise UpstreamError(f"The model runtime '{rec.backend}' closed the stream before it was complete.",
                                 retryable=True)
-
-
-async def read_body(resp: Response, rec: RequestRecord, *, limit: int) -> bytes:
-    """Read a non-streaming answer, at most ``limit`` bytes, and take the token counts from its
-    ``usage``. (The caller's budget bounds the time.)"""
-    try:
-        body = await resp.read(limit)
-    except BodyTooLarge:
-        raise UpstreamTooLarge("answer", limit, "max_answer_bytes") from None
-    except (HTTPClientError, OSError) as exc:
-        raise UpstreamError(f"The model runtime '{rec.backend}' broke the response: "
-                            f"{exc.__class__.__name__}", retryable=True) from exc
-    rec.t_first = rec.t_last = time.perf_counter()
-    if b'"usage"' in body:
-        try:
-            obj = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            obj = None
-        p, c = parse_usage(obj)
-        if c is not None or p is not None:
-            rec.prompt_tokens, rec.completion_tokens, rec.usage_from_server = p, c, True
-            rec.cached_tokens = cached_of(obj)
-    return body
-
-
-async def read_error(resp: Response, rec: RequestRecord, *, limit: int) -> bytes:
-    """The body of a runtime's error answer, at most ``limit`` bytes."""
-    try:
-        return await resp.read(limit)
-    except BodyTooLarge:
-        raise UpstreamTooLarge(f"error answer (HTTP {resp.status})", limit, "max_error_bytes") from None
-    except (HTTPClientError, OSError) as exc:
-        raise UpstreamError(f"The model runtime '{rec.backend}' broke its HTTP {resp.status} answer: "
-                            f"{exc.__class__.__name__}", retryable=True) from exc
-
-
-async def finish_upstream(resp: Response, budget: asyncio.Timeout, *, within_s: float = 0.1,
-                          limit: int = 1 << 16) -> None:
-    """After ``[DONE]``: read what is left of the body, relaying nothing, so that the connection can
-    go back to the pool; give up (the connection is then closed) after ``limit`` bytes, or when
-    ``budget``, moved ``within_s`` ahead, runs out (the caller treats that expiry as the end). A
-    well-behaved runtime's chunked terminator is already there or arrives at once."""
-    if resp.complete:
-        return
-    budget.reschedule(asyncio.get_running_loop().time() + within_s)
-    got = 0
-    with contextlib.suppress(HTTPClientError, OSError):
-        while data := await resp.readany():
-            got += len(data)
-            if got > limit:
-                return

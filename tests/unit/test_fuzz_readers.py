@@ -30,8 +30,8 @@ from passerelle.proxy.assemble import assemble
 from passerelle.proxy.assemble_events import assemble_events
 from passerelle.proxy.intake import affinity_key, output_estimate, priority_class, with_usage_requested
 from passerelle.proxy.protocols import API, Parsed
-from passerelle.proxy.relay import parse_usage
 from passerelle.proxy.resume import Splice, suspendable
+from passerelle.proxy.sse_scan import parse_usage
 from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.kinds import make_backend
 from passerelle.runtimes.registry import Registry
@@ -256,7 +256,7 @@ streams = st.one_of(*(stream_of(api) for api in STREAMS_OUT))
 @FUZZ
 @given(sse=streams)
 def test_grammars_scan_any_stream(sse):
-    from passerelle.proxy.relay import SSEScanner
+    from passerelle.proxy.sse_scan import SSEScanner
 
     events = SSEScanner().feed(sse)
     for name in ("generic", "responses", "messages", "llama", "transcription"):
@@ -303,7 +303,7 @@ def test_assembly_of_any_stream_is_an_answer_or_an_upstream_error(sse):
 @FUZZ
 @given(sse=streams)
 def test_the_splice_passes_any_event(sse):
-    from passerelle.proxy.relay import SSEScanner
+    from passerelle.proxy.sse_scan import SSEScanner
 
     for endpoint in ("chat", "completions"):
         splice = Splice(dict(BASE[endpoint]), endpoint)

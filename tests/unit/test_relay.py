@@ -9,7 +9,8 @@ from passerelle.config import TimeoutConfig
 from passerelle.errors import ClientTimeout, UpstreamError, UpstreamTimeout, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
-from passerelle.proxy.relay import SSEScanner, StreamRelay
+from passerelle.proxy.relay import StreamRelay
+from passerelle.proxy.sse_scan import SSEScanner
 from passerelle.upstream.client import ServerDisconnected
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'

@@ -10,7 +10,7 @@ from passerelle.errors import UpstreamError, UpstreamTooLarge
 from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.deadline import Deadline
 from passerelle.proxy.relay import StreamRelay
-from passerelle.upstream.client import UpstreamClient
+from passerelle.upstream.client import Response, UpstreamClient
 from tests.unit.test_upstream import Server, chunk
 from tests.waiting import until
 
@@ -146,3 +146,69 @@ async def test_a_runtime_error_before_done_is_relayed_with_it_and_then_raised():
     else:
         raise AssertionError("a runtime's error event must end the relay with an error")
     assert client.body == ROLE + CHUNK % 0 + CHUNK % 1 + error + DONE
+
+
+class StartWithClient(DirectClient):
+    """A client that also sends its head with the first part of the body (``Exchange.start_with``)."""
+
+    async def start_with(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.started = True
+        self.parts.append(("start+first", body))
+
+
+async def test_before_the_first_token_the_callback_holds_the_role_chunk_and_the_head_goes_with_the_first(
+        monkeypatch):
+    """The role chunk is held in the upstream connection's callback (the relay's task is not woken
+    for it: no read at all); the task wakes for the first content and sends the head with it."""
+    client = StartWithClient()
+    resp_of: list = []
+    takes: list[int] = []
+
+    async def handler(req, reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await until(lambda: resp_of and resp_of[0].sink is not None, what="the relay waits in the callback")
+        writer.write(chunk(ROLE))
+        await writer.drain()
+        await until(lambda: takes, what="the callback took the role chunk")
+        for ev in EVENTS[1:]:
+            writer.write(chunk(ev))
+            await writer.drain()
+            if ev is not DONE:
+                await until(lambda ev=ev: client.got(ev), what="the client has the event")
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with Server(handler) as srv:
+        upstream = UpstreamClient(srv.url, limit=1)
+        rec = RequestRecord(id="r", endpoint="chat", stream=True, backend="b")
+        rec.to(State.DISPATCHED)
+        timeouts = TimeoutConfig()
+        deadline = Deadline(timeouts, rec.t_arrival)
+        deadline.start_attempt()
+        resp = await upstream.request(b"POST", "/v1/chat/completions", b"{}")
+        reads: list[int] = []
+        readany, take = Response.readany, Response.take
+
+        async def counted_read(self: Response) -> bytes:
+            reads.append(1)
+            return await readany(self)
+
+        def counted_take(self: Response) -> bytes:
+            takes.append(1)
+            return take(self)
+
+        monkeypatch.setattr(Response, "readany", counted_read)
+        monkeypatch.setattr(Response, "take", counted_take)
+        resp_of.append(resp)
+        try:
+            relay = StreamRelay(rec, client.send, timeouts, strip_usage=False, client=client)
+            await relay.run(resp, deadline)
+        finally:
+            resp.close()
+            upstream.close()
+    assert reads == []  # every byte came through the callback, the role chunk too
+    assert client.parts[0] == ("start+first", ROLE + CHUNK % 0)
+    assert {way for way, _ in client.parts[1:]} == {"direct"} and relay.final.endswith(DONE)
+    assert client.body + relay.final == b"".join(EVENTS)
+    assert (rec.content_chunks, rec.completion_tokens) == (6, 6)

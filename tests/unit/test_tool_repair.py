@@ -27,9 +27,10 @@ from passerelle.observe.record import RequestRecord, State
 from passerelle.proxy.assemble import assemble
 from passerelle.proxy.assemble_events import assemble_events
 from passerelle.proxy.grammars import make
-from passerelle.proxy.relay import SSEScanner, StreamRelay
+from passerelle.proxy.relay import StreamRelay
 from passerelle.proxy.repair import ToolRepair, repair_body, repair_for
 from passerelle.proxy.repair_stream import stream_repair
+from passerelle.proxy.sse_scan import SSEScanner
 from passerelle.proxy.toolcalls import FORMATS, Reasoning, Text, ToolCall, Unrepaired
 from passerelle.testing import tool_markup
 from tests.jsonvalues import STREAMS_OUT, decoded, encode, mutated, sse
