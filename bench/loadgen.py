@@ -8,13 +8,16 @@ decoded. TTFT runs from that write to the first content event. Users start stagg
 request's duration (otherwise identical requests march in lock-step waves), the first request of
 each connection is a warm-up, and users keep sending until the last measured request has ended,
 so the load stays at the concurrency for the whole window. Each round records the generator's own
-CPU, so a run shows whether the generator could keep up.
+CPU, so a run shows whether the generator could keep up. ``run_waves`` sends synchronized waves
+instead: N requests written back to back once all N connections are idle, wave after wave.
 
     from loadgen import run_async, run_load
 
     r = run_async(run_load(gw.url, concurrency=64, measured=1024, max_tokens=32, stagger_s=0.36,
                            timeout=60))
     print(pct(r.ttft_ms, 50), r.tokens_per_s, dict(r.errors))
+    w = run_async(run_waves(gw.url, size=64, waves=10, max_tokens=32, timeout=60))
+    print(pct(w.ttft_ms, 99), max(w.spread_ms))   # TTFT when 64 arrive at once; the writes' spread
 """
 
 from __future__ import annotations

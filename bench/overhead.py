@@ -1,20 +1,32 @@
-"""What a gateway adds: the same streams straight to a runtime, through passerelle, and through LiteLLM.
+"""What a gateway adds: the same streams straight to a runtime, through passerelle, and through
+the peers it is compared with (Envoy, vllm-router, SMG, the LiteLLM proxy).
 
 One run starts ``passerelle fake-backend`` (TTFT 50 ms, ITL 10 ms, 32 tokens, no slot limit),
 passerelle in front of it (default settings: metrics and access log on; the fake as an ``openai``
-backend with ``max_concurrency`` 1024, so nothing queues) and the LiteLLM proxy (its defaults, the
-fake as an ``openai/`` model; installed once into its own virtualenv under the work folder, never a
-project dependency). At each concurrency it runs rounds that alternate the three targets, each
-round in a rotated order, so that drift of a shared machine hits all of them alike.
+backend with ``max_concurrency`` 1024, so nothing queues) and each peer in ``--targets`` in front
+of the same fake, all side by side. A peer is installed on first use into a virtualenv of its own
+(bench/venvs.py; never a project dependency) and started as routers.py says (Envoy with no route
+timeout and a long stream idle timeout, vllm-router and SMG with ``--policy round_robin``, SMG
+with ``--backend openai``); one that fails to install or start is reported and the rest runs.
+``--targets auto`` (the default) is passerelle, the routers already installed, and LiteLLM. At
+each concurrency it runs rounds that alternate the targets, each round in a rotated order, so
+that drift of a shared machine hits all of them alike.
 
 Figures per concurrency and target: TTFT p50/p95/p99 and what the gateway adds to direct's;
 aggregate tokens/s as a fraction of direct's; the gateway's CPU seconds per 1,000 requests
-(utime + stime from /proc of the gateway's process tree, before and after each round) and its RSS.
-Latencies and rates are medians over the rounds, and "added" is taken round by round against the
-direct round that ran next to it, so that one disturbed round on a shared machine moves nothing.
-Before each round the script waits until the three servers are idle (a proxy may still be
-streaming answers its clients gave up on), and after ``--round-cap-s`` a round takes no more
-measured requests (LiteLLM at hundreds of streams would otherwise need many minutes).
+(utime + stime from /proc of the gateway's process tree, all threads of each process, before and
+after each round: the same for a Python gateway and a Rust or C++ one) and its RSS. Latencies
+and rates are medians over the rounds, and "added" is taken round by round against the direct
+round that ran next to it, so that one disturbed round on a shared machine moves nothing.
+Before each round the script waits until the servers are idle (a proxy may still be streaming
+answers its clients gave up on), and after ``--round-cap-s`` a round takes no more measured
+requests (LiteLLM at hundreds of streams would otherwise need many minutes).
+
+``--waves N``: after the streams, synchronized waves: N keep-alive connections, and per wave N
+requests written back to back in one pass of the client (a barrier: none goes before all are
+idle), the next wave once all have ended; ``--wave-count`` waves per target, in rounds that
+alternate the targets as above. What each gateway adds to TTFT at p50 and p99 is what "64
+requests arrive at once" costs it; the spread of each wave's writes is reported too.
 
 The client is a lean HTTP/1.1 client on uvloop and httptools (one keep-alive connection per
 simulated user, the request written in one call): TTFT runs from that write to the first content
@@ -26,9 +38,13 @@ round records the generator's own CPU, so a run shows whether the generator coul
 
     .venv/bin/python bench/overhead.py                              # 1, 64, 256 streams; ~5-7 min
     .venv/bin/python bench/overhead.py --concurrency 1,64 --requests-per-level 200 --rounds 2
+    .venv/bin/python bench/overhead.py --concurrency 64,256 --waves 64 \
+        --targets passerelle,envoy,vllm-router,smg,litellm           # the table of issue 30; ~10 min
+    .venv/bin/python bench/overhead.py --concurrency '' --waves 64 --targets passerelle,smg   # waves only
     .venv/bin/python bench/overhead.py --soak 10                   # 64 streams through passerelle
     .venv/bin/python bench/overhead.py --profile [--native]         # py-spy on passerelle at 64, 256
-    .venv/bin/python bench/overhead.py --no-litellm --also-src ../other-checkout   # A/B two versions
+    .venv/bin/python bench/overhead.py --targets passerelle --also-src ../other-checkout   # A/B two versions
+    .venv/bin/python bench/overhead.py --targets passerelle,vllm-router --also-src OLD --waves 64  # A/B + a peer
     .venv/bin/python bench/overhead.py --no-litellm --also-toml $'[server]\naccess_log = false'
     .venv/bin/python bench/overhead.py --no-litellm --concurrency 64 --tools \
         --also-toml $'[[models]]\nname = "fake-model"\ntool_calls = "hermes"'   # tool-call repair's cost
@@ -37,15 +53,14 @@ round records the generator's own CPU, so a run shows whether the generator coul
         # that runs 64 streams at once (reported by its /props; with "openai": learned); add
         # --fake-openai-only for a runtime with no /props at all, --also-src OLD to compare
 
-Writes ``results.json`` (``soak.json``, ``profile.json``) and the printed table (``report.md``) to
-``--out`` (default bench/out/overhead). Figures, not a pass/fail test.
+Writes ``results.json`` (``soak.json``, ``profile.json``) and the printed tables (``report.md``)
+to ``--out`` (default bench/out/overhead). Figures, not a pass/fail test.
 
 This file is the comparison and the command line. What every bench/ script shares (services,
-machine, load, percentiles) is in harness.py, the load client in loadgen.py; the figures and the
-report are in overhead_report.py, the ``--soak`` and ``--profile`` modes in overhead_soak.py and
-overhead_profile.py.
+machine, load, percentiles) is in harness.py, the load client (streams and waves) in loadgen.py,
+the peers in routers.py; the figures and the report are in overhead_report.py, the ``--soak``
+and ``--profile`` modes in overhead_soak.py and overhead_profile.py.
 """
-
 from __future__ import annotations
 
 import argparse
