@@ -140,9 +140,10 @@ def choose_targets(spec: str, no_litellm: bool, root: Path) -> list[str]:
 
 
 def start_peers(args: argparse.Namespace, names: list[str], work: Path, backend_url: str,
-                results: dict[str, Any]) -> dict[str, tuple[Peer, Service]]:
+                results: dict[str, Any], services: list[Service]) -> dict[str, Service]:
     """Install and start these peers side by side, then wait until each is ready. One that does not
-    install or start is left out, and ``results["failed"]`` says why."""
+    install or start is left out, and ``results["failed"]`` says why. Each one started is in
+    ``services`` at once (the caller stops them all, however the run ends)."""
     started: dict[str, tuple[Peer, Service]] = {}
     for name in names:
         peer = PEERS[name]
@@ -153,6 +154,7 @@ def start_peers(args: argparse.Namespace, names: list[str], work: Path, backend_
             results["versions"][name] = peer.version(venv)
             extra = args.litellm_args.split() if name == "litellm" else []
             started[name] = (peer, peer.start(venv, work, backend_url, extra))
+            services.append(started[name][1])
         except (OSError, subprocess.SubprocessError) as exc:
             results["failed"][name] = f"could not install or start: {exc} (see {args.venvs / name}.install.log)"
             print(f"WARNING: {name}: {results['failed'][name]}; going on without it", flush=True)
@@ -163,8 +165,9 @@ def start_peers(args: argparse.Namespace, names: list[str], work: Path, backend_
             results["failed"][name] = f"did not start: {exc}"
             print(f"WARNING: {exc}; going on without {name}", flush=True)
             svc.stop()
+            services.remove(svc)
             del started[name]
-    return started
+    return {name: svc for name, (_, svc) in started.items()}
 
 
 def alternate(targets: list[str], rounds: int, services: list[Service], procs: dict[str, Service],
@@ -244,9 +247,7 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
         for name in ("passerelle", "passerelle-b"):
             if name in procs:
                 procs[name].wait_ready("/ready", 60)
-        for name, (_, svc) in start_peers(args, peers, work, fake.url, results).items():
-            procs[name] = svc
-            services.append(svc)
+        procs.update(start_peers(args, peers, work, fake.url, results, services))
         targets = ["direct", *(n for n in ("passerelle", "passerelle-b", *PEERS) if n in procs)]
         results["targets"] = targets
         urls = {"direct": fake.url, **{name: svc.url for name, svc in procs.items()}}
