@@ -216,7 +216,7 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
                  "openai_only": args.fake_openai_only},
         "passerelle": (f"serve --upstream ({args.upstream})" if args.upstream
                        else "a configuration, max_concurrency 1024"),
-        "versions": {"passerelle": passerelle_version(args.src)}, "failed": {},
+        "versions": {"passerelle": passerelle_version(args.src)} if "passerelle" in gateways else {}, "failed": {},
         "rounds": args.rounds, "requests_per_level": counts, "levels": [], "waves": [], "loadavg": []}
     if "litellm" in peers:
         results["litellm_args"] = args.litellm_args
