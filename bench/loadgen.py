@@ -8,13 +8,16 @@ decoded. TTFT runs from that write to the first content event. Users start stagg
 request's duration (otherwise identical requests march in lock-step waves), the first request of
 each connection is a warm-up, and users keep sending until the last measured request has ended,
 so the load stays at the concurrency for the whole window. Each round records the generator's own
-CPU, so a run shows whether the generator could keep up.
+CPU, so a run shows whether the generator could keep up. ``run_waves`` sends synchronized waves
+instead: N requests written back to back once all N connections are idle, wave after wave.
 
     from loadgen import run_async, run_load
 
     r = run_async(run_load(gw.url, concurrency=64, measured=1024, max_tokens=32, stagger_s=0.36,
                            timeout=60))
     print(pct(r.ttft_ms, 50), r.tokens_per_s, dict(r.errors))
+    w = run_async(run_waves(gw.url, size=64, waves=10, max_tokens=32, timeout=60))
+    print(pct(w.ttft_ms, 99), max(w.spread_ms))   # TTFT when 64 arrive at once; the writes' spread
 """
 
 from __future__ import annotations
@@ -106,11 +109,22 @@ class StreamConn(asyncio.Protocol):
 
     async def request(self, raw: bytes, timeout: float) -> tuple[float, float, float, int]:
         """(sent, first content, end, content events); raises Failed or TimeoutError."""
+        return await self.finish(self.send(raw), timeout)
+
+    def send(self, raw: bytes) -> float:
+        """Write the request (one call, no await: a wave writes all its requests back to back);
+        returns when it was written."""
         assert self.transport is not None
         self.waiter = asyncio.get_running_loop().create_future()
         self.first, self.tokens, self.done, self.tail, self.status = 0.0, 0, False, b"", 0
         t0 = time.perf_counter()
         self.transport.write(raw)
+        return t0
+
+    async def finish(self, t0: float, timeout: float) -> tuple[float, float, float, int]:
+        """Until the response :meth:`send` asked for has ended: (sent, first content, end, content
+        events); raises Failed or TimeoutError."""
+        assert self.waiter is not None
         async with asyncio.timeout(timeout):
             await self.waiter
         end = time.perf_counter()
@@ -145,6 +159,7 @@ class Round:
     wall_s: float = 0.0
     window_s: float = 0.0
     gen_cpu_s: float = 0.0
+    spread_ms: list[float] = field(default_factory=list)  # waves: per wave, its first write to its last
 
 
 async def run_load(url: str, concurrency: int, measured: int, max_tokens: int, stagger_s: float,
@@ -239,6 +254,93 @@ async def run_load(url: str, concurrency: int, measured: int, max_tokens: int, s
     if measured > 0 and state["t_b"] > state["t_a"]:
         out.window_s = state["t_b"] - state["t_a"]
         out.tokens_per_s = (state["tok_b"] - state["tok_a"]) / out.window_s
+    return out
+
+
+async def run_waves(url: str, size: int, waves: int, max_tokens: int, timeout: float, gap_s: float = 0.2,
+                    cap_s: float | None = None, extra: dict[str, Any] | None = None) -> Round:
+    """Synchronized waves: ``size`` requests that arrive at once, ``waves`` times.
+
+    ``size`` keep-alive connections are opened and each sends a warm-up request (not measured).
+    Then, per wave, a barrier: once every connection is open and idle, the ``size`` requests are
+    written back to back in one pass, with no await between the writes (so nothing else this
+    client does runs between them: the spread, first write to last, is recorded per wave), and
+    the wave ends when the last response has. ``gap_s`` later the next wave starts. TTFT runs from
+    each request's own write. ``cap_s``: after this long, start no more waves (at least one).
+    ``tokens_per_s``: the content events of all waves over the time their waves ran.
+    """
+    loop = asyncio.get_running_loop()
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    raw = request_bytes(url, max_tokens, extra)
+    totals = Totals()
+    out = Round()
+    conns: list[StreamConn | None] = [None] * size
+    t_start, gen0 = time.perf_counter(), own_cpu_s()
+
+    async def ready(i: int) -> None:
+        """Connection ``i`` open and keep-alive (a new one where a failure closed it)."""
+        conn = conns[i]
+        if conn is not None and conn.open and conn.keep_alive:
+            return
+        if conn is not None:
+            conn.close()
+        for _ in range(3):
+            try:
+                _, conns[i] = await loop.create_connection(lambda: StreamConn(totals), host, int(port))
+                return
+            except OSError as exc:
+                out.errors[f"connect: {exc.__class__.__name__}"] += 1
+                await asyncio.sleep(0.1)
+        raise Failed(f"could not connect to {url}")
+
+    async def ended(i: int, t0: float) -> tuple[float, float, float, int] | None:
+        conn = conns[i]
+        assert conn is not None
+        try:
+            return await conn.finish(t0, timeout)
+        except (Failed, TimeoutError) as exc:
+            out.errors[str(exc) or "timeout"] += 1
+            conn.close()
+            return None
+
+    async def warm(i: int) -> None:
+        await ready(i)
+        conn = conns[i]
+        assert conn is not None
+        await ended(i, conn.send(raw))
+
+    busy_s, wave_tokens = 0.0, 0
+    try:
+        await asyncio.gather(*(warm(i) for i in range(size)))
+        for w in range(waves):
+            if w and cap_s is not None and time.perf_counter() - t_start > cap_s:
+                break
+            await asyncio.gather(*(ready(i) for i in range(size)))
+            ready_conns = [c for c in conns if c is not None]  # all of them: ready() raises otherwise
+            tok0 = totals.tokens
+            sent = [c.send(raw) for c in ready_conns]  # the barrier's release: all written in this pass
+            out.spread_ms.append((sent[-1] - sent[0]) * 1000)
+            results = await asyncio.gather(*(ended(i, t0) for i, t0 in enumerate(sent)))
+            busy_s += time.perf_counter() - sent[0]
+            out.requests += len(sent)
+            for res in results:
+                if res is None:
+                    continue
+                t0, first, end, n = res
+                if n != max_tokens:
+                    out.errors[f"{n} of {max_tokens} tokens"] += 1
+                out.ttft_ms.append((first - t0) * 1000)
+                out.e2e_ms.append((end - t0) * 1000)
+            wave_tokens += totals.tokens - tok0
+            if w + 1 < waves:
+                await asyncio.sleep(gap_s)
+    finally:
+        for c in conns:
+            if c is not None:
+                c.close()
+    out.wall_s = out.window_s = time.perf_counter() - t_start
+    out.gen_cpu_s = own_cpu_s() - gen0
+    out.tokens_per_s = wave_tokens / busy_s if busy_s else 0.0
     return out
 
 

@@ -33,9 +33,11 @@ class Cell:
     rss: int = 0
     gen_cpu_s: float = 0.0
     wall_s: float = 0.0
+    spread_ms: list[float] = field(default_factory=list)
     rounds: list[dict[str, float]] = field(default_factory=list)
 
     def add(self, r: Round, cpu: float, rss: int) -> None:
+        self.spread_ms += r.spread_ms
         self.ttft_ms += r.ttft_ms
         self.e2e_ms += r.e2e_ms
         self.errors.update(r.errors)
@@ -68,11 +70,58 @@ class Cell:
             "requests_total": self.requests,
             "generator_cpu_pct": round(100 * self.gen_cpu_s / self.wall_s, 1) if self.wall_s else None,
             "rounds": [{k: round(v, 3) for k, v in r.items()} for r in self.rounds],
+            **({"write_spread_ms": {"p50": round(pct(self.spread_ms, 50), 3), "max": round(max(self.spread_ms), 3)}}
+               if self.spread_ms else {}),
         }
 
 
 
+NAMES = {"passerelle": "passerelle", "passerelle-b": "passerelle (B)", "envoy": "Envoy",
+         "vllm-router": "vllm-router", "smg": "SMG", "litellm": "LiteLLM", "direct": "direct"}
+
+
+def added(s: dict[str, Any], keys: tuple[str, ...] = ("p50", "p99")) -> str:
+    a = s["added_ttft_ms"]
+    return " / ".join(f"{a[k]:+.2f}" for k in keys) + " ms" if a else "–"
+
+
+def peers_table(results: dict[str, Any], targets: list[str]) -> str:
+    """The issue's table: what each gateway adds to direct, per concurrency."""
+    lines = ["| streams | target | added TTFT p50 / p99 | tokens/s vs direct | CPU s per 1k requests | RSS MiB | "
+             "errors |",
+             "|---:|---|---|---:|---:|---:|---:|"]
+    for level in results["levels"]:
+        for name in targets:
+            s = level["targets"].get(name)
+            if s is None or name == "direct":
+                continue
+            vs = s["tokens_per_s_vs_direct"]
+            lines.append(f"| {level['concurrency']} | {NAMES.get(name, name)} | {added(s)} | "
+                         f"{fmt(None if vs is None else 100 * vs, 1)} % | {fmt(s['cpu_s_per_1k_requests'], 2)} | "
+                         f"{fmt(s['rss_mib'], 0)} | {sum(s['errors'].values())} |")
+    return "\n".join(lines)
+
+
+def waves_table(results: dict[str, Any], targets: list[str]) -> str:
+    """Synchronized waves: TTFT, and what each gateway adds, when N requests arrive at once."""
+    lines = ["| wave | target | TTFT p50 / p99 ms | added TTFT p50 / p99 | CPU s per 1k requests | "
+             "write spread p50 / max ms | requests | errors |",
+             "|---:|---|---|---|---:|---|---:|---:|"]
+    for wave in results.get("waves", []):
+        for name in targets:
+            s = wave["targets"].get(name)
+            if s is None:
+                continue
+            q, w = s["ttft_ms"], s.get("write_spread_ms")
+            spread = f"{w['p50']:.2f} / {w['max']:.2f}" if w else "–"
+            lines.append(f"| {wave['size']} | {NAMES.get(name, name)} | {q['p50']:.2f} / {q['p99']:.2f} | {added(s)} | "
+                         f"{fmt(s['cpu_s_per_1k_requests'], 2)} | {spread} | {s['requests_measured']} | "
+                         f"{sum(s['errors'].values())} |")
+    return "\n".join(lines)
+
+
 def table(results: dict[str, Any], targets: list[str]) -> str:
+    """Every figure per concurrency and target: TTFT, added TTFT, tokens/s, CPU, RSS."""
     lines = ["| streams | target | TTFT p50 / p95 / p99 ms | added p50 / p95 / p99 ms | tokens/s | vs direct | "
              "gateway CPU s / 1k req | RSS MiB | errors |",
              "|---:|---|---|---|---:|---:|---:|---:|---:|"]
@@ -82,10 +131,10 @@ def table(results: dict[str, Any], targets: list[str]) -> str:
             if s is None:
                 continue
             q, a = s["ttft_ms"], s["added_ttft_ms"]
-            added = " / ".join(f"{a[k]:+.1f}" for k in ("p50", "p95", "p99")) if a else "–"
+            add = " / ".join(f"{a[k]:+.1f}" for k in ("p50", "p95", "p99")) if a else "–"
             vs = s["tokens_per_s_vs_direct"]
             lines.append(
-                f"| {level['concurrency']} | {name} | {q['p50']:.1f} / {q['p95']:.1f} / {q['p99']:.1f} | {added} | "
+                f"| {level['concurrency']} | {name} | {q['p50']:.1f} / {q['p95']:.1f} / {q['p99']:.1f} | {add} | "
                 f"{s['tokens_per_s']:,.0f} | {fmt(None if vs is None else 100 * vs, 1)} % | "
                 f"{fmt(s['cpu_s_per_1k_requests'], 2)} | {fmt(s['rss_mib'], 0)} | "
                 f"{sum(s['errors'].values())} |")
@@ -93,6 +142,7 @@ def table(results: dict[str, Any], targets: list[str]) -> str:
 
 
 def goals(results: dict[str, Any]) -> list[str]:
+    """The issues' goals that this run's figures speak to: met or not."""
     by = {lv["concurrency"]: lv["targets"] for lv in results["levels"]}
     out = []
     if 64 in by and "passerelle" in by[64]:
@@ -105,26 +155,44 @@ def goals(results: dict[str, Any]) -> list[str]:
             out.append(f"passerelle / LiteLLM added TTFT p50 at 64 streams: {a['p50']:.2f} / {la['p50']:.2f} ms "
                        f"= {ratio:.3f} (goal <= 0.2): {'met' if ratio <= 0.2 else 'NOT met'}")
     if 256 in by and "passerelle" in by[256]:
-        f = by[256]["passerelle"]["tokens_per_s_vs_direct"]
+        mine = by[256]["passerelle"]
+        f = mine["tokens_per_s_vs_direct"]
         if f is not None:
             out.append(f"tokens/s through passerelle at 256 streams: {100 * f:.1f} % of direct (goal >= 90 %): "
                        f"{'met' if f >= 0.9 else 'NOT met'}")
+        p99 = mine["added_ttft_ms"]["p99"]
+        out.append(f"added TTFT p99 at 256 streams: {p99:+.2f} ms (goal <= 2): {'met' if p99 <= 2 else 'NOT met'}")
+        rust = {n: by[256][n]["cpu_s_per_1k_requests"] for n in ("vllm-router", "smg") if n in by[256]}
+        if rust and mine["cpu_s_per_1k_requests"]:
+            lean = min(rust, key=lambda n: rust[n])
+            ratio = mine["cpu_s_per_1k_requests"] / rust[lean]
+            out.append(f"CPU per request at 256 streams: {ratio:.2f}x {NAMES[lean]}'s, the leaner Rust router "
+                       f"(goal <= 1.2): {'met' if ratio <= 1.2 else 'NOT met'}")
+    for wave in results.get("waves", []):
+        a = wave["targets"].get("passerelle", {}).get("added_ttft_ms")
+        if wave["size"] == 64 and a:
+            out.append(f"added TTFT p99 in waves of 64: {a['p99']:+.2f} ms (goal <= 5): "
+                       f"{'met' if a['p99'] <= 5 else 'NOT met'}")
     return out
-
 
 
 def report(results: dict[str, Any], targets: list[str]) -> str:
     m = results["machine"]
     la = results["loadavg"]
-    loads = ", ".join(f"{x['concurrency']}: {x['before'][0]:.2f}→{x.get('after', ['?'])[0]}" for x in la)
+    loads = ", ".join(f"{x['concurrency'] if 'concurrency' in x else 'waves of ' + str(x['waves'])}: "
+                      f"{x['before'][0]:.2f}→{x.get('after', ['?'])[0]}" for x in la)
     psi = [x.get(k) for x in la for k in ("cpu_pressure_before", "cpu_pressure_after") if x.get(k) is not None]
+    versions = ", ".join(f"{NAMES.get(n, n)} {v}" for n, v in results.get("versions", {}).items())
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}; load average (1 min) at start "
              f"{results['loadavg_start'][0]:.2f}, per level {loads}"
-             + (f"; CPU pressure (PSI some, avg10) {min(psi):.0f}–{max(psi):.0f} %" if psi else "")
-             + f"; LiteLLM {results.get('litellm_version', '–')}.",
+             + (f"; CPU pressure (PSI some, avg10) {min(psi):.0f}–{max(psi):.0f} %" if psi else "") + ".",
+             f"Versions: {versions}.",
+             *(f"Not measured: {NAMES.get(n, n)}, {why}." for n, why in results.get("failed", {}).items()),
              f"fake-backend: TTFT {results['fake']['ttft_ms']:g} ms, ITL {results['fake']['itl_ms']:g} ms, "
              f"{results['fake']['tokens']} tokens; {results['rounds']} rounds per level alternating the targets; "
-             f"measured requests per target: {results['requests_per_level']}.", ""]
+             f"measured requests per target: {results['requests_per_level']}"
+             + "".join(f"; waves of {w['size']}: {w['waves_per_round']} per round" for w in results.get("waves", []))
+             + ".", ""]
     if "generator_ceiling" in results:
         c = results["generator_ceiling"]
         lines.append(f"Generator ceiling (direct, fake with TTFT 0 / ITL 1 ms, {c['concurrency']} streams): "
@@ -135,5 +203,12 @@ def report(results: dict[str, Any], targets: list[str]) -> str:
         lines.append(f"Direct at {lv['concurrency']} streams: {d['tokens_per_s']:,.0f} tokens/s = "
                      f"{100 * d['tokens_per_s'] / lv['ideal_tokens_per_s']:.1f} % of the fake's schedule "
                      f"({lv['ideal_tokens_per_s']:,.0f}); generator CPU {d['generator_cpu_pct']} %.")
-    lines += ["", table(results, targets), "", *goals(results)]
+    if results["levels"]:
+        lines += ["", peers_table(results, targets)]
+    if results.get("waves"):
+        lines += ["", "Synchronized waves (N requests written at once; TTFT from each one's write):", "",
+                  waves_table(results, targets)]
+    if results["levels"]:
+        lines += ["", "Every figure:", "", table(results, targets)]
+    lines += ["", *goals(results)]
     return "\n".join(lines)

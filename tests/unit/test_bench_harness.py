@@ -4,8 +4,11 @@ runtime and passerelle (real sockets), and what a gateway adds, taken round by r
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,8 +20,10 @@ import harness  # noqa: E402
 import loadgen  # noqa: E402
 import overhead  # noqa: E402
 import overhead_report  # noqa: E402
+import routers  # noqa: E402
 
 from passerelle.bench.stats import percentile  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 
 def test_percentiles_interpolate_and_say_nan_for_nothing():
@@ -93,3 +98,104 @@ def test_requests_per_level():
     assert overhead.per_level("10,20", [1, 64]) == {1: 10, 64: 20}
     with pytest.raises(SystemExit):
         overhead.per_level("1,2,3", [1, 64])
+
+
+def test_cpu_of_a_process_counts_all_its_threads(tmp_path):
+    # A Rust router's work runs on threads other than its main one: /proc/PID/stat's utime + stime
+    # are the whole process's, so a busy second thread shows.
+    busy = ("import threading, time\n"
+            "def spin():\n"
+            "    t = time.thread_time()\n"
+            "    while time.thread_time() - t < 0.4: pass\n"
+            "th = threading.Thread(target=spin); th.start(); th.join()\n"
+            "print('done', flush=True); time.sleep(30)\n")
+    svc = harness.spawn("threads", [sys.executable, "-c", busy], tmp_path)
+    try:
+        wait_until(lambda: "done" in svc.log.read_text(), timeout=30)
+        task = Path(f"/proc/{svc.proc.pid}/task/{svc.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        main_thread = (int(task[11]) + int(task[12])) / harness.TICKS
+        assert harness.cpu_s(svc.pids) >= 0.35 and main_thread < 0.2
+    finally:
+        svc.stop(grace_s=2)
+
+
+def test_a_wave_writes_all_its_requests_at_once(tmp_path):
+    def stats() -> dict[str, int]:
+        with urllib.request.urlopen(fake.url + "/fake/stats", timeout=10) as resp:
+            return dict(json.load(resp))
+
+    fake = harness.start_fake(tmp_path, 20, 1, 4, src=harness.ROOT)
+    try:
+        before = stats()
+        r = loadgen.run_async(loadgen.run_waves(fake.url, 16, 3, 4, timeout=30, gap_s=0.01))
+        after = stats()
+    finally:
+        fake.stop()
+    assert not r.errors
+    assert len(r.ttft_ms) == len(r.e2e_ms) == r.requests == 3 * 16  # the warm-ups are not measured
+    assert len(r.spread_ms) == 3 and max(r.spread_ms) < 50  # each wave's 16 writes, first to last
+    assert min(r.ttft_ms) >= 19 and r.tokens_per_s > 0
+    # one keep-alive connection per request of a wave, reused by every wave; never more in flight
+    assert after["connections"] - before["connections"] == 16 + 1  # and this stats request's
+    assert after["peak_in_flight"] == 16 and after["completed"] == 4 * 16
+
+
+def test_targets_default_to_passerelle_the_installed_routers_and_litellm(tmp_path):
+    stamp = tmp_path / "smg" / ".passerelle-bench-installed"
+    stamp.parent.mkdir()
+    stamp.write_text(routers.PEERS["smg"].spec + "\n")
+    assert overhead.choose_targets("auto", False, tmp_path) == ["passerelle", "smg", "litellm"]
+    assert overhead.choose_targets("auto", True, tmp_path) == ["passerelle", "smg"]
+    stamp.write_text("smg==0.0.1\n")  # another version: installed on first use, not by default
+    assert overhead.choose_targets("auto", True, tmp_path) == ["passerelle"]
+    assert overhead.choose_targets("litellm,smg,envoy,passerelle", False, tmp_path) == [
+        "passerelle", "envoy", "smg", "litellm"]
+    with pytest.raises(SystemExit, match="unknown nginx"):
+        overhead.choose_targets("passerelle,nginx", False, tmp_path)
+
+
+def test_a_peer_that_fails_is_reported_and_the_rest_runs(tmp_path, monkeypatch):
+    # Without installing a peer: "relay" is a second fake runtime started as a peer would be;
+    # "broken" fails to install, "quitter" exits at start.
+    def relay(venv: Path, work: Path, backend_url: str, extra: list[str]) -> harness.Service:
+        port = harness.free_port()
+        return harness.spawn("relay", [sys.executable, "-m", "passerelle", "fake-backend", "--port", str(port),
+                                       "--ttft-ms", "5", "--itl-ms", "1", "--tokens", "4", "--model", harness.MODEL],
+                             work, env=harness.source_env(harness.ROOT), url=f"http://127.0.0.1:{port}")
+
+    def quitter(venv: Path, work: Path, backend_url: str, extra: list[str]) -> harness.Service:
+        return harness.spawn("quitter", [sys.executable, "-c", "raise SystemExit(3)"], work,
+                             url=f"http://127.0.0.1:{harness.free_port()}")
+
+    def install(peer: routers.Peer, root: Path) -> Path:
+        if peer.name == "broken":
+            raise subprocess.CalledProcessError(1, ["pip", "install", peer.spec])
+        venv = tmp_path / "venvs" / peer.name
+        (venv / "bin").mkdir(parents=True, exist_ok=True)
+        (venv / "bin" / "python").unlink(missing_ok=True)
+        (venv / "bin" / "python").symlink_to(sys.executable)
+        return venv
+
+    peers = {**routers.PEERS, **{p.name: p for p in (routers.Peer("relay", "pytest", "pytest", relay, "/health", 30),
+                                 routers.Peer("broken", "nothing==0", "nothing", relay, "/health"),
+                                 routers.Peer("quitter", "pytest", "pytest", quitter, "/health", 30))}}
+    monkeypatch.setattr(overhead, "PEERS", peers)
+    monkeypatch.setattr(overhead, "install", install)
+    out = tmp_path / "out"
+    assert overhead.main(["--targets", "relay,broken,quitter", "--concurrency", "4", "--requests-per-level", "8",
+                          "--rounds", "1", "--waves", "4", "--wave-count", "2", "--no-ceiling", "--ttft-ms", "5",
+                          "--itl-ms", "1", "--tokens", "4", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["targets"] == ["direct", "relay"]
+    assert set(results["failed"]) == {"broken", "quitter"} and "quitter exited with 3" in results["failed"]["quitter"]
+    relay_version = results["versions"]["relay"]  # pytest's, as the peer's interpreter finds it
+    assert relay_version[0].isdigit()
+    (level,), (wave,) = results["levels"], results["waves"]
+    assert level["targets"]["relay"]["requests_measured"] == 8
+    assert level["targets"]["relay"]["cpu_s_per_1k_requests"] is not None  # the peer's process tree, measured
+    relay_wave = wave["targets"]["relay"]
+    assert relay_wave["requests_measured"] == 2 * 4 and relay_wave["added_ttft_ms"] is not None
+    assert relay_wave["write_spread_ms"]["max"] < 50 and relay_wave["cpu_s_per_1k_requests"] is not None
+    text = (out / "report.md").read_text()
+    assert "| 4 | relay |" in text and "Not measured: broken, could not install" in text
+    assert "Synchronized waves" in text and f"relay {relay_version}" in text
