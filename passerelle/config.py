@@ -533,7 +533,7 @@ class Config:
         return Path(self.auth.db).expanduser() if self.auth.db else self.state_path(env) / "passerelle.db"
 
 
-_ARRAYS = ("backends", "classes", "models", "rpc_workers")  # the arrays of tables ([[backends]] …)
+_ARRAYS = ("backends", "classes", "models", "boxes", "rpc_workers")  # the arrays of tables ([[backends]] …)
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
                               "scheduler": SchedulerConfig, "routing": RoutingConfig,
@@ -541,8 +541,6 @@ _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig,
                               "batches": BatchesConfig, "tracing": TracingConfig,
                               "store": StoreConfig}
 
-
-_ARRAYS = ("backends", "classes", "models", "boxes", "rpc_workers")
 
 
 def _line_of(text: str, header: str | None, key: str, nth: int = 0) -> int | None:

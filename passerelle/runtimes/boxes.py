@@ -38,7 +38,6 @@ import orjson
 from passerelle.config import BackendConfig, BoxConfig, TimeoutConfig
 from passerelle.endpoints import ENDPOINTS
 from passerelle.errors import UpstreamError
-from passerelle.runtimes import placement
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.box_state import BoxState, BoxStatus
 from passerelle.runtimes.breaker import BreakerState
@@ -366,15 +365,11 @@ class Boxes:
 
     def _plan(self) -> None:
         """A model found to fit no box alone, or whose boxes changed (one went, one came): said in
-        the log, and handed to the split's maker (placement.SPLIT_HOOK) where there is one."""
+        the log once, with the boxes and shares a split over them would take (placement.shares)."""
         split = {p.model: p for p in self._decide() if p.mode == "split"}
         for name, p in sorted(split.items()):
-            if self._split.get(name) == p.boxes:
-                continue
-            log.warning("model %s fits no box alone: %s (boxes %s)", name, p.why, ", ".join(p.boxes))
-            hook = placement.SPLIT_HOOK
-            if hook is not None:
-                hook(p, {box.cfg.name: box.memory for box in self.boxes if box.cfg.name in p.boxes})
+            if self._split.get(name) != p.boxes:
+                log.warning("model %s fits no box alone: %s (boxes %s)", name, p.why, ", ".join(p.boxes))
         self._split = {name: p.boxes for name, p in split.items()}
 
     def health(self) -> list[dict[str, object]]:

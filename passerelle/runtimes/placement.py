@@ -9,7 +9,9 @@ its memory budget (``/admin/runtimes``). From these alone:
   swapper keep it under its budget);
 * a model bigger than the budget of every box that lists it is marked ``split``: one replica made
   of several boxes, llama.cpp's RPC backend (docs/rpc-split.md). Making that group is the RPC
-  part's (runtimes/rpc.py); :data:`SPLIT_HOOK` is where it plugs in.
+  operator's: the head box's ``[[backends]]`` entry names its members (``rpc``) and their shares
+  (``rpc_split``); the plan says which boxes and what shares their budgets allow (:func:`shares`),
+  and once the head serves the model it is one replica here like any other.
 
 Example::
 
@@ -21,7 +23,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -67,9 +69,14 @@ class Placement:
                 "need_gib": self.need_gib, "why": self.why, **self.extra}
 
 
-# Called with a placement whose mode is "split" (the boxes that list the model, and what each
-# holds), by the RPC part once it makes split groups; None: a split is reported, not made.
-SPLIT_HOOK: Callable[[Placement, Mapping[str, BoxMemory]], None] | None = None
+def shares(memory: Mapping[str, BoxMemory]) -> dict[str, float]:
+    """Each box's share of a split's layers, in proportion to its budget (``rpc_split``, rounded to
+    0.01); boxes with no budget count as the largest budget seen."""
+    known = [m.max_gib for m in memory.values() if m.max_gib]
+    default = max(known) if known else 1.0
+    gib = {box: (m.max_gib or default) for box, m in memory.items()}
+    total = sum(gib.values()) or 1.0
+    return {box: round(g / total, 2) for box, g in sorted(gib.items())}
 
 
 def decide(model: str, seen: Mapping[str, tuple[RemoteModel, BoxMemory]]) -> Placement:
@@ -82,9 +89,12 @@ def decide(model: str, seen: Mapping[str, tuple[RemoteModel, BoxMemory]]) -> Pla
         return Placement(model, "replicas", fits, need,
                          f"fits one box; a replica on {len(fits)} box(es), {len(running)} loaded")
     biggest = max((mem.max_gib or 0.0) for _, mem in seen.values())
+    split = shares({box: mem for box, (_, mem) in seen.items()})
+    plan = ", ".join(f"{box} {share:.2f}" for box, share in split.items())
     return Placement(model, "split", tuple(sorted(seen)), need,
                      f"needs {need:.1f} GiB, more than the largest box's budget ({biggest:.1f} GiB): "
-                     "split over boxes with llama.cpp's RPC backend (docs/rpc-split.md)")
+                     f"split it over boxes with llama.cpp's RPC backend, layers by budget ({plan}; "
+                     "docs/rpc-split.md)", {"shares": split})
 
 
 def to_start(model: RemoteModel, memory: BoxMemory) -> str | None:

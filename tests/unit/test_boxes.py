@@ -3,6 +3,8 @@ reading does to its replicas (no network: the readings are given)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from passerelle.config import BoxConfig, TimeoutConfig, load_config
@@ -207,21 +209,30 @@ def test_a_model_whose_runtime_is_down_on_its_box_is_not_routed_there():
     assert not box.replicas["qwen"].stats.up
 
 
-def test_a_model_that_fits_no_box_is_marked_split_and_handed_to_the_split_hook_as_its_boxes_change(monkeypatch):
-    from passerelle.runtimes import placement
-
+def test_a_model_that_fits_no_box_is_marked_split_with_shares_by_budget_and_said_once_per_change(caplog):
     boxes = Boxes((BoxConfig("a", url="http://10.0.0.2:8080", key=KEY),
                    BoxConfig("b", url="http://10.0.0.3:8080", key=KEY)), TimeoutConfig())
-    handed: list[tuple[str, list[str]]] = []
-    monkeypatch.setattr(placement, "SPLIT_HOOK", lambda p, mem: handed.append((p.model, sorted(mem))))
     for box in boxes.boxes:
         listing, runtimes = reading(state="down")
         listing["data"][0]["memory_gib"] = 130.0  # over each box's 96 GiB budget
         box._learn(listing, runtimes)
-    for box in (*boxes.boxes, *boxes.boxes):
-        box._answered()
-    assert handed == [("qwen", ["a"]), ("qwen", ["a", "b"])]  # as each box is seen, then no more
+    with caplog.at_level(logging.WARNING, logger="passerelle.runtimes.boxes"):
+        for box in (*boxes.boxes, *boxes.boxes):
+            box._answered()
+    said = [r.getMessage() for r in caplog.records if "fits no box alone" in r.getMessage()]
+    assert len(said) == 2 and said[-1].endswith("(boxes a, b)")  # as each box is seen, then no more
     (p,) = boxes.placements()
     assert (p["model"], p["mode"], p["fits"], p["need_gib"]) == ("qwen", "split", False, 130.0)
-    boxes.boxes[1]._missed("connection reset", hard=True)  # a box that goes: the split is planned again
-    assert handed[-1] == ("qwen", ["a"]) and boxes.placements()[0]["boxes"] == ["a"]
+    assert p["shares"] == {"a": 0.5, "b": 0.5} and "a 0.50, b 0.50" in str(p["why"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="passerelle.runtimes.boxes"):
+        boxes.boxes[1]._missed("connection reset", hard=True)  # a box that goes: the split is planned again
+    assert boxes.placements()[0]["boxes"] == ["a"] and boxes.placements()[0]["shares"] == {"a": 1.0}
+    assert any("fits no box alone" in r.getMessage() and r.getMessage().endswith("(boxes a)") for r in caplog.records)
+
+
+def test_split_shares_follow_the_boxes_budgets():
+    from passerelle.runtimes.placement import BoxMemory, shares
+
+    assert shares({"big": BoxMemory(96.0), "small": BoxMemory(32.0)}) == {"big": 0.75, "small": 0.25}
+    assert shares({"a": BoxMemory(None), "b": BoxMemory(64.0)}) == {"a": 0.5, "b": 0.5}
