@@ -510,9 +510,10 @@ class Scheduler:
             total, same = self._held(b, job, rank) if self.holds else (0, 0)
             if sessions and (slots := self._slots.get(b.name)) is not None and slots.holds:
                 # slots held for other sessions' next turns: left alone until this job waited
-                # its class's session_wait_s, or the holds end (look again then)
+                # its class's session_wait_s (or less: what moving that KV out and back costs
+                # here), or the holds end (look again then)
                 held, first = slots.held_against(job.session, now)
-                budget = job.queued_at + job.cls.session_wait_s
+                budget = job.queued_at + self.sessions.yield_after(b, job.cls.session_wait_s)
                 if held and now < budget:
                     total += held
                     self._wake_at = min(self._wake_at, budget, first)

@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from passerelle.config import SessionsConfig
@@ -67,6 +68,8 @@ class SessionKv:
     """The sessions' side of the scheduler: learned holds, and the save/restore plans."""
 
     def __init__(self, cfg: SessionsConfig) -> None:
+        # what moving a session's KV out of a slot and back costs on each replica, measured (s)
+        self.swap_s: dict[str, float] = {}
         self.gaps = SessionGaps(cfg)
         self.store = KvStore(cfg)
         self.counts = KvCounts()
@@ -110,8 +113,20 @@ class SessionKv:
         except Exception:  # (a bug here must not fail the client's request: its turn is recomputed)
             log.exception("session KV on %s slot %d: not prepared", b.name, p.slot)
 
+    def yield_after(self, b: Backend, budget: float) -> float:
+        """How long a request waits for a slot of ``b`` held for another session, its class
+        allowing ``budget``: no longer than saving that session's KV and restoring it later costs,
+        as measured on ``b`` (a hold is worth keeping only while it saves more than it costs)."""
+        swap = self.swap_s.get(b.name)
+        return budget if swap is None or b.slot_save_dir is None or not self.store.enabled else min(budget, swap)
+
+    def _measured(self, b: Backend, seconds: float) -> None:
+        old = self.swap_s.get(b.name)
+        self.swap_s[b.name] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
     async def _save(self, b: Backend, slot: int, key: str) -> None:
         name = self.store.name_for(key, b.name)
+        t0 = time.monotonic()
         answer = await b.slot_action(slot, "save", name, timeout=self.save_timeout_s)
         written = answer.get("n_written") if answer is not None else None
         if answer is None or not isinstance(written, int):
@@ -119,6 +134,7 @@ class SessionKv:
             self.store.drop(key, b.name, b.slot_save_dir)  # (a half-written file is removed)
             return
         self.counts.saves["ok"] += 1
+        self._measured(b, 2 * (time.monotonic() - t0))  # (a restore reads what a save wrote: about as long)
         self.store.saved(key, b.name, b.slot_save_dir, written, tokens=int(answer.get("n_saved") or 0))
 
     async def _restore(self, b: Backend, slot: int, key: str) -> None:
