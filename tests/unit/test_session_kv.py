@@ -311,3 +311,26 @@ async def test_a_held_slot_is_yielded_sooner_where_saving_and_restoring_costs_le
     c = SlotBackend(name="c", capacity=1, slot_save_dir=None)
     s.sessions.swap_s[c.name] = 0.1
     assert s.sessions.yield_after(c, 0.5) == 0.5
+
+
+def test_a_launched_llama_server_gets_a_save_path_emptied_of_old_kv(tmp_path):
+    from passerelle.runtimes.factory import build_runtime
+
+    bc = BackendConfig(name="own", kind="llama-server", models=("m",),
+                       launch=("llama-server", "-m", "m.gguf", "--port", "{port}"))
+    stale = tmp_path / "slot-kv" / "own" / ("cd" * 16 + ".kv")
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old")
+    backend, proc = build_runtime(bc, TimeoutConfig(), tmp_path)
+    assert proc is not None and proc.template[-2:] == ("--slot-save-path", str(tmp_path / "slot-kv" / "own"))
+    assert backend.slot_save_dir == tmp_path / "slot-kv" / "own" and not stale.exists()
+    # the operator's own path is kept, and known
+    own = tmp_path / "mine"
+    own.mkdir()
+    bc2 = dataclasses.replace(bc, launch=(*bc.launch, "--slot-save-path", str(own)))
+    backend2, proc2 = build_runtime(bc2, TimeoutConfig(), tmp_path)
+    assert proc2 is not None and list(proc2.template).count("--slot-save-path") == 1
+    assert backend2.slot_save_dir == own
+    # a runtime passerelle does not launch has none: its sessions fall back to its RAM prompt cache
+    remote, _ = build_runtime(dataclasses.replace(bc, launch=(), url="http://127.0.0.1:9"), TimeoutConfig(), tmp_path)
+    assert remote.slot_save_dir is None
