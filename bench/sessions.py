@@ -3,7 +3,7 @@
 N concurrent agent sessions (more than the runtime's slots) each start from a context of their own
 (a system prompt unique to the session) and grow by a tool result every turn, with a think time
 (the tool running) between an answer and the next turn, as coding agents do. One llama-server with
-S slots (Gemma 3 270M; passerelle launches it, with a ``--slot-save-path``). Arms, in one run, one
+S slots (the default model, SmolLM2 135M; passerelle launches it, with a ``--slot-save-path``). Arms, in one run, one
 after the other on that same llama-server (every session's text fresh, so no arm profits from
 another's cache):
 
@@ -25,7 +25,7 @@ prompt tokens per second over the arm's wall time).
 llama-server's host-memory prompt cache (``--cache-ram``) holds, by default here, about one
 session's final context: on a box, its default 8 GiB holds about one agent context of a 30 B model
 (100 k tokens at ~100 KiB a token), while at this benchmark's scale (8 sessions x ~1 k tokens x
-18 KiB a token) 8 GiB would hold every session forever. ``--cache-ram 8192`` shows the default.
+~20 KiB a token) 8 GiB would hold every session forever. ``--cache-ram 8192`` shows the default.
 
 The defaults fit a run of about 10 minutes on 2 shared cores (prompt processing there: 50-150
 tokens/s); on a real box give the sizes of its agents, e.g. ``--start 2000 --grow 1200`` (2 k -> 8 k).
@@ -54,7 +54,7 @@ from harness import ROOT, NotReady, Service, free_port, pct, serve, spawn
 from passerelle.chunks import CHAT
 from passerelle.runtimes import embedded
 
-MODEL = "gemma-3-270m"
+MODEL = "smollm2-135m"  # the alias the default model is served under here
 HEADER = "x-claude-code-session-id"
 WORDS = ["harbour", "lighthouse", "keeper", "ledger", "season", "storm", "beacon", "pier", "tide", "lantern",
          "rope", "anchor", "gull", "channel", "reef", "signal", "fog", "bell", "cargo", "ferry"]
@@ -192,7 +192,7 @@ def main() -> int:
     lo, _, hi = args.think.partition(":")
     args.think = (float(lo), float(hi or lo))
     arms = args.arms.split(",")
-    if not args.cache_ram:  # about one session's final context, at Gemma 3 270M's 18 KiB a token
+    if not args.cache_ram:  # about one session's final context, at ~18-23 KiB a token (the small models)
         args.cache_ram = max(1, -(-(args.start + args.grow * args.turns) * 18 // 1024))
     binary, model = embedded.find_or_build_llama_server(), embedded.ensure_default_model()
     work = Path(tempfile.mkdtemp(prefix="passerelle-sessions-"))
@@ -258,7 +258,7 @@ def main() -> int:
     ref50, ref95 = pct(single["later_ttft"], 50), pct(single["later_ttft"], 95)
     last = args.start + args.grow * (args.turns - 1)
     print(f"\n{args.sessions} agent sessions x {args.turns} turns, {args.start} -> ~{last} tokens,"
-          f" think {args.think[0]:g}-{args.think[1]:g} s, on llama-server (Gemma 3 270M, {args.slots} slots,"
+          f" think {args.think[0]:g}-{args.think[1]:g} s, on llama-server ({model.name}, {args.slots} slots,"
           f" {args.threads} threads, --cache-ram {args.cache_ram} MiB)")
     print(f"single session alone (direct): later-turn TTFT p50 {ref50 * 1000:.0f} ms, p95 {ref95 * 1000:.0f} ms\n")
     print("| arm | reusable prompt tokens | from cache | later-turn TTFT p50 / p95 | vs single p95 | turns/min "
