@@ -107,11 +107,16 @@ class Agent:
         self.messages = [{"role": "system", "content": f"Session {tag}. Repository notes: " + text(tag, start)},
                          {"role": "user", "content": "Read the notes, then call the first tool."}]
         self.turns: list[dict] = []
+        self.failed = ""  # why its session ended early (a turn refused, e.g. queue_timeout), "" if none
 
     async def run(self, http: aiohttp.ClientSession, base: str, turns: int, stagger: float) -> None:
         await asyncio.sleep(stagger)
         for n in range(turns):
-            r = await turn(http, base, self.model, self.sid, self.messages)
+            try:
+                r = await turn(http, base, self.model, self.sid, self.messages)
+            except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                self.failed = str(exc)[:200]  # (the agent gives up, as one would after a refusal)
+                return
             r["turn"] = n
             r["reusable"] = self.turns[-1]["sent"] if self.turns else 0
             self.turns.append(r)
@@ -139,7 +144,7 @@ async def run_arm(base: str, model: str, args: argparse.Namespace, tag: str, ses
     return {"wall_s": wall, "turns": sum(len(a.turns) for a in agents), "reusable": reusable, "cached": cached,
             "sent": sum(t["sent"] for a in agents for t in a.turns),
             "computed": sum(t["computed"] or 0 for a in agents for t in a.turns),
-            "later_ttft": [t["ttft"] for t in later]}
+            "later_ttft": [t["ttft"] for t in later], "failed": [a.failed for a in agents if a.failed]}
 
 
 def start_vllm(work: Path, args: argparse.Namespace) -> tuple[list[Service], str]:
@@ -237,6 +242,8 @@ def main() -> int:
         for i, name in enumerate(order):
             print(f"arm: {name}", file=sys.stderr, flush=True)
             results[name] = asyncio.run(run_arm(targets[name], MODEL, args, f"{name}{i}", args.sessions))
+            if args.json:  # (as it goes: a run cut short keeps what it measured)
+                args.json.write_text(json.dumps({"single": single, "results": results}, default=str))
         if peers:
             for svc in reversed(procs):  # (the box's cores to vLLM alone)
                 svc.stop(60)
@@ -262,16 +269,16 @@ def main() -> int:
           f" {args.threads} threads, --cache-ram {args.cache_ram} MiB)")
     print(f"single session alone (direct): later-turn TTFT p50 {ref50 * 1000:.0f} ms, p95 {ref95 * 1000:.0f} ms\n")
     print("| arm | reusable prompt tokens | from cache | later-turn TTFT p50 / p95 | vs single p95 | turns/min "
-          "| prompt tok/s |")
-    print("|---|---:|---:|---|---:|---:|---:|")
+          "| prompt tok/s | sessions cut short |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|")
     for name, r in results.items():
         share = r["cached"] / max(r["reusable"], 1)
         p50, p95 = pct(r["later_ttft"], 50), pct(r["later_ttft"], 95)
         ratio = f"{p95 / ref95:.2f}x" if name != "vllm-router" else "(other model)"
         print(f"| {name} | {r['reusable']} | {share:.1%} | {p50 * 1000:.0f} / {p95 * 1000:.0f} ms | {ratio} "
-              f"| {60 * r['turns'] / r['wall_s']:.1f} | {r['sent'] / r['wall_s']:.0f} |")
+              f"| {60 * r['turns'] / r['wall_s']:.1f} | {r['sent'] / r['wall_s']:.0f} | {len(r['failed'])} |")
     for name, why in notes.items():
-        print(f"| {name} | - | - | - | - | - | - |  ({why})")
+        print(f"| {name} | - | - | - | - | - | - | - |  ({why})")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
                                          "single": single, "results": results, "notes": notes}, default=str))
