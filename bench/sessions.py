@@ -114,7 +114,7 @@ class Agent:
         for n in range(turns):
             try:
                 r = await turn(http, base, self.model, self.sid, self.messages)
-            except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, RuntimeError, aiohttp.ClientError) as exc:
                 self.failed = str(exc)[:200]  # (the agent gives up, as one would after a refusal)
                 return
             r["turn"] = n
