@@ -370,6 +370,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SessionsConfig:
+    """Agent sessions keep their KV cache across tool-call gaps (scheduling/session_kv.py)."""
+
+    keep_kv: bool = True  # off: a session is placed as any conversation; nothing held, saved or restored
+    hold_percentile: float = 90.0  # a session's slot is held for this percentile of its own gaps...
+    hold_max_s: float = 30.0  # ...at most this long (0: no hold)
+    hold_default_s: float = 5.0  # ...or this long before two of its gaps are known
+    save_timeout_s: float = 10.0  # a slot's KV saved (before another session takes its slot) within this
+    restore_timeout_s: float = 10.0  # a session's KV restored within this, else its prompt is computed again
+    max_saved_bytes: int = 4 << 30  # saved KV on disk, all runtimes together; least recently used goes first
+    max_saved_files: int = 256  # saved KV files, all runtimes together
+    max_sessions: int = 10000  # sessions whose gaps and saved KV are remembered (least recent forgotten)
+
+
+@dataclass(frozen=True)
 class RuntimesConfig:
     """The memory budget of launched runtimes, and how the scheduler swaps models within it."""
 
@@ -463,14 +478,18 @@ class ClassConfig:
     max_queue_wait_s: float = 120.0  # past it: 429 queue_timeout
     slot_share: float = 1.0  # fraction of each backend's slots the class may hold (at least one)
     preemptible: bool = False  # its streams may be suspended for a better class, and resumed
+    # A request of this class that waited this long takes a slot held for another session's next
+    # turn ([sessions]); until then it leaves held slots alone.
+    session_wait_s: float = 1.0
 
 
 # With preemption on (the default) batch may use every slot: a better class that arrives takes
 # one back at once. With it off, batch keeps a quarter of the slots free.
 DEFAULT_CLASSES = (
-    ClassConfig("interactive", 0, max_queue=256, max_queue_wait_s=60.0, slot_share=1.0),
-    ClassConfig("standard", 1, max_queue=512, max_queue_wait_s=120.0, slot_share=1.0),
-    ClassConfig("batch", 2, max_queue=4096, max_queue_wait_s=1800.0, slot_share=1.0, preemptible=True),
+    ClassConfig("interactive", 0, max_queue=256, max_queue_wait_s=60.0, slot_share=1.0, session_wait_s=0.5),
+    ClassConfig("standard", 1, max_queue=512, max_queue_wait_s=120.0, slot_share=1.0, session_wait_s=1.0),
+    ClassConfig("batch", 2, max_queue=4096, max_queue_wait_s=1800.0, slot_share=1.0, preemptible=True,
+                session_wait_s=10.0),
 )
 BATCH_SLOT_SHARE_WITHOUT_PREEMPTION = 0.75
 
@@ -485,6 +504,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
     runtimes: RuntimesConfig = field(default_factory=RuntimesConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     batches: BatchesConfig = field(default_factory=BatchesConfig)
@@ -536,7 +556,7 @@ class Config:
 _ARRAYS = ("backends", "classes", "models", "boxes", "rpc_workers")  # the arrays of tables ([[backends]] …)
 _SECTIONS: dict[str, type] = {"server": ServerConfig, "timeouts": TimeoutConfig, "embedded": EmbeddedConfig,
                               "admin": AdminConfig, "metrics": MetricsConfig, "auth": AuthConfig,
-                              "scheduler": SchedulerConfig, "routing": RoutingConfig,
+                              "scheduler": SchedulerConfig, "routing": RoutingConfig, "sessions": SessionsConfig,
                               "runtimes": RuntimesConfig, "limits": LimitsConfig,
                               "batches": BatchesConfig, "tracing": TracingConfig,
                               "store": StoreConfig}
@@ -719,6 +739,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            field_name="max_answer_bytes_total")
 
     _check_batches(sections["batches"], file=file, text=text)
+    _check_sessions(sections["sessions"], file=file, text=text)
     store: StoreConfig = sections["store"]
     _check(not store.url or store.url.startswith(("postgresql://", "postgres://")),
            "expected a postgresql:// URL", file=file, key="store.url", text=text, header="store", field_name="url")
@@ -850,8 +871,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
                "or a model a backend serves", key=f"models[{i}].fallbacks", field_name="fallbacks", **ck)
     return Config(server=server, timeouts=timeouts, embedded=sections["embedded"], admin=sections["admin"],
                   metrics=metrics, auth=sections["auth"], scheduler=sections["scheduler"], classes=classes,
-                  routing=sections["routing"], runtimes=sections["runtimes"], limits=limits,
-                  batches=sections["batches"], tracing=tracing, store=store,
+                  routing=sections["routing"], sessions=sections["sessions"], runtimes=sections["runtimes"],
+                  limits=limits, batches=sections["batches"], tracing=tracing, store=store,
                   backends=tuple(backends), models=models, boxes=boxes,
                   rpc_workers=_load_rpc_workers(data.get("rpc_workers", []), file=file, text=text), source=file)
 
@@ -962,6 +983,23 @@ def _load_rpc_workers(raw: Any, *, file: str, text: str) -> tuple[RpcWorkerConfi
                "rpc worker", key=f"{key}.port", field_name="port", **ck)
         out.append(w)
     return tuple(out)
+
+
+def _check_sessions(s: SessionsConfig, *, file: str, text: str) -> None:
+    ck: dict[str, Any] = dict(file=file, text=text, header="sessions")
+    _check(0 < s.hold_percentile <= 100, "expected a percentile in (0, 100]", key="sessions.hold_percentile",
+           field_name="hold_percentile", **ck)
+    for name in ("hold_max_s", "hold_default_s"):
+        _check(0 <= getattr(s, name) <= 3600, "expected seconds between 0 and 3600", key=f"sessions.{name}",
+               field_name=name, **ck)
+    for name in ("save_timeout_s", "restore_timeout_s"):
+        _check(0 < getattr(s, name) <= 600, "expected a positive number of seconds, at most 600",
+               key=f"sessions.{name}", field_name=name, **ck)
+    _check(s.max_saved_bytes >= 0, "expected a size in bytes (0: save nothing)", key="sessions.max_saved_bytes",
+           field_name="max_saved_bytes", **ck)
+    _check(s.max_saved_files >= 0, "expected a number of files (0: save nothing)", key="sessions.max_saved_files",
+           field_name="max_saved_files", **ck)
+    _check(s.max_sessions >= 1, "expected at least 1", key="sessions.max_sessions", field_name="max_sessions", **ck)
 
 
 def _check_batches(b: BatchesConfig, *, file: str, text: str) -> None:
@@ -1187,6 +1225,8 @@ def _load_classes(raw: Any, auth: AuthConfig, *, file: str, text: str, preemptio
                field_name="max_queue_wait_s", **ck)
         _check(0 < c.slot_share <= 1, "expected a fraction in (0, 1]", key=f"classes[{i}].slot_share",
                field_name="slot_share", **ck)
+        _check(c.session_wait_s >= 0, "expected zero or a positive number of seconds",
+               key=f"classes[{i}].session_wait_s", field_name="session_wait_s", **ck)
         by_name[c.name] = c
     for key in ("anonymous_priority", "anonymous_max_priority", "task_priority"):
         _check(getattr(auth, key) in by_name, f"expected one of the classes: {', '.join(by_name)}",

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from passerelle.errors import Cause
 from passerelle.observe.record import RequestRecord
+from passerelle.observe.session_metrics import SessionKvCollector
 
 # 5 ms to 60 s, denser where interactive targets sit (100 ms – 3 s).
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -163,6 +164,8 @@ class Metrics:
             "passerelle_trace_spans_dropped", "Finished spans never sent: the exporter was behind or gone.", r)
         self.trace_exporter_restarts = ReadCounter(
             "passerelle_trace_exporter_restarts", "Times [tracing]'s exporter process died and was started again.", r)
+        # sessions' KV (scheduling/session_kv.py): its counts, read when scraped
+        self.sessions = SessionKvCollector(r)
         self._children: dict[tuple[str, ...], RequestChildren] = {}
         self._labelled: dict[tuple[object, ...], Any] = {}  # (metric, *label values) -> child: labelled()
         # Which tenants get a label of their own (the app answers: those of the API keys); every

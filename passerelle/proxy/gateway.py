@@ -76,6 +76,7 @@ from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.scheduling.scheduler import Job, Scheduler
+from passerelle.scheduling.session_kv import session_key
 from passerelle.tenants.keys import ApiKey
 from passerelle.tenants.names import user_tenant
 from passerelle.tenants.policy import KeyPolicy
@@ -286,7 +287,8 @@ class Gateway:
                   est_prompt_tokens=est_prompt, est_output_tokens=output_estimate(data, rec.max_tokens)
                   if api.generates else 0, can_wait_for_start=any(b.supervised for b in pool), slotted=slotted,
                   affinity=affinity_key(cfg.routing, scope, data, api.name, session)
-                  if len(pool) > 1 or any(b.slot_ids for b in pool) else "")
+                  if len(pool) > 1 or any(b.slot_ids for b in pool) else "",
+                  session=session_key(rec.tenant, rec.session) if rec.session and slotted else "")
         # A stream of a preemptible class may be cut for a better one and continued (resume.py).
         splice = (Splice(data, api.name) if cls.preemptible and self.scheduler.preemption is not None
                   and data is not None and any(b.continuation for b in pool) and suspendable(data, api.name)
@@ -301,6 +303,8 @@ class Gateway:
         if rec.stream and rec.t_dispatch and rec.cause in _CUT_BY_CLIENT:
             charge_as_sent(rec, job.est_prompt_tokens)
         self.scheduler.release(job, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens)
+        if job.session:
+            self.scheduler.sessions.finished(rec.prompt_tokens, rec.cached_tokens)
         if call.grant is not None:
             self.keys.finish(call.grant, rec)
         self.sessions.leave(call.session)
@@ -436,6 +440,8 @@ class Gateway:
             if plan is not None:  # a large array split across the runtime's slots; truncation asked
                 answer = await fetch_embeddings(ex, req, backend, call.deadline, plan)
             else:
+                if call.job.kv is not None:  # a session's KV saved/restored on its slot first
+                    await self.scheduler.sessions.before(call.job)
                 answer = await fetch(ex, req, backend, call.deadline)
         finally:
             if splice is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from passerelle.config import BackendConfig, TimeoutConfig
@@ -72,6 +73,9 @@ class Backend:
         self.in_flight = 0  # requests dispatched and not finished; the scheduler keeps it
         self.peak_in_flight = 0  # the most in flight since the last load poll; the scheduler keeps it
         self.supervised = False  # launched by passerelle: may come back after a crash
+        # Where the runtime saves a slot's KV (llama-server's --slot-save-path), when passerelle
+        # launched it with one: sessions' KV is saved there (scheduling/session_kv.py); None: not saved
+        self.slot_save_dir: Path | None = None
         self.draining = False  # removed by a reload: finishes its requests, takes no new one
         self.fenced = False  # being swapped out: finishes its requests, takes no new one
         self.context_length: int | None = None  # tokens per request, where the runtime says
@@ -196,6 +200,12 @@ class Backend:
         except (HTTPClientError, OSError) as exc:
             raise UpstreamError(f"The model runtime '{self.name}' failed: {exc.__class__.__name__}: {exc}",
                                 retryable=True) from exc
+
+    async def slot_action(self, slot: int, action: str, filename: str = "",
+                          timeout: float = 10.0) -> dict[str, Any] | None:
+        """Save, restore or erase ``slot``'s KV (llama-server's ``/slots``); the runtime's answer,
+        None where it gave none in ``timeout`` or this kind has no such route."""
+        return None
 
     # -- health and load -------------------------------------------------------------------
     async def _get(self, path: str, timeout: float = 2.0) -> tuple[int, bytes]:

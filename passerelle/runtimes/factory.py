@@ -12,6 +12,7 @@ from passerelle.endpoints import ENDPOINTS
 from passerelle.errors import ConfigError
 from passerelle.runtimes import embedded, rpc, tiny_reranker
 from passerelle.runtimes.kinds import Backend, make_backend
+from passerelle.runtimes.llama_server import clean_saved_kv
 from passerelle.runtimes.prerequisites import MissingPrerequisites
 from passerelle.runtimes.supervisor import RuntimeProcess
 
@@ -132,7 +133,10 @@ def build_runtime(bc: BackendConfig, timeouts: TimeoutConfig,
     if not bc.launch:
         return backend, None
     log_path = Path(bc.log_file) if bc.log_file else state / "logs" / f"{bc.name}.log" if state else None
-    proc = RuntimeProcess(backend, rpc.head_command(bc), ready_timeout_s=bc.ready_timeout_s, log_path=log_path)
+    launch = rpc.head_command(bc)  # a split's head: the members and the layer split added
+    if bc.kind == "llama-server":
+        launch, backend.slot_save_dir = with_slot_save_path(launch, state / "slot-kv" / bc.name if state else None)
+    proc = RuntimeProcess(backend, launch, ready_timeout_s=bc.ready_timeout_s, log_path=log_path)
     if bc.rpc:
         rpc.SplitGroup(proc, bc.rpc)  # a split: its health needs every member (attached as its watcher)
     return backend, proc
@@ -141,3 +145,18 @@ def build_runtime(bc: BackendConfig, timeouts: TimeoutConfig,
 def rpc_workers(cfg: Config) -> list[RuntimeProcess]:
     """The supervised rpc-servers this box lends its memory with (``[[rpc_workers]]``)."""
     return [rpc.worker_runtime(w, cfg.timeouts, cfg.state_path(), source=cfg.source) for w in cfg.rpc_workers]
+
+
+def with_slot_save_path(launch: tuple[str, ...], default: Path | None) -> tuple[tuple[str, ...], Path | None]:
+    """A llama-server's command with a ``--slot-save-path`` (its own, else ``default``), and that
+    directory, emptied of saved KV no gateway knows any more (sessions' KV, scheduling/session_kv.py)."""
+    given = next((launch[i + 1] for i, a in enumerate(launch[:-1]) if a == "--slot-save-path"), None)
+    directory = Path(given) if given else default
+    if directory is None:
+        return launch, None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return launch, None
+    clean_saved_kv(directory)
+    return (launch if given else (*launch, "--slot-save-path", str(directory))), directory

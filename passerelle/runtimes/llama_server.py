@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -18,6 +21,27 @@ from passerelle.upstream.client import HTTPClientError
 # route before it reads the body (tools/server/server-context.cpp)
 PROBES = (("embeddings", "/v1/embeddings", b"{}"), ("rerank", "/v1/rerank", b"{}"),
            ("infill", "/infill", b'{"input_extra": 0}'))
+
+
+log = logging.getLogger("passerelle.runtimes")
+
+# A slot's KV saved under a name passerelle gave it (scheduling/kv_store.py): random, nothing else
+SAVED_KV_NAME = re.compile(r"^[0-9a-f]{32}\.kv$")
+
+
+def clean_saved_kv(directory: Path) -> int:
+    """Remove every saved-KV file passerelle named in ``directory`` (at start: no gateway knows
+    whose they are any more); how many. Other files are left alone."""
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for f in directory.iterdir():
+            if SAVED_KV_NAME.match(f.name) and f.is_file():
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+                    removed += 1
+    if removed:
+        log.info("removed %d saved session KV files left in %s", removed, directory)
+    return removed
 
 
 # A request whose rendered prompt names the tool when the template renders tools
@@ -73,6 +97,30 @@ class LlamaServerBackend(Backend):
         data = orjson.loads(body)
         data["id_slot"] = slot
         return encode_request(data)
+
+    async def slot_action(self, slot: int, action: str, filename: str = "",
+                          timeout: float = 10.0) -> dict[str, Any] | None:
+        """``POST /slots/{slot}?action=save|restore|erase`` (``filename``: a bare name in the
+        runtime's ``--slot-save-path``). Its JSON answer (``n_saved``/``n_written`` for a save,
+        ``n_restored``/``n_read`` for a restore), or None: refused, no answer within ``timeout``
+        (the runtime may still finish it), or no runtime."""
+        body = orjson.dumps({"filename": filename}) if filename else b"{}"
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await self.client.request(b"POST", f"/slots/{slot}?action={action}", body,
+                                                 headers=b"Content-Type: application/json\r\n")
+                try:
+                    raw = await resp.read(1 << 16)
+                finally:
+                    resp.close()
+        except (TimeoutError, HTTPClientError, OSError):
+            return None
+        if resp.status != 200:
+            return None
+        with contextlib.suppress(orjson.JSONDecodeError):
+            answer = orjson.loads(raw)
+            return answer if isinstance(answer, dict) else None
+        return None
 
     async def unserved(self) -> set[str]:
         """Audio from ``/props`` (``modalities.audio``); embeddings, rerank and infill from a

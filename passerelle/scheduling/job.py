@@ -29,10 +29,13 @@ import asyncio
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from passerelle.config import ClassConfig
 from passerelle.runtimes.kinds import Backend
+
+if TYPE_CHECKING:
+    from passerelle.scheduling.kv_store import KvPlan
 
 # Weights of the service charged to a tenant: generating a token costs more than reading one.
 PROMPT_WEIGHT = 1.0
@@ -91,6 +94,7 @@ class Job:
     est_output_tokens: int = 256
     can_wait_for_start: bool = False  # a supervised backend of the pool may come up
     affinity: str = ""  # conversation or session: prefer the replica that served it before
+    session: str = ""  # its session's tenant-scoped key (session_kv.py session_key), "" for none
     exclude: set[str] = field(default_factory=set)  # replicas that already failed this request
     slotted: bool = False  # occupies a generation slot (chat, completions): may be given a slot id
     state: JobState = JobState.NEW
@@ -109,6 +113,7 @@ class Job:
     waited_s: float = 0.0  # time spent queued before its last suspension
     suspended_at: float = -math.inf  # when it was last suspended (churn: preemption's min_run_s)
     resume_slot: int | None = None  # the slot it held when suspended: its prompt cache is there
+    kv: KvPlan | None = None  # a session's KV to save/restore on its slot before it is sent (session_kv.py)
 
     def to(self, state: JobState) -> None:
         """Move to ``state``; a transition the diagram above does not have is a bug."""

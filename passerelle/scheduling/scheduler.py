@@ -52,11 +52,12 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from passerelle.config import ClassConfig, RoutingConfig, SchedulerConfig
+from passerelle.config import ClassConfig, RoutingConfig, SchedulerConfig, SessionsConfig
 from passerelle.errors import NoBackend, QueueFull, QueueTimeout, TenantQueueFull
 from passerelle.runtimes.kinds import Backend
 from passerelle.scheduling.job import OUTPUT_WEIGHT, PROMPT_WEIGHT, Job, JobState, Suspendable
 from passerelle.scheduling.preemption import PreemptionCounts, PreemptionPolicy, Preemptor
+from passerelle.scheduling.session_kv import SessionKv
 from passerelle.scheduling.slots import SlotMap
 
 __all__ = ["Job", "JobState", "PreemptionPolicy", "Scheduler"]
@@ -136,6 +137,9 @@ class Scheduler:
         self.preemptor: Preemptor | None = None
         self.preempt_counts = PreemptionCounts()  # across the preemptors reloads build
         self._slots: dict[str, SlotMap] = {}  # backend -> its named slots (runtimes with slot ids)
+        # Sessions keep their KV (session_kv.py): held slots, saves and restores; [sessions] is
+        # applied by sessions.configure
+        self.sessions = SessionKv(SessionsConfig())
         self._wake_at = math.inf  # the earliest open breaker seen by the last dispatch
         self._wake_timer: asyncio.TimerHandle | None = None
         self._wake_timer_at = math.inf
@@ -198,6 +202,8 @@ class Scheduler:
             raise NoBackend("No backend serving this model is up right now.", retry_after=self.retry_after())
         self._admit(job)
         now = self.clock()
+        if job.session and self.sessions.on:
+            self.sessions.gaps.arrived(job.session, now)
         job.to(JobState.WAITING)
         job.seq, job.enqueued_at, job.queued_at = next(self._seq), now, now
         t = self.tenants.setdefault(job.tenant, _Tenant(counter=self._vtime))
@@ -303,7 +309,7 @@ class Scheduler:
             if job.state is JobState.SUSPENDED:  # never resumed (the client left)
                 self._remove(job)
             return
-        self._free(job, b)
+        self._free(job, b, ended=True)
         job.to(JobState.DONE)
         t = self.tenants[job.tenant]
         t.running -= 1
@@ -329,8 +335,9 @@ class Scheduler:
                 failed += 1
         return failed
 
-    def _free(self, job: Job, b: Backend) -> None:
-        """The slot's bookkeeping, for a release or a suspension."""
+    def _free(self, job: Job, b: Backend, ended: bool = False) -> None:
+        """The slot's bookkeeping, for a release (``ended``) or a suspension. A session's slot
+        keeps its KV, and after its turn ended is held for its next turn (session_hold.py)."""
         job.backend = None
         b.in_flight -= 1
         b.last_used = time.monotonic()  # idle time counts from the end of the last request
@@ -338,7 +345,12 @@ class Scheduler:
         if self.preemptor is not None:
             self.preemptor.forbid(job)
         if job.slot is not None and b.name in self._slots:
-            self._slots[b.name].give(job)
+            if job.session and self.sessions.on:
+                now = self.clock()
+                ttl = self.sessions.gaps.left(job.session, now) if ended else 0.0
+                self._slots[b.name].give(job, job.session, now + ttl if ttl > 0 else -math.inf)
+            else:
+                self._slots[b.name].give(job)
 
     # -- preemption (preemption.py decides; these are the books it keeps) ----------------------
     def allow_suspend(self, job: Job, stream: Suspendable) -> None:
@@ -494,21 +506,33 @@ class Scheduler:
             usable = held_back
         rank = self.place(job, now)[0] if self.holds else 0.0
         free = []
+        sessions = self.sessions.on and job.slotted and bool(self._slots)
         for b in usable:
             total, same = self._held(b, job, rank) if self.holds else (0, 0)
+            if sessions and (slots := self._slots.get(b.name)) is not None and slots.holds:
+                # slots held for other sessions' next turns: left alone until this job waited
+                # its class's session_wait_s (or less: what moving that KV out and back costs
+                # here), or the holds end (look again then)
+                held, first = slots.held_against(job.session, now)
+                budget = job.queued_at + self.sessions.yield_after(b, job.cls.session_wait_s)
+                if held and now < budget:
+                    total += held
+                    self._wake_at = min(self._wake_at, budget, first)
             if (b.in_flight + total < b.capacity
                     and self.running.get((b.name, job.cls.name), 0) + same < self._limit(b, job.cls)):
                 free.append(b)
         if self.policy == "round_robin":
             return free[next(self._rr) % len(free)] if free else None
-        home_name = self.affinity.get(job.affinity) if job.affinity else None
+        home_key = job.session if job.session and self.sessions.on else job.affinity
+        home_name = self.affinity.get(home_key) if home_key else None
         home = next((b for b in usable if b.name == home_name), None)
         if home is not None and len(usable) > 1:
             queued: dict[str, int] = {}
             for j in self.waiting:  # queued for a replica: homed there, or it is their only one
                 if j is job:
                     continue
-                name = self.affinity.get(j.affinity) if j.affinity else (j.pool[0].name if len(j.pool) == 1 else None)
+                k = j.session if j.session and self.sessions.on else j.affinity
+                name = self.affinity.get(k) if k else (j.pool[0].name if len(j.pool) == 1 else None)
                 if name is not None:
                     queued[name] = queued.get(name, 0) + 1
 
@@ -582,12 +606,18 @@ class Scheduler:
         t.running += 1
         job.backend = backend
         job.started_at = now
-        if job.slotted and backend.slot_ids and self.preemption is not None:
+        sessions = self.sessions.on
+        if job.slotted and backend.slot_ids and (self.preemption is not None or sessions):
             slots = self._slots.get(backend.name)
             if slots is None:
-                slots = self._slots[backend.name] = SlotMap(backend.capacity)
+                slots = self._slots[backend.name] = SlotMap(backend.capacity, self.sessions.counts.holds)
             slots.grow(backend.capacity)
-            job.slot = slots.take(job, now)
+            if sessions:
+                job.slot, before = slots.take_for(job, now, job.session)
+                if before or job.session:
+                    job.kv = self.sessions.plan(job, backend, job.slot, before)
+            else:
+                job.slot = slots.take(job, now)
         if self.holds:  # the tenant's next request came: its hold (on this replica first) is used up
             mine = [h for h in self.holds if h.tenant == job.tenant]
             if mine:
@@ -607,9 +637,9 @@ class Scheduler:
                     h.timer.cancel()
         backend.last_used = time.monotonic()
         job.probe = backend.breaker.dispatched(now)  # half-open: this request decides whether it comes back
-        if job.affinity:
-            self.affinity[job.affinity] = backend.name
-            self.affinity.move_to_end(job.affinity)
+        if home := (job.session if job.session and sessions else job.affinity):
+            self.affinity[home] = backend.name
+            self.affinity.move_to_end(home)
             if len(self.affinity) > self.affinity_max_entries:
                 self.affinity.popitem(last=False)
         self.running[(backend.name, job.cls.name)] = self.running.get((backend.name, job.cls.name), 0) + 1

@@ -15,6 +15,14 @@ it sends such a runtime, choosing as llama-server would:
 The scheduler never sends a backend more requests than its capacity, so a free slot exists
 whenever a request starts.
 
+Sessions (scheduling/session_kv.py, ``[sessions] keep_kv``) add two things per slot: the session
+whose KV it holds and that was not saved yet (``kv``), and a *hold*: after a session's turn its
+slot is kept for the session's next turn until ``until`` (session_hold.py). A free slot held for
+another session is taken only when no other is free (the scheduler starts a request then only
+once it waited its class's ``session_wait_s``), the hold ending first going first. Among the rest a session's request
+prefers its held slot, then a slot with its KV, then one holding no session's KV, then the least
+recently used.
+
 Example::
 
     slots = SlotMap(4)
@@ -30,10 +38,16 @@ from passerelle.scheduling.job import Job
 
 
 class SlotMap:
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, counts: dict[str, int] | None = None) -> None:
+        # holds kept (by their session), taken (by another request), lapsed (ended unused)
+        self.counts = counts if counts is not None else {"kept": 0, "taken": 0, "lapsed": 0}
         self.holder: list[Job | None] = []
-        self.key: list[str] = []  # affinity of the request each slot served last
+        self.key: list[str] = []  # affinity (or session) of the request each slot served last
         self.used: list[float] = []  # when each slot was last taken
+        self.kv: list[str] = []  # the session whose KV the slot holds, not saved since ("": none)
+        self.held: list[str] = []  # the session the free slot is held for ("": none)
+        self.until: list[float] = []  # ...until then
+        self.holds = 0  # slots with a hold (possibly expired): none, and take() is as without sessions
         self.grow(size)
 
     def grow(self, size: int) -> None:
@@ -42,20 +56,78 @@ class SlotMap:
             self.holder.append(None)
             self.key.append("")
             self.used.append(-math.inf)
+            self.kv.append("")
+            self.held.append("")
+            self.until.append(-math.inf)
+
+    def held_against(self, session: str, now: float) -> tuple[int, float]:
+        """Free slots held for sessions other than ``session`` at ``now``, and when the first of
+        those holds ends (inf: none)."""
+        n, first = 0, math.inf
+        if self.holds:
+            for i, h in enumerate(self.held):
+                if h and h != session and self.holder[i] is None and self.until[i] > now:
+                    n += 1
+                    first = min(first, self.until[i])
+        return n, first
 
     def take(self, job: Job, now: float) -> int:
+        """A free slot for ``job`` (no session: see :meth:`take_for`)."""
+        return self.take_for(job, now)[0]
+
+    def take_for(self, job: Job, now: float, session: str = "") -> tuple[int, str]:
+        """A free slot for ``job`` (of ``session``, "" for none); and the session whose unsaved KV
+        the slot held ("" for none, or ``session`` itself), which the caller saves before use."""
         free = [i for i, h in enumerate(self.holder) if h is None]
         if not free:  # more in flight than slots named: the runtime queues it (it should not happen)
             self.grow(len(self.holder) + 1)
             free = [len(self.holder) - 1]
+        key = session or job.affinity
         if job.resume_slot in free:
             slot = job.resume_slot
+        elif not self.holds:
+            same = [i for i in free if key and self.key[i] == key]
+            slot = min(same or free, key=lambda i: (self.kv[i] != "", self.used[i]) if session else self.used[i])
         else:
-            same = [i for i in free if job.affinity and self.key[i] == job.affinity]
-            slot = min(same or free, key=lambda i: self.used[i])
-        self.holder[slot], self.key[slot], self.used[slot] = job, job.affinity, now
-        return slot
+            mine = [i for i in free if session and self.held[i] == session]
+            open_ = [i for i in free if not self.held[i] or self.until[i] <= now]
+            if mine:
+                slot = mine[0]
+            elif open_:
+                same = [i for i in open_ if key and (self.kv[i] == key or self.key[i] == key)]
+                slot = min(same or open_, key=lambda i: (self.kv[i] != "", self.used[i]))
+            else:  # only held slots are free: the scheduler let it take one (it waited long enough)
+                slot = min(free, key=lambda i: self.until[i])
+        if self.held[slot]:
+            outcome = "lapsed" if self.until[slot] <= now else "kept" if self.held[slot] == session else "taken"
+            self.counts[outcome] += 1
+            self.held[slot], self.until[slot] = "", -math.inf
+            self.holds -= 1
+        before = self.kv[slot]
+        self.holder[slot], self.key[slot], self.used[slot], self.kv[slot] = job, key, now, ""
+        return slot, before
 
-    def give(self, job: Job) -> None:
-        if job.slot is not None and job.slot < len(self.holder) and self.holder[job.slot] is job:
-            self.holder[job.slot] = None
+    def give(self, job: Job, session: str = "", until: float = -math.inf) -> None:
+        """``job``'s slot is free again; with ``session``, it holds the session's KV now, and is
+        held for its next turn until ``until``."""
+        slot = job.slot
+        if slot is not None and slot < len(self.holder) and self.holder[slot] is job:
+            self.holder[slot] = None
+            if session:
+                self.kv[slot] = session
+                if until > -math.inf:
+                    if not self.held[slot]:
+                        self.holds += 1
+                    self.held[slot], self.until[slot] = session, until
+
+    def forget(self, session: str) -> None:
+        """``session``'s KV on a slot is no longer to be saved (the slot was erased, or lost)."""
+        for i, k in enumerate(self.kv):
+            if k == session:
+                self.kv[i] = ""
+
+    def clear(self) -> None:
+        """The runtime restarted: no slot holds anything any more."""
+        for i in range(len(self.holder)):
+            self.kv[i], self.held[i], self.until[i], self.key[i] = "", "", -math.inf, ""
+        self.holds = 0

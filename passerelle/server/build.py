@@ -67,6 +67,7 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
     scheduler = Scheduler(cfg.scheduler, cfg.routing, cfg.classes)
     counts = scheduler.preempt_counts  # (every preemptor a reload builds counts here)
     metrics.suspensions.read = lambda: counts.suspensions
+    metrics.sessions.read = scheduler.sessions.snapshot
     supervisor = Supervisor(processes or [], cfg.runtimes, book=MemoryBook(cfg.state_path() / "runtime-memory.json"),
                             on_ready=scheduler.dispatch)
     for proc in supervisor.processes.values():

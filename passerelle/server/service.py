@@ -136,6 +136,7 @@ class Service:
         self.cfg = cfg
         s = cfg.server
         self.scheduler.configure(cfg.scheduler, cfg.routing, cfg.classes)  # (its preemptor too)
+        self.scheduler.sessions.configure(cfg.sessions)  # (held slots, saved KV's bounds)
         self.gateway.configure(cfg)  # what requests read, the session gate, the answer budget
         self.keys.configure(cfg)
         self.supervisor.configure(cfg.runtimes)
