@@ -134,7 +134,7 @@ def build_runtime(bc: BackendConfig, timeouts: TimeoutConfig,
         return backend, None
     log_path = Path(bc.log_file) if bc.log_file else state / "logs" / f"{bc.name}.log" if state else None
     launch = rpc.head_command(bc)  # a split's head: the members and the layer split added
-    if bc.kind == "llama-server":
+    if bc.kind == "llama-server" and runs_llama_server(launch):
         launch, backend.slot_save_dir = with_slot_save_path(launch, state / "slot-kv" / bc.name if state else None)
     proc = RuntimeProcess(backend, launch, ready_timeout_s=bc.ready_timeout_s, log_path=log_path)
     if bc.rpc:
@@ -145,6 +145,13 @@ def build_runtime(bc: BackendConfig, timeouts: TimeoutConfig,
 def rpc_workers(cfg: Config) -> list[RuntimeProcess]:
     """The supervised rpc-servers this box lends its memory with (``[[rpc_workers]]``)."""
     return [rpc.worker_runtime(w, cfg.timeouts, cfg.state_path(), source=cfg.source) for w in cfg.rpc_workers]
+
+
+def runs_llama_server(launch: tuple[str, ...]) -> bool:
+    """Whether the command starts llama-server itself (directly or through a wrapper such as
+    ``nice`` or ``env``): only then is ``--slot-save-path`` added, so a stand-in that speaks its API
+    (a test's fake runtime, a script of the user's) is launched as written."""
+    return any(Path(arg).name.startswith("llama-server") for arg in launch[:4])
 
 
 def with_slot_save_path(launch: tuple[str, ...], default: Path | None) -> tuple[tuple[str, ...], Path | None]:

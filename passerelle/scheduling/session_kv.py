@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -46,12 +47,22 @@ log = logging.getLogger("passerelle.sessions")
 
 
 def session_key(tenant: str, session: str) -> str:
-    """The key of a session: its tenant and its (hashed) id, never the id alone."""
-    return f"{tenant}\x00{session}" if session else ""
+    """The key of a session: its tenant and its (hashed) id, never the id alone. Of fixed length
+    (26 characters, like the affinity keys whose map is sized in bytes): ``k:``, 12 hex digits of
+    the tenant's hash (:func:`tenant_tag`), 12 of the pair's."""
+    if not session:
+        return ""
+    pair = hashlib.blake2b(f"{tenant}\x00{session}".encode(errors="surrogatepass"), digest_size=6).hexdigest()
+    return "k:" + tenant_tag(tenant) + pair
+
+
+def tenant_tag(tenant: str) -> str:
+    return hashlib.blake2b(tenant.encode(errors="surrogatepass"), digest_size=6).hexdigest()
 
 
 def tenant_of(key: str) -> str:
-    return key.partition("\x00")[0]
+    """The :func:`tenant_tag` of a session key's tenant."""
+    return key[2:14]
 
 
 @dataclass
@@ -91,7 +102,7 @@ class SessionKv:
         if before and before != key:
             if saving:
                 p.save = before
-            p.erase = tenant_of(before) != job.tenant  # (another tenant's request never sees it)
+            p.erase = tenant_of(before) != tenant_tag(job.tenant)  # (another tenant's request never sees it)
         if key and before != key and saving and self.store.has(key, backend.name):
             p.restore = key
         return p if (p.save or p.erase or p.restore) else None

@@ -334,3 +334,16 @@ def test_a_launched_llama_server_gets_a_save_path_emptied_of_old_kv(tmp_path):
     # a runtime passerelle does not launch has none: its sessions fall back to its RAM prompt cache
     remote, _ = build_runtime(dataclasses.replace(bc, launch=(), url="http://127.0.0.1:9"), TimeoutConfig(), tmp_path)
     assert remote.slot_save_dir is None
+    # a stand-in that speaks llama-server's API (a fake runtime, a script) is launched as written
+    fake = dataclasses.replace(bc, launch=("python", "-m", "passerelle", "fake-backend", "--port", "{port}"))
+    backend3, proc3 = build_runtime(fake, TimeoutConfig(), tmp_path)
+    assert proc3 is not None and "--slot-save-path" not in proc3.template and backend3.slot_save_dir is None
+
+
+def test_a_session_key_is_of_fixed_length_and_scoped_to_its_tenant():
+    from passerelle.scheduling.session_kv import tenant_of, tenant_tag
+
+    a, b = session_key("alice", "s1"), session_key("bob", "s1")
+    long = session_key("t" * 64, "x" * 24)
+    assert len(a) == len(b) == len(long) == 26 and a != b
+    assert tenant_of(a) == tenant_tag("alice") != tenant_of(b) and session_key("alice", "") == ""
