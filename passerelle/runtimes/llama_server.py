@@ -105,17 +105,21 @@ class LlamaServerBackend(Backend):
         ``n_restored``/``n_read`` for a restore), or None: refused, no answer within ``timeout``
         (the runtime may still finish it), or no runtime."""
         body = orjson.dumps({"filename": filename}) if filename else b"{}"
+        return await self._post_json(f"/slots/{slot}?action={action}", body, timeout, 1 << 16)
+
+    async def _post_json(self, path: str, body: bytes, timeout: float, cap: int) -> dict[str, Any] | None:
+        """POST ``body`` (JSON) to ``path``; the answer's JSON object (read up to ``cap`` bytes), or
+        None: refused, no answer within ``timeout``, or not an object."""
         try:
             async with asyncio.timeout(timeout):
-                resp = await self.client.request(b"POST", f"/slots/{slot}?action={action}", body,
-                                                 headers=b"Content-Type: application/json\r\n")
+                resp = await self.client.request(b"POST", path, body, headers=b"Content-Type: application/json\r\n")
                 try:
-                    raw = await resp.read(1 << 16)
+                    raw = await resp.read(cap)
                 finally:
                     resp.close()
         except (TimeoutError, HTTPClientError, OSError):
             return None
-        if resp.status != 200:
+        if resp.status != 200 or not raw.startswith(b"{"):
             return None
         with contextlib.suppress(orjson.JSONDecodeError):
             answer = orjson.loads(raw)
@@ -153,22 +157,9 @@ class LlamaServerBackend(Backend):
 
     async def _render(self, body: bytes, timeout: float = 5.0) -> str | None:
         """``/apply-template``'s prompt for ``body``; None without an answer."""
-        try:
-            async with asyncio.timeout(timeout):
-                resp = await self.client.request(b"POST", "/apply-template", body,
-                                                 headers=b"Content-Type: application/json\r\n")
-                try:
-                    raw = await resp.read(1 << 20)
-                finally:
-                    resp.close()
-        except (TimeoutError, HTTPClientError, OSError):
-            return None
-        if resp.status != 200:
-            return None
-        with contextlib.suppress(orjson.JSONDecodeError):
-            prompt = orjson.loads(raw).get("prompt") if raw.startswith(b"{") else None
-            return prompt if isinstance(prompt, str) else None
-        return None
+        answer = await self._post_json("/apply-template", body, timeout, 1 << 20)
+        prompt = answer.get("prompt") if answer is not None else None
+        return prompt if isinstance(prompt, str) else None
 
     async def _report_capacity(self) -> tuple[int | None, str]:
         status, body = await self._get("/props")
