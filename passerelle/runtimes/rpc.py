@@ -207,6 +207,7 @@ class SplitGroup:
         self.proc_root = proc_root
         self.state = GroupState.STOPPED
         self.cause = ""  # why the replica is out (the member named), '' while it serves
+        self.out_since = 0.0  # when it went out (wall clock, shown): the figure the 5 s goal is about
         self.lost = 0  # times a member was lost
         self._remotes: dict[str, str | None] = {}
         proc.watcher = self
@@ -296,7 +297,7 @@ class SplitGroup:
 
     def _out(self, cause: str) -> None:
         """The replica out of rotation at once, ``cause`` shown (runtime list, /health, the log)."""
-        self.cause = cause
+        self.cause, self.out_since = cause, time.time()
         self.backend.stats.up = False
         self.backend.stats.error = cause
         self.backend.breaker.trip(time.monotonic(), self.backend.breaker.max_backoff_s)  # until rebuilt (reset)
@@ -323,6 +324,7 @@ class SplitGroup:
 
     def describe(self) -> dict[str, Any]:
         return {"state": self.state.value, "cause": self.cause or None, "lost": self.lost,
+                "since": round(self.out_since, 3) if self.cause else None,
                 "members": [m.describe() for m in self.members]}
 
 

@@ -609,7 +609,8 @@ class Supervisor:
         for name, p in self.processes.items():
             split = p.watcher.describe() if p.watcher is not None else None
             if split is not None and split.get("cause"):
-                out.append({"runtime": name, "state": split["state"], "cause": split["cause"]})
+                out.append({"runtime": name, "state": split["state"], "cause": split["cause"],
+                            "since": split.get("since")})
         return out
 
     def budget(self) -> dict[str, object]:

@@ -95,14 +95,18 @@ def streams_on_both(gw, net: Network) -> list[Stream]:
     return streams
 
 
-def check_gone(gw, streams: list[Stream], lost: str, t0: float) -> None:
-    """``lost``'s replica out within 5 s of ``t0``; its streams ended with an error event, the others run."""
+def check_gone(gw, streams: list[Stream], lost: str, t0: float, t0_wall: float) -> None:
+    """``lost``'s replica out within 5 s of ``t0``; its streams ended with an error event, the others run.
+
+    When it went out is the gateway's own record (the box's DOWN transition, wall clock, in
+    ``/health``), the moment its replicas left the rotation: a poll of ``/admin/runtimes`` that
+    itself waits on a loaded machine would add its own delay to the figure."""
     name = f"{lost}/{MODEL}"
-    wait_until(lambda: not replicas(gw)[name]["up"], 5.0 - (time.monotonic() - t0), what=f"{name} out in 5 s")
-    out_after = time.monotonic() - t0
-    assert out_after <= 5.0
+    wait_until(lambda: not replicas(gw)[name]["up"], 15, what=f"{name} out")
     health = box_health(gw, lost)
     assert health["state"] == "down" and health["cause"], health
+    out_after = health["since"] - t0_wall
+    assert 0 < out_after <= 5.0, f"{name} out {out_after:.2f} s after the box was lost (goal: 5 s)"
     assert f"box {lost} is DOWN (" in gw.log_text()
     # the stream on the lost box ends (no hang) with an error event; the other still runs
     wait_until(lambda: any(s.ended for s in streams), 15, what="the lost box's stream ended")
@@ -142,9 +146,9 @@ def test_a_box_killed_while_streams_run_leaves_at_once_and_comes_back_when_it_re
         home = in_session(gw, "agent-7")
         assert in_session(gw, "agent-7") == home  # the session stays where its cache is
         lost = next(b for b in net.boxes if home == f"{b.name}/{MODEL}")
-        t0 = time.monotonic()
+        t0, t0_wall = time.monotonic(), time.time()
         lost.kill()
-        check_gone(gw, streams, lost.name, t0)
+        check_gone(gw, streams, lost.name, t0, t0_wall)
         assert "connection" in box_health(gw, lost.name)["cause"]  # refused or reset: not a timeout
         moved = in_session(gw, "agent-7")
         assert moved != home and moved.endswith(f"/{MODEL}")  # re-routed to the box that is left
@@ -161,9 +165,9 @@ def test_a_box_whose_cable_is_pulled_leaves_within_5_s_and_comes_back_with_it(ga
         _, gw = two_boxes(net, gateway, tmp_path)
         streams = streams_on_both(gw, net)
         lost = net.boxes[1]
-        t0 = time.monotonic()
+        t0, t0_wall = time.monotonic(), time.time()
         lost.link_down()
-        check_gone(gw, streams, lost.name, t0)
+        check_gone(gw, streams, lost.name, t0, t0_wall)
         assert "no answer within" in box_health(gw, lost.name)["cause"]  # no reset: the readings time out
         lost.link_up()
         wait_until(lambda: replicas(gw)[f"{lost.name}/{MODEL}"]["up"], 10, what="its replica back with the cable")

@@ -132,7 +132,7 @@ def test_a_member_killed_while_streams_run_takes_the_replica_out_and_its_return_
     for s in starts:
         assert s.wait(120), "a stream did not start"
     member_box = net.boxes[1]
-    killed_at = time.monotonic()
+    killed_at, killed_wall = time.monotonic(), time.time()
     member_box.kill()  # the member box's passerelle and its rpc-server, at once (a power cut)
 
     def out_named() -> dict | None:
@@ -142,8 +142,10 @@ def test_a_member_killed_while_streams_run_takes_the_replica_out_and_its_return_
                 return t
         return None
 
-    trouble = wait_until(out_named, 5, what="the split out with its member named in /health")
-    assert time.monotonic() - killed_at <= 5.0
+    # when it went out is the head's own record (wall clock): a poll of /health on a loaded machine
+    # adds its own delay
+    trouble = wait_until(out_named, 15, what="the split out with its member named in /health")
+    assert 0 < trouble["since"] - killed_wall <= 5.0, trouble
     assert f"member {endpoint}" in trouble["cause"]
     for t in threads:
         t.join(15)
@@ -180,7 +182,7 @@ def test_a_member_s_cable_pulled_while_streams_run_takes_the_replica_out_and_plu
     for s in starts:
         assert s.wait(120), "a stream did not start"
     member_box = net.boxes[1]
-    pulled_at = time.monotonic()
+    pulled_wall = time.time()
     member_box.link_down()  # no FIN, no RST: the head's data to the member goes unanswered
 
     def out_named() -> dict | None:
@@ -189,8 +191,8 @@ def test_a_member_s_cable_pulled_while_streams_run_takes_the_replica_out_and_plu
                 return t
         return None
 
-    trouble = wait_until(out_named, 5, what="the split out with its member named in /health")
-    assert time.monotonic() - pulled_at <= 5.0 and "does not answer" in trouble["cause"], trouble
+    trouble = wait_until(out_named, 15, what="the split out with its member named in /health")
+    assert 0 < trouble["since"] - pulled_wall <= 5.0 and "does not answer" in trouble["cause"], trouble
     for t in threads:
         t.join(15)
         assert not t.is_alive(), "a stream hung after its member's cable was pulled"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import orjson
@@ -220,6 +221,8 @@ async def test_a_lost_member_takes_the_replica_out_at_once_and_its_return_brings
         assert loop.time() - t0 < 2.0
         assert not backend.stats.up and backend.breaker.state is BreakerState.OPEN
         assert f"member {endpoint} closed its connection" in group.cause == backend.stats.error
+        out = proc.watcher.describe()  # when it went out, on the wall clock (the figure /health shows)
+        assert out["since"] is not None and 0 <= time.time() - out["since"] < 5
         await until(lambda: proc.pid != head, 5, "the head killed")
         stat = Path(f"/proc/{head}/stat")
         assert not stat.exists() or stat.read_text().split(")")[1].split()[0] == "Z"  # gone (or a zombie)
