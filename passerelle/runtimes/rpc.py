@@ -41,6 +41,7 @@ import ipaddress
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,14 +119,14 @@ async def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str:
 # -- the head's connections, from /proc ----------------------------------------------------------
 
 def _hex_address(ip: str, port: int) -> str | None:
-    """``ip:port`` as /proc/net/tcp writes it (IPv4: four bytes little-endian, then the port)."""
+    """``ip:port`` as /proc/net/tcp (IPv4) or tcp6 (IPv6) writes it: the address as 32-bit words,
+    each in the host's byte order (little-endian here), then the port."""
     try:
-        address = ipaddress.ip_address(ip)
+        packed = ipaddress.ip_address(ip).packed
     except ValueError:
         return None
-    if address.version != 4:
-        return None
-    return f"{int.from_bytes(address.packed, 'little'):08X}:{port:04X}"
+    words = "".join(f"{int.from_bytes(packed[i:i + 4], sys.byteorder):08X}" for i in range(0, len(packed), 4))
+    return f"{words}:{port:04X}"
 
 
 def socket_inodes(pid: int, proc: Path = Path("/proc")) -> set[str]:
@@ -176,13 +177,13 @@ def judge(conns: list[Conn], remote: str) -> str | None:
 
 
 def head_connections(pid: int, proc: Path = Path("/proc")) -> list[Conn]:
-    """The TCP connections process ``pid`` holds (IPv4)."""
+    """The TCP connections process ``pid`` holds (IPv4 and IPv6)."""
     inodes = socket_inodes(pid, proc)
-    try:
-        table = (proc / str(pid) / "net" / "tcp").read_text()
-    except OSError:
-        return []
-    return [c for c in parse_tcp_table(table) if c.inode in inodes]
+    out: list[Conn] = []
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):  # (a kernel without IPv6 has no tcp6)
+            out += [c for c in parse_tcp_table((proc / str(pid) / "net" / table).read_text()) if c.inode in inodes]
+    return out
 
 
 # -- the group -----------------------------------------------------------------------------------
@@ -221,11 +222,14 @@ class SplitGroup:
         self.state = state
 
     def _remote(self, m: Member) -> str | None:
-        """The member's address as /proc writes it (its host name resolved once, IPv4)."""
+        """The member's address as /proc writes it (its host name resolved once, as the head's
+        own resolver would: the first address; an IPv4 one first where both exist)."""
         if m.endpoint not in self._remotes:
             ip = m.host
             with contextlib.suppress(OSError, UnicodeError):
-                ip = str(socket.getaddrinfo(m.host, m.port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+                found = socket.getaddrinfo(m.host, m.port, 0, socket.SOCK_STREAM)
+                found.sort(key=lambda a: a[0] != socket.AF_INET)
+                ip = str(found[0][4][0])
             self._remotes[m.endpoint] = _hex_address(ip, m.port)
         return self._remotes[m.endpoint]
 

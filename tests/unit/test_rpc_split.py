@@ -8,6 +8,8 @@ real listening member (the real llama-server and rpc-server are in tests/integra
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import sys
 import textwrap
 import time
@@ -147,6 +149,28 @@ def test_the_head_s_connections_judge_each_member():
     assert "closed its connection" in (judge(conns, "0400000A:C3D4") or "")  # CLOSE_WAIT: its rpc-server exited
     assert "5 unanswered retransmissions" in (judge(conns, "0500000A:C3D4") or "")  # its cable pulled
     assert judge(conns, "0600000A:C3D4") is None  # no connection: the caller probes the port
+
+
+def test_the_head_s_connections_are_read_from_the_kernel_for_ipv4_and_ipv6():
+    """This process as the head: its real connections to a listener on 127.0.0.1 and on ::1 are
+    found in /proc with the address the group computes for each member."""
+    held = []
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        try:
+            server = socket.socket(family, socket.SOCK_STREAM)
+            server.bind((host, 0))
+        except OSError:
+            assert family == socket.AF_INET6, "no IPv4 loopback"
+            continue  # (a machine without IPv6: its table is not there to read)
+        server.listen(1)
+        client = socket.create_connection((host, server.getsockname()[1]), timeout=5)
+        held += [server, client]
+        remote = rpc._hex_address(host, server.getsockname()[1])
+        assert remote is not None
+        assert judge(rpc.head_connections(os.getpid()), remote) == "", (host, remote)
+    assert rpc._hex_address("::1", 0x1F90) == "00000000000000000000000001000000:1F90"
+    for s in held:
+        s.close()
 
 
 # -- the group against a real head process and a real member socket -----------------------------
