@@ -312,16 +312,62 @@ class Boxes:
     """Every ``[[boxes]]`` box: their reading loops, their replicas, where each model runs."""
 
     def __init__(self, boxes: tuple[BoxConfig, ...], timeouts: TimeoutConfig) -> None:
+        self.timeouts = timeouts
         self.boxes = [RemoteBox(c, timeouts, on_change=self._changed) for c in boxes]
         self.on_change: Callable[[list[Backend]], None] | None = None  # the replica list or their health changed
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[RemoteBox, asyncio.Task[None]] = {}  # each box's reading loop
+        self._leaving: list[BoxBackend] = []  # replicas of boxes a reload removed, finishing their requests
         self._split: dict[str, tuple[str, ...]] = {}  # models marked split (fit no box alone): on which boxes
 
     def __bool__(self) -> bool:
         return bool(self.boxes)
 
     def replicas(self) -> list[Backend]:
-        return [r for box in self.boxes for r in box.replicas.values()]
+        return [*(r for box in self.boxes for r in box.replicas.values()), *self._leaving]
+
+    def reconfigure(self, boxes: tuple[BoxConfig, ...], timeouts: TimeoutConfig) -> list[BoxBackend]:
+        """A reload's ``[[boxes]]``, by name: a box whose configuration is unchanged is not touched;
+        a box added (or replaced: same name, another configuration) is read at once; a box removed
+        (or replaced) is no longer read and its replicas take no new request. Returns those
+        replicas: the caller waits for their requests to end (a stream on a box that goes from the
+        list still ends whole), then calls :meth:`forget`."""
+        self.timeouts = timeouts
+        old = {box.cfg.name: box for box in self.boxes}
+        kept: list[RemoteBox] = []
+        for c in boxes:
+            box = old.get(c.name)
+            if box is not None and box.cfg == c:
+                kept.append(old.pop(c.name))
+                continue
+            box = RemoteBox(c, timeouts, on_change=self._changed)
+            kept.append(box)
+            self._tasks[box] = asyncio.create_task(self._read_now(box), name=f"passerelle-box-{c.name}")
+        leaving: list[BoxBackend] = []
+        for box in old.values():
+            task = self._tasks.pop(box, None)
+            if task is not None:
+                task.cancel()
+            box.close()
+            for replica in box.replicas.values():
+                replica.draining = True
+                leaving.append(replica)
+            log.info("box %s removed from the configuration: no longer read; replicas %s finish their requests",
+                     box.cfg.name, ", ".join(sorted(r.name for r in box.replicas.values())) or "-")
+        self.boxes = kept
+        self._leaving += leaving
+        self._changed()
+        return leaving
+
+    async def forget(self, replicas: list[BoxBackend]) -> None:
+        """Replicas of removed boxes whose requests ended (or were cut at the drain's deadline): gone."""
+        self._leaving = [r for r in self._leaving if r not in replicas]
+        for r in replicas:
+            await r.close()
+        self._changed()
+
+    async def _read_now(self, box: RemoteBox) -> None:
+        await box.poll()
+        await self._loop(box)
 
     def _changed(self) -> None:
         self._plan()
@@ -331,8 +377,8 @@ class Boxes:
     async def start(self) -> None:
         """Read every box once (a box that does not answer is DOWN, not an error), then keep reading."""
         await asyncio.gather(*(box.poll() for box in self.boxes))
-        self._tasks = [asyncio.create_task(self._loop(box), name=f"passerelle-box-{box.cfg.name}")
-                       for box in self.boxes]
+        self._tasks = {box: asyncio.create_task(self._loop(box), name=f"passerelle-box-{box.cfg.name}")
+                       for box in self.boxes}
 
     async def _loop(self, box: RemoteBox) -> None:
         while True:
@@ -345,13 +391,15 @@ class Boxes:
                 await asyncio.sleep(box.cfg.poll_s)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        for task in self._tasks:
+        for task in self._tasks.values():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for box in self.boxes:
             box.close()
+        for r in self._leaving:
+            await r.close()
 
     def _decide(self) -> list[Placement]:
         """Where each model runs, from the boxes that serve now (a box that is down says nothing)."""

@@ -6,6 +6,8 @@ as backends, ``[server] extra_routes`` given to every backend), so the plan comp
     backends  by name: added, removed, replaced (same name, another configuration: a new runtime
               starts and must be ready before the old one drains), kept (not touched: its
               streams go on)
+    boxes     the other boxes by name, the same way: a box added is read at once, one removed
+              or replaced stops being read and its replicas drain (runtimes/boxes.py)
     models    the catalogue's public names: an entry's name, or a model id no entry covers
     routes    the operator's added inference paths (``extra_routes``)
     live      every other setting that changed and applies at once (timeouts, classes, the
@@ -43,14 +45,13 @@ RESTART: Mapping[str, tuple[str, ...]] = {
     "admin": ("host", "port"),  # the admin listener
     "auth": ("db",),  # the SQLite file of keys and usage
     "store": ALL,  # the key store (PostgreSQL)
-    "boxes": ALL,  # the other boxes: their watcher is set up at start-up (runtimes/boxes.py)
     "metrics": ALL,  # the Prometheus registry's labels and the dashboard's window
     "tracing": ALL,  # the tracer
     "batches": ALL,  # the Batch API's store and runners
     "rpc_workers": ALL,  # the rpc-servers this box lends (a head holds their connection: never swapped live)
 }
 # Changes the fleet and the catalogue carry out, reported under backends / models / routes.
-_FLEET = frozenset({"backends", "models", "embedded", "server.extra_routes"})
+_FLEET = frozenset({"backends", "models", "embedded", "server.extra_routes", "boxes"})
 _IGNORED = frozenset({"source"})
 
 
@@ -88,6 +89,7 @@ class ReloadPlan:
     backends: Changes
     models: Changes
     routes: Changes
+    boxes: Changes = Changes()  # [[boxes]] by name (runtimes/boxes.py: Boxes.reconfigure)
     live: tuple[str, ...] = ()  # "section.key" (or "classes") changed and applied at once
     restart: tuple[str, ...] = ()  # "section.key" changed and waiting for a restart
 
@@ -106,12 +108,13 @@ class ReloadPlan:
         backends started, drained and untouched (a replaced one is in the first two)."""
         return {"added": list(self.starts), "removed": list(self.drains), "unchanged": list(self.backends.kept),
                 "backends": self.backends.as_dict(), "models": self.models.as_dict(), "routes": self.routes.as_dict(),
-                "applied": list(self.live), "needs_restart": list(self.restart)}
+                "boxes": self.boxes.as_dict(), "applied": list(self.live), "needs_restart": list(self.restart)}
 
     def summary(self) -> str:
         """One line for the log."""
         parts = [f"{what} {kind} {', '.join(names)}" for what, ch in
-                 (("backends", self.backends), ("models", self.models), ("routes", self.routes))
+                 (("backends", self.backends), ("models", self.models), ("routes", self.routes),
+                  ("boxes", self.boxes))
                  for kind, names in (("added", ch.added), ("removed", ch.removed), ("replaced", ch.replaced))
                  if names]
         if self.live:
@@ -168,6 +171,7 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
     return ReloadPlan(backends=diff({b.name: b for b in old.backends}, {b.name: b for b in new.backends}),
                       models=diff(_public_models(old), _public_models(new)),
                       routes=diff(_routes(old), _routes(new)),
+                      boxes=diff({b.name: b for b in old.boxes}, {b.name: b for b in new.boxes}),
                       live=tuple(s for s in changed if s not in restart), restart=restart)
 
 

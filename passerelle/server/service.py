@@ -52,7 +52,7 @@ from passerelle.runtimes import embedded
 from passerelle.runtimes.boxes import BoxBackend, Boxes
 from passerelle.runtimes.catalogue import Catalogue
 from passerelle.runtimes.factory import expand
-from passerelle.runtimes.fleet import Fleet
+from passerelle.runtimes.fleet import Fleet, drain
 from passerelle.runtimes.kinds import Backend
 from passerelle.runtimes.registry import Registry
 from passerelle.runtimes.reload_plan import effective, plan_reload
@@ -272,6 +272,30 @@ class Service:
             self._backends_changed()
         self.scheduler.dispatch()
 
+    def _reload_boxes(self, cfg: Config) -> None:
+        """A reload's ``[[boxes]]`` (runtimes/boxes.py: Boxes.reconfigure): boxes added are read at
+        once; the replicas of boxes removed take no new request, finish theirs (at most
+        ``[runtimes] drain_timeout_s``) and go."""
+        if self.boxes is None:
+            if not cfg.boxes:
+                return
+            self.boxes = Boxes((), cfg.timeouts)
+            self.boxes.on_change = self._box_replicas
+        boxes = self.boxes
+        leaving = boxes.reconfigure(cfg.boxes, cfg.timeouts)
+        if not leaving:
+            return
+
+        async def retire() -> None:
+            timeout_s = cfg.runtimes.drain_timeout_s
+            _, cut = await drain(leaving, timeout_s)
+            if cut:
+                log.warning("reload: drain timeout (%g s): %d request(s) on removed boxes' replicas cut", timeout_s,
+                            cut)
+            await boxes.forget(leaving)
+
+        self._spawn(retire(), "retire-box-replicas")
+
     def _backends_changed(self) -> None:
         if self.on_backends_change is not None:
             self.on_backends_change()
@@ -346,6 +370,7 @@ class Service:
             running = effective(self.cfg, new)
             self.fleet.commit(staged, drain_timeout_s=running.runtimes.drain_timeout_s)
             self.configure(running)
+            self._reload_boxes(running)
             self.backends_configured = not raw.uses_embedded
             self.catalogue.configure(running.models)
             self._backends_changed()

@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import orjson
 
 from passerelle.testing.netns import Network, available
 from tests.integration.boxes_support import boxes_config, fake_box_config, start_box
@@ -104,13 +105,60 @@ def test_a_model_a_box_loads_on_demand_is_placed_there_through_its_admin_api(gat
         assert listing.returncode == 0, listing.stderr
         assert f"box {a.name}" in listing.stdout and "placement:" in listing.stdout
         assert "fake-model" in listing.stdout and "replicas" in listing.stdout
-        # a reload of the team's gateway keeps the boxes' replicas (they follow their boxes, not
-        # the file's backends); [[boxes]] itself waits for a restart
-        cfg = gw.extra["config"]
-        cfg.write_text(cfg.read_text().replace("poll_s = 0.5", "poll_s = 0.6"))
-        plan = httpx.post(gw.url + "/admin/reload", timeout=60).json()
-        assert plan["needs_restart"] == ["boxes"] and plan["removed"] == []
-        assert replicas_up() == {f"{a.name}/fake-model", f"{b.name}/fake-model"}
+        reload_removes_a_box_whose_stream_ends_whole_and_adds_it_back(gw, a.name, b.name)
+
+
+def stream_whole(url: str, out: dict[str, object], prompt: str) -> None:
+    """A 120-token stream (2.4 s on the fake runtime); ``out``: its tokens and whether it ended
+    with [DONE]."""
+    tokens, done = 0, False
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "model": "fake-model", "stream": True, "max_tokens": 120,
+            "messages": [{"role": "user", "content": prompt}]}) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: ") and (choices := orjson.loads(line[6:]).get("choices")):
+                tokens += bool(choices[0].get("delta", {}).get("content"))
+            out.update(tokens=tokens, done=done)
+
+
+def reload_removes_a_box_whose_stream_ends_whole_and_adds_it_back(gw, a: str, b: str) -> None:
+    """A reload applies [[boxes]] by name: ``b`` removed while a stream runs there (the stream
+    ends whole, then its replica goes; ``a`` untouched), then added back (read at once)."""
+    cfg = gw.extra["config"]
+    full = cfg.read_text()
+    head, *blocks = full.split("[[boxes]]")
+    only_a = head + "".join("[[boxes]]" + x for x in blocks if f'name = "{a}"' in x)
+
+    def rows() -> dict[str, dict]:
+        return {r["name"]: r for r in httpx.get(gw.url + "/admin/runtimes", timeout=10).json()["runtimes"]
+                if r.get("remote")}
+
+    outs: list[dict[str, object]] = [{}, {}]
+    # (each its own conversation: the same opening would follow its affinity to one box)
+    threads = [threading.Thread(target=stream_whole, args=(gw.url, o, f"a long one, {i}"))
+               for i, o in enumerate(outs)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: all(r["in_flight"] == 1 for r in rows().values()), 30, what="a stream on each box")
+    cfg.write_text(only_a)
+    plan = httpx.post(gw.url + "/admin/reload", timeout=60).json()
+    assert plan["boxes"]["removed"] == [b] and plan["boxes"]["kept"] == [a] and plan["needs_restart"] == []
+    assert rows()[f"{b}/fake-model"]["in_flight"] == 1  # draining: still listed while its stream runs
+    for t in threads:
+        t.join(60)
+    assert all(o == {"tokens": 120, "done": True} for o in outs), outs  # both whole, the removed box's too
+    wait_until(lambda: set(rows()) == {f"{a}/fake-model"}, 10, what=f"{b}'s replica gone once drained")
+    assert f"box {b} removed from the configuration" in gw.log_text()
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "fake-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and gw.log_for(r.headers["x-request-id"])["backend"] == f"{a}/fake-model"
+    cfg.write_text(full)
+    plan = httpx.post(gw.url + "/admin/reload", timeout=60).json()
+    assert plan["boxes"]["added"] == [b]
+    wait_until(lambda: {n for n, r in rows().items() if r["up"]} == {f"{a}/fake-model", f"{b}/fake-model"}, 10,
+               what=f"{b}'s replica back at once")
 
 
 def test_a_request_queued_when_a_box_dies_is_served_by_the_other_box(gateway, tmp_path):

@@ -104,14 +104,42 @@ def test_a_box_and_a_backend_cannot_share_a_name(tmp_path):
     assert err.value.key == "boxes[0].name"
 
 
-def test_a_reload_keeps_the_running_boxes_and_says_they_wait_for_a_restart():
+def test_a_reload_plans_the_boxes_by_name_and_applies_them_at_once():
     from passerelle.config import Config
     from passerelle.runtimes.reload_plan import effective, plan_reload
 
-    old = Config(boxes=(BoxConfig("a", url="http://10.0.0.2:8080", key=KEY),))
-    new = Config(boxes=(BoxConfig("a", url="http://10.0.0.3:8080", key=KEY),))
-    assert plan_reload(old, new).restart == ("boxes",)
-    assert effective(old, new).boxes == old.boxes
+    a, b = BoxConfig("a", url="http://10.0.0.2:8080", key=KEY), BoxConfig("b", url="http://10.0.0.4:8080", key=KEY)
+    old = Config(boxes=(a, b))
+    new = Config(boxes=(BoxConfig("a", url="http://10.0.0.3:8080", key=KEY), BoxConfig("c", url="http://10.0.0.5",
+                                                                                       key=KEY)))
+    plan = plan_reload(old, new)
+    assert (plan.boxes.added, plan.boxes.removed, plan.boxes.replaced) == (("c",), ("b",), ("a",))
+    assert plan.restart == () and plan.live == ()
+    assert "boxes added c; boxes removed b; boxes replaced a" in plan.summary()
+    assert plan.as_dict()["boxes"]["added"] == ["c"]
+    assert effective(old, new).boxes == new.boxes
+
+
+async def test_reconfigured_boxes_keep_the_unchanged_read_the_new_and_drain_the_removed():
+    a, b = BoxConfig("a", url="http://127.0.0.1:9", key=KEY), BoxConfig("b", url="http://127.0.0.1:9", key=KEY)
+    boxes = Boxes((a, b), TimeoutConfig())
+    seen: list[list[str]] = []
+    boxes.on_change = lambda replicas: seen.append(sorted(r.name for r in replicas))
+    box_a, box_b = boxes.boxes
+    for box in boxes.boxes:
+        box._learn(*reading())
+    gone = box_b.replicas["qwen"]
+    gone.in_flight = 1  # a stream still running there
+    c = BoxConfig("c", url="http://127.0.0.1:9", key=KEY)
+    leaving = boxes.reconfigure((a, c), TimeoutConfig())
+    assert boxes.boxes[0] is box_a and [x.cfg.name for x in boxes.boxes] == ["a", "c"]  # a untouched
+    assert leaving == [gone] and gone.draining and not gone.routable(0.0)
+    assert seen[-1] == ["a/qwen", "b/qwen"]  # b's replica stays listed while its request runs; c not read yet
+    assert set(boxes._tasks) == {boxes.boxes[1]}  # c is being read (a's loop was never started here)
+    gone.in_flight = 0
+    await boxes.forget(leaving)
+    assert seen[-1] == ["a/qwen"]
+    await boxes.stop()
 
 
 def test_a_catalogue_entry_may_name_a_box_replica(tmp_path):
