@@ -20,9 +20,10 @@ The head's health needs every member (:class:`SplitGroup`, attached to the head'
     any ──stop──► STOPPED
 
 While SERVING the head's own TCP connections to each member are read from ``/proc`` (every
-250 ms): a connection the member closed (its rpc-server died: the kernel sent FIN) or one that
-retransmits unanswered (its box or link is gone) is a lost member; with no connection at all the
-member's port is tried (refused: lost). A lost member takes the replica out at once: the backend
+250 ms, tcp_conns.py): a connection the member closed (its rpc-server died: the kernel sent FIN)
+or one that retransmits unanswered (its box or link is gone) is a lost member; an idle head sends
+nothing to retransmit, so keepalive is turned on for its member connections and unanswered
+probes say the same; with no connection at all the member's port is tried (refused: lost). A lost member takes the replica out at once: the backend
 is marked down with the member named, its breaker opened, and the head is killed, since llama.cpp
 would abort at its next step (or, with a pulled cable, wait forever): the streams in flight end
 with an error event. The supervisor's restart then waits here (WAITING) until every member
@@ -37,11 +38,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import ipaddress
 import logging
-import os
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +50,7 @@ from passerelle.errors import ConfigError
 from passerelle.runtimes import embedded
 from passerelle.runtimes.base import Backend, BackendStats
 from passerelle.runtimes.supervisor import RuntimeFailed, RuntimeProcess
+from passerelle.runtimes.tcp_conns import Conn, arm_keepalive, connections, hex_address
 
 log = logging.getLogger("passerelle.runtimes.rpc")
 
@@ -59,6 +58,7 @@ log = logging.getLogger("passerelle.runtimes.rpc")
 _ESTABLISHED = "01"
 _GONE_STATES = {"06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK"}
 RETRANSMITS_LOST = 3  # unanswered retransmissions of the head's data: ~1.5 s with the minimum RTO
+PROBES_LOST = 2  # unanswered keepalive probes of an idle head's connection: ~2 s (tcp_conns.py)
 PROBE_TIMEOUT_S = 1.0
 
 
@@ -118,47 +118,6 @@ async def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str:
 
 # -- the head's connections, from /proc ----------------------------------------------------------
 
-def _hex_address(ip: str, port: int) -> str | None:
-    """``ip:port`` as /proc/net/tcp (IPv4) or tcp6 (IPv6) writes it: the address as 32-bit words,
-    each in the host's byte order (little-endian here), then the port."""
-    try:
-        packed = ipaddress.ip_address(ip).packed
-    except ValueError:
-        return None
-    words = "".join(f"{int.from_bytes(packed[i:i + 4], sys.byteorder):08X}" for i in range(0, len(packed), 4))
-    return f"{words}:{port:04X}"
-
-
-def socket_inodes(pid: int, proc: Path = Path("/proc")) -> set[str]:
-    """The inodes of the sockets process ``pid`` holds."""
-    out: set[str] = set()
-    with contextlib.suppress(OSError):
-        for fd in (proc / str(pid) / "fd").iterdir():
-            with contextlib.suppress(OSError):
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    out.add(target[8:-1])
-    return out
-
-
-@dataclass(frozen=True)
-class Conn:
-    remote: str  # /proc's hex ip:port
-    state: str
-    retransmits: int
-    inode: str
-
-
-def parse_tcp_table(text: str) -> list[Conn]:
-    """The rows of /proc/<pid>/net/tcp."""
-    out = []
-    for line in text.splitlines()[1:]:
-        f = line.split()
-        if len(f) >= 10:
-            out.append(Conn(remote=f[2].upper(), state=f[3].upper(), retransmits=int(f[6], 16), inode=f[9]))
-    return out
-
-
 def judge(conns: list[Conn], remote: str) -> str | None:
     """The verdict on one member from the head's connections to it: '' alive, a cause when it is
     lost, None when the head holds no connection to it (the caller probes its port)."""
@@ -170,20 +129,14 @@ def judge(conns: list[Conn], remote: str) -> str | None:
     if stuck:
         worst = max(c.retransmits for c in stuck)
         return f"does not answer ({worst} unanswered retransmissions: its box or link is down)"
+    silent = [c for c in established if c.probes >= PROBES_LOST]
+    if silent:
+        worst = max(c.probes for c in silent)
+        return f"does not answer ({worst} unanswered keepalive probes: its box or link is down)"
     if established:
         return ""
     states = ", ".join(sorted({_GONE_STATES.get(c.state, c.state) for c in mine}))
     return f"closed its connection to the head ({states}: its rpc-server exited)"
-
-
-def head_connections(pid: int, proc: Path = Path("/proc")) -> list[Conn]:
-    """The TCP connections process ``pid`` holds (IPv4 and IPv6)."""
-    inodes = socket_inodes(pid, proc)
-    out: list[Conn] = []
-    for table in ("tcp", "tcp6"):
-        with contextlib.suppress(OSError):  # (a kernel without IPv6 has no tcp6)
-            out += [c for c in parse_tcp_table((proc / str(pid) / "net" / table).read_text()) if c.inode in inodes]
-    return out
 
 
 # -- the group -----------------------------------------------------------------------------------
@@ -211,6 +164,8 @@ class SplitGroup:
         self.out_since = 0.0  # when it went out (wall clock, shown): the figure the 5 s goal is about
         self.lost = 0  # times a member was lost
         self._remotes: dict[str, str | None] = {}
+        self._armed: set[str] = set()  # inodes of the head's member connections with keepalive on
+        self._keepalive_refused = 0  # the head's pid where the kernel refused it
         proc.watcher = self
 
     def _set(self, state: GroupState) -> None:
@@ -230,7 +185,7 @@ class SplitGroup:
                 found = socket.getaddrinfo(m.host, m.port, 0, socket.SOCK_STREAM)
                 found.sort(key=lambda a: a[0] != socket.AF_INET)
                 ip = str(found[0][4][0])
-            self._remotes[m.endpoint] = _hex_address(ip, m.port)
+            self._remotes[m.endpoint] = hex_address(ip, m.port)
         return self._remotes[m.endpoint]
 
     # -- the head's lifecycle ---------------------------------------------------------------------
@@ -260,6 +215,7 @@ class SplitGroup:
     def ready(self) -> None:
         """The head loaded the model over every member: the replica serves, its breaker closed."""
         self._set(GroupState.SERVING)
+        self._armed.clear()  # (a new head: new connections)
         for m in self.members:
             m.mark(True)
         self.cause = ""
@@ -283,7 +239,8 @@ class SplitGroup:
 
     async def inspect(self, pid: int) -> str:
         """'' while every member holds; else the cause, the lost members marked."""
-        conns = await asyncio.to_thread(head_connections, pid, self.proc_root)
+        conns = await asyncio.to_thread(connections, pid, self.proc_root)
+        await self._arm(pid, conns)
         lost: list[Member] = []
         for m in self.members:
             remote = self._remote(m)
@@ -298,6 +255,22 @@ class SplitGroup:
         cause = "; ".join(f"member {m.endpoint} {m.cause}" for m in lost)
         self._lose(cause)
         return cause
+
+    async def _arm(self, pid: int, conns: list[Conn]) -> None:
+        """Keepalive on the head's new connections to its members, so that an idle head notices a
+        pulled cable too (tcp_conns.py); refused once, not asked again for this process."""
+        if self._keepalive_refused == pid:
+            return
+        remotes = {r for m in self.members if (r := self._remote(m)) is not None}
+        fresh = {c.inode for c in conns if c.remote in remotes and c.state == _ESTABLISHED} - self._armed
+        if not fresh:
+            return
+        try:
+            self._armed |= await asyncio.to_thread(arm_keepalive, pid, fresh, self.proc_root)
+        except OSError as exc:
+            self._keepalive_refused = pid
+            log.warning("split %s: keepalive on the head's member connections refused (%s): a pulled cable is "
+                        "noticed at the head's next request only", self.backend.name, exc)
 
     def _out(self, cause: str) -> None:
         """The replica out of rotation at once, ``cause`` shown (runtime list, /health, the log)."""

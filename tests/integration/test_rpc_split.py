@@ -103,6 +103,16 @@ def test_a_model_split_over_a_head_and_a_member_answers_as_one_box(split, rpc_bu
     assert rss_kib > 40 * 1024, rss_kib
 
 
+def split_out(url: str, endpoint: str) -> dict | None:
+    """The split's entry in the head's /health ``runtimes_out``, once it names ``endpoint``. When it
+    went out is the head's own record (``since``, wall clock): a poll of /health on a loaded
+    machine would add its own delay to the figure."""
+    for t in httpx.get(url + "/health", timeout=2).json().get("runtimes_out", []):
+        if t["runtime"] == "split" and endpoint in t["cause"]:
+            return t
+    return None
+
+
 def stream(url: str, out: dict, started: threading.Event) -> None:
     body = {**GREEDY, "stream": True, "max_tokens": 2000, "temperature": 0.8,
             "messages": [{"role": "user", "content": "Tell a very long story about a lighthouse keeper."}]}
@@ -135,16 +145,7 @@ def test_a_member_killed_while_streams_run_takes_the_replica_out_and_its_return_
     killed_at, killed_wall = time.monotonic(), time.time()
     member_box.kill()  # the member box's passerelle and its rpc-server, at once (a power cut)
 
-    def out_named() -> dict | None:
-        body = httpx.get(head.url + "/health", timeout=2).json()
-        for t in body.get("runtimes_out", []):
-            if t["runtime"] == "split" and endpoint in t["cause"]:
-                return t
-        return None
-
-    # when it went out is the head's own record (wall clock): a poll of /health on a loaded machine
-    # adds its own delay
-    trouble = wait_until(out_named, 15, what="the split out with its member named in /health")
+    trouble = wait_until(lambda: split_out(head.url, endpoint), 15, what="the split out with its member named")
     assert 0 < trouble["since"] - killed_wall <= 5.0, trouble
     assert f"member {endpoint}" in trouble["cause"]
     for t in threads:
@@ -185,13 +186,7 @@ def test_a_member_s_cable_pulled_while_streams_run_takes_the_replica_out_and_plu
     pulled_wall = time.time()
     member_box.link_down()  # no FIN, no RST: the head's data to the member goes unanswered
 
-    def out_named() -> dict | None:
-        for t in httpx.get(head.url + "/health", timeout=2).json().get("runtimes_out", []):
-            if t["runtime"] == "split" and endpoint in t["cause"]:
-                return t
-        return None
-
-    trouble = wait_until(out_named, 15, what="the split out with its member named in /health")
+    trouble = wait_until(lambda: split_out(head.url, endpoint), 15, what="the split out with its member named")
     assert 0 < trouble["since"] - pulled_wall <= 5.0 and "does not answer" in trouble["cause"], trouble
     for t in threads:
         t.join(15)
@@ -199,6 +194,23 @@ def test_a_member_s_cable_pulled_while_streams_run_takes_the_replica_out_and_plu
     for o in outs:
         last = orjson.loads(o["events"][-1].removeprefix(b"data:").strip())
         assert "error" in last, o["events"][-3:]
+    member_box.link_up()
+    wait_until(lambda: head.runtimes()["split"]["split"]["state"] == "serving", 180,
+               what="the split back once its member's cable is back")
+    assert chat(head.url).strip()
+
+
+def test_an_idle_head_notices_its_member_s_cable_pulled_within_5_s(split):
+    """No request in flight: the head sends nothing for the kernel to retransmit, so only the
+    keepalive set on its member connections (runtimes/tcp_conns.py) can tell the link is gone."""
+    net, head, _, endpoint, _ = split
+    assert chat(head.url).strip()  # served, then idle
+    member_box = net.boxes[1]
+    pulled_wall = time.time()
+    member_box.link_down()
+    trouble = wait_until(lambda: split_out(head.url, endpoint), 15, what="the idle split out with its member named")
+    assert 0 < trouble["since"] - pulled_wall <= 5.0, trouble
+    assert "keepalive probes" in trouble["cause"], trouble
     member_box.link_up()
     wait_until(lambda: head.runtimes()["split"]["split"]["state"] == "serving", 180,
                what="the split back once its member's cable is back")

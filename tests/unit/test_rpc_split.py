@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -20,11 +21,12 @@ import pytest
 
 from passerelle.config import BackendConfig, RpcWorkerConfig, TimeoutConfig, load_config, rpc_endpoint
 from passerelle.errors import ConfigError
-from passerelle.runtimes import rpc
+from passerelle.runtimes import rpc, tcp_conns
 from passerelle.runtimes.breaker import BreakerState
 from passerelle.runtimes.factory import build_runtime
-from passerelle.runtimes.rpc import Conn, GroupState, SplitGroup, judge, parse_tcp_table
+from passerelle.runtimes.rpc import GroupState, SplitGroup, judge
 from passerelle.runtimes.supervisor import ProcState
+from passerelle.runtimes.tcp_conns import Conn, parse_tcp_table
 from passerelle.server.control import render
 from tests.waiting import until
 
@@ -144,7 +146,7 @@ def test_the_head_s_connections_judge_each_member():
         """)
     conns = parse_tcp_table(table)
     assert conns[0] == Conn(remote="0300000A:C3D4", state="01", retransmits=0, inode="111")
-    assert rpc._hex_address("10.0.0.3", 50132) == "0300000A:C3D4"
+    assert tcp_conns.hex_address("10.0.0.3", 50132) == "0300000A:C3D4"
     assert judge(conns, "0300000A:C3D4") == ""  # established: alive
     assert "closed its connection" in (judge(conns, "0400000A:C3D4") or "")  # CLOSE_WAIT: its rpc-server exited
     assert "5 unanswered retransmissions" in (judge(conns, "0500000A:C3D4") or "")  # its cable pulled
@@ -165,12 +167,57 @@ def test_the_head_s_connections_are_read_from_the_kernel_for_ipv4_and_ipv6():
         server.listen(1)
         client = socket.create_connection((host, server.getsockname()[1]), timeout=5)
         held += [server, client]
-        remote = rpc._hex_address(host, server.getsockname()[1])
+        remote = tcp_conns.hex_address(host, server.getsockname()[1])
         assert remote is not None
-        assert judge(rpc.head_connections(os.getpid()), remote) == "", (host, remote)
-    assert rpc._hex_address("::1", 0x1F90) == "00000000000000000000000001000000:1F90"
+        assert judge(tcp_conns.connections(os.getpid()), remote) == "", (host, remote)
+    assert tcp_conns.hex_address("::1", 0x1F90) == "00000000000000000000000001000000:1F90"
     for s in held:
         s.close()
+
+
+def test_an_idle_connection_whose_keepalive_probes_go_unanswered_is_a_lost_member():
+    row = "   0: 0200000A:9C40 0300000A:C3D4 01 00000000:00000000 02:0000005E 00000000     0        {} 111 1"
+    answered, silent = parse_tcp_table("header\n" + row.format(1)), parse_tcp_table("header\n" + row.format(2))
+    assert answered[0].probes == 1 and judge(answered, "0300000A:C3D4") == ""  # one probe out: not yet
+    assert "2 unanswered keepalive probes" in (judge(silent, "0300000A:C3D4") or "")
+
+
+def test_keepalive_is_set_on_another_process_s_connection_which_goes_on_working(tmp_path):
+    """A child process stands for the head: its idle connection to a listener here gets keepalive
+    (the kernel's keepalive timer runs on it, in /proc), and the child's socket still works after
+    the copy used to set it was closed."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""\
+        import socket, sys
+        c = socket.create_connection(("127.0.0.1", {port}))
+        sys.stdin.readline()
+        c.sendall(b"still here")
+        sys.stdin.readline()
+        """)], stdin=subprocess.PIPE)
+    try:
+        peer, _ = server.accept()
+        remote = tcp_conns.hex_address("127.0.0.1", port)
+        conns = [c for c in tcp_conns.connections(child.pid) if c.remote == remote]
+        assert len(conns) == 1 and conns[0].state == "01"
+
+        def timer() -> str:
+            table = Path(f"/proc/{child.pid}/net/tcp").read_text()
+            return next(line.split()[5][:2] for line in table.splitlines() if line.split()[9] == conns[0].inode)
+
+        assert timer() == "00"  # idle, no timer: a pulled cable would go unseen
+        assert tcp_conns.arm_keepalive(child.pid, {conns[0].inode}) == {conns[0].inode}
+        assert timer() == "02"  # the keepalive timer runs on the child's socket
+        assert child.stdin is not None
+        child.stdin.write(b"\n")
+        child.stdin.flush()
+        peer.settimeout(10)
+        assert peer.recv(64) == b"still here"
+        peer.close()
+    finally:
+        child.kill()
+        child.communicate()  # (closes its stdin pipe too)
+        server.close()
 
 
 # -- the group against a real head process and a real member socket -----------------------------
