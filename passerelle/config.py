@@ -463,7 +463,8 @@ class RoutingConfig:
     # Where coding agents and front-ends name their session (first found wins): headers, then body
     # fields (dotted paths). The session keeps a conversation on one replica, and is logged hashed.
     session_headers: tuple[str, ...] = ("x-claude-code-session-id", "session-id", "session_id")
-    session_fields: tuple[str, ...] = ("prompt_cache_key", "session_id", "metadata.user_id", "user")
+    # (opencode sends its session as promptCacheKey, camel case, with its provider's setCacheKey on)
+    session_fields: tuple[str, ...] = ("prompt_cache_key", "promptCacheKey", "session_id", "metadata.user_id", "user")
     max_session_in_flight: int = 16  # requests of one session at once; past it: 429 session_limit (0: no cap)
     affinity_max_bytes: int = 8 * 1024 * 1024  # memory of which replica served a conversation; oldest forgotten
 

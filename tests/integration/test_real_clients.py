@@ -81,7 +81,8 @@ def opencode_config(url: str, model: str) -> str:
     return json.dumps({
         "$schema": "https://opencode.ai/config.json",
         "provider": {"passerelle": {"npm": "@ai-sdk/openai-compatible", "name": "passerelle",
-                                    "options": {"baseURL": f"{url}/v1", "apiKey": f"{{env:{KEY_ENV}}}"},
+                                    "options": {"baseURL": f"{url}/v1", "apiKey": f"{{env:{KEY_ENV}}}",
+                                                "setCacheKey": True},  # (its session named: promptCacheKey)
                                     "models": {model: {"name": model}}}},
         "model": f"passerelle/{model}", "autoupdate": False, "share": "disabled"}, indent=2)
 
@@ -407,6 +408,10 @@ def test_opencode_runs_a_tool_and_sends_its_result_back_through_the_gateway(tool
     lines = check_traffic(tool_gateway, box, "chat")
     assert len([r for r in lines if r["endpoint"] == "chat"]) == len(
         [r for r in scripted.requests() if r["path"] == "/v1/chat/completions"])
+    # the turns that carry tools name opencode's session (promptCacheKey): one session, kept
+    # together (affinity, a held slot and saved KV on llama-server), hashed in the log
+    turns = [r for r in lines if r["endpoint"] == "chat" and r.get("session")]
+    assert len(turns) >= 2 and len({r["session"] for r in turns}) == 1, lines
 
 
 def test_the_pinned_clients_are_the_ones_installed(bins, box):

@@ -30,6 +30,7 @@ def scope(**headers: str) -> dict:
     ({"session_id": "cc-1"}, {}, "session_id"),  # Codex's other spelling
     ({"x-session-id": "cc-1"}, {}, "x-session-id"),  # the [routing] session_header
     ({}, {"prompt_cache_key": "cc-1", "user": "ada"}, "prompt_cache_key"),  # Codex, OpenAI
+    ({}, {"promptCacheKey": "cc-1", "user": "ada"}, "promptCacheKey"),  # opencode with setCacheKey
     ({}, {"metadata": {"user_id": "cc-1"}}, "metadata.user_id"),  # Anthropic (Claude Code)
     ({}, {"user": "cc-1"}, "user"),
 ])
