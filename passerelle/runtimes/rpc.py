@@ -23,11 +23,12 @@ While SERVING the head's own TCP connections to each member are read from ``/pro
 250 ms, tcp_conns.py): a connection the member closed (its rpc-server died: the kernel sent FIN)
 or one that retransmits unanswered (its box or link is gone) is a lost member; an idle head sends
 nothing to retransmit, so keepalive is turned on for its member connections and unanswered
-probes say the same; with no connection at all the member's port is tried (refused: lost). A lost member takes the replica out at once: the backend
-is marked down with the member named, its breaker opened, and the head is killed, since llama.cpp
-would abort at its next step (or, with a pulled cable, wait forever): the streams in flight end
-with an error event. The supervisor's restart then waits here (WAITING) until every member
-answers again, polling their ports with backoff, and launches the head again.
+probes say the same; with no connection at all the member's port is tried (refused: lost). A
+lost member takes the replica out at once: the backend is marked down with the member named, its
+breaker opened, and the head is killed, since llama.cpp would abort at its next step (or, with a
+pulled cable, wait forever): the streams in flight end with an error event. The supervisor's
+restart then waits here (WAITING) until every member answers again, polling their ports with
+backoff, and launches the head again.
 
 An active probe is never made while the head holds a member: ``rpc-server`` serves one client at
 a time with a listen backlog of one, so probes would queue behind the head and then time out.
