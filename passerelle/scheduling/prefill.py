@@ -89,6 +89,7 @@ class PrefillBook:
             while len(self._rates) > MAX_RUNTIMES:
                 self._rates.popitem(last=False)
             return
+        self._rates.move_to_end(name)
         dt, dn = seconds - r.seconds, tokens - r.tokens
         if dn < MIN_TOKENS or dt <= 0:
             return
