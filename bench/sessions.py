@@ -14,6 +14,7 @@ another's cache):
 * **base** (with ``--also-src DIR``): the same as *on*, from another source tree (e.g. a checkout of
   main), with a llama-server of its own started with the same flags: an A/B in one run, the arms
   interleaved, where two runs on a shared machine would differ by more than the change;
+  ``--access-log`` shows where the passerelle arms' later turns spent their TTFT (its queue or upstream);
 * **vllm-router**: vllm-router 0.1.17 ``--enable-program-scheduling`` in front of a CPU vLLM (the
   tiny random-weight Llama of ``make setup-vllm``: another model, so compare its cache share, not
   its times); skipped, with the reason, where it cannot run.
@@ -174,6 +175,22 @@ def start_router(work: Path, worker: str) -> Service:
                                  "--port", str(port), "--enable-program-scheduling"], work, url=f"http://127.0.0.1:{port}")
 
 
+def waits(log: Path) -> str:
+    """From a gateway's access log: where its later turns (those with cached tokens) spent their
+    TTFT, in passerelle's queue or upstream (p50 / p95)."""
+    queue, upstream = [], []
+    for line in log.read_bytes().splitlines():
+        if line.startswith(b"{") and b'"queue_ms"' in line:
+            rec = orjson.loads(line)
+            if rec.get("cached_tokens") and rec.get("ttft_ms") is not None:
+                queue.append(rec["queue_ms"] / 1000)
+                upstream.append((rec["ttft_ms"] - rec["queue_ms"]) / 1000)
+    if not queue:
+        return "no access log lines"
+    return (f"later turns' queue wait in passerelle p50 {pct(queue, 50):.1f} / p95 {pct(queue, 95):.1f} s, "
+            f"the rest of TTFT (KV save/restore, upstream) p50 {pct(upstream, 50):.1f} / p95 {pct(upstream, 95):.1f} s")
+
+
 def reordered(gateway: str) -> float | None:
     """The gateway's ``passerelle_prefill_first_total`` so far (None: it has no such metric)."""
     import re
@@ -207,6 +224,8 @@ def main() -> int:
     ap.add_argument("--vllm-start-s", type=float, default=900, help="how long vLLM may take to start")
     ap.add_argument("--json", type=Path, help="write the results here too")
     ap.add_argument("--also-src", type=Path, help="the 'base' arm runs passerelle from this source tree")
+    ap.add_argument("--access-log", action="store_true",
+                    help="the passerelle arms write their access log: show where later turns waited")
     args = ap.parse_args()
     lo, _, hi = args.think.partition(":")
     args.think = (float(lo), float(hi or lo))
@@ -220,7 +239,8 @@ def main() -> int:
               "-np", str(args.slots), "-c", str(args.slots * ctx), "-t", str(args.threads), "--metrics", "--slots",
               "--no-webui", "--swa-full", "--cache-ram", str(args.cache_ram)]
     on = work / "on.toml"
-    on.write_text("[server]\naccess_log = false\n[[backends]]\nname = \"llama\"\nkind = \"llama-server\"\n"
+    log = "true" if args.access_log else "false"
+    on.write_text(f"[server]\naccess_log = {log}\n[[backends]]\nname = \"llama\"\nkind = \"llama-server\"\n"
                   f"launch = {json.dumps(launch)}\nmodels = [\"{MODEL}\"]\nmax_concurrency = {args.slots}\n"
                   "ready_timeout_s = 300\n")
     procs: list[Service] = []
@@ -301,6 +321,10 @@ def main() -> int:
               f"| {60 * r['turns'] / r['wall_s']:.1f} | {r['sent'] / r['wall_s']:.0f} | {len(r['failed'])} |")
     for name, why in notes.items():
         print(f"| {name} | - | - | - | - | - | - | - |  ({why})")
+    if args.access_log:
+        for name, svc in (("on", "passerelle-on"), ("base", "passerelle-base")):
+            if name in results:
+                print(f"{name}: " + waits(work / f"{svc}.log"))
     moved = {n: r["reordered"] for n, r in results.items() if r.get("reordered") is not None}
     if moved:
         print("\nstarted before an earlier request for less prompt to compute (passerelle_prefill_first_total): "
