@@ -10,8 +10,10 @@ cached, computes only the tool result it adds. The scheduler uses this cost (sch
   longer passed over by a cheaper one (FIFO again), so an expensive request waits at most that much
   longer than first-come-first-served would make it. Which tenant goes next (fair share) and which
   class (priorities, aging) are decided before the cost and are unchanged;
-* **placement**: among the replicas a request may start on now, equally loaded, the one where its
-  prompt is cached (or whose rate is higher) costs less.
+* **placement**: a turn waits for its busier home replica (where its prefix is cached) while the
+  places ahead of it there drain sooner than its cached part would be computed elsewhere; among
+  the replicas a request may start on now, equally loaded, the one where its prompt is cached (or
+  whose rate is higher) costs less.
 
 **Rate** (tokens/s), per runtime, from the runtime's own timings: llama-server's cumulative
 ``llamacpp:prompt_tokens_total`` and ``llamacpp:prompt_seconds_total`` (its ``/metrics``, scraped

@@ -132,6 +132,7 @@ class Scheduler:
         self.served_tokens: dict[str, float] = {}  # tenant -> weighted tokens, for reports
         self._seq = itertools.count()
         self._drain = _DrainRate()
+        self._drains: dict[str, _DrainRate] = {}  # per replica: how fast a place in its queue moves
         self._vtime = 0.0  # counter of the tenant dispatched last: where a newcomer starts
         self.affinity: OrderedDict[str, str] = OrderedDict()  # conversation/session -> replica name
         self._rr = itertools.count()
@@ -499,10 +500,12 @@ class Scheduler:
 
         A job with an affinity (a conversation, a session) goes to its home replica, the one that
         served it before and holds its prompt cache, while home is at most ``affinity_slack`` of
-        its slots busier than the least loaded replica, counting requests queued for each; if home
-        is full within that bound, the job waits for it rather than recompute its prompt elsewhere.
-        Past the bound it spills to the least loaded replica (prefix-only routing collapses under
-        skew). Other jobs go to the least loaded replica, or the next in turn (``round_robin``).
+        its slots busier than the least loaded replica, counting requests queued for each, or busier
+        still while the places ahead at home drain sooner than its cached prompt would be computed
+        elsewhere (:meth:`_miss_slack`); if home is full within that bound, the job waits for it
+        rather than recompute its prompt elsewhere. Past the bound it spills to the least loaded
+        replica (prefix-only routing collapses under skew). Other jobs go to the least loaded
+        replica (equally loaded: where its prompt costs least), or the next in turn (``round_robin``).
         """
         now = self.clock()
         usable = []
@@ -556,14 +559,25 @@ class Scheduler:
             def pending(b: Backend) -> float:
                 return (b.in_flight + queued.get(b.name, 0)) / b.capacity
 
-            others = min(pending(b) for b in usable if b is not home)
-            if pending(home) <= others + self.affinity_slack:
+            over = pending(home) - min(pending(b) for b in usable if b is not home) - self.affinity_slack
+            if over <= 0 or over <= self._miss_slack(job, home, usable):
                 return home if home in free else None
         if not free:
             return None
         if len(free) > 1 and job.est_prompt_tokens:  # equally loaded: where its prompt costs least
             return min(free, key=lambda b: (b.in_flight / b.capacity, self._prefill_s(job, b)))
         return min(free, key=lambda b: b.in_flight / b.capacity)
+
+    def _miss_slack(self, job: Job, home: Backend, usable: list[Backend]) -> float:
+        """How much busier than the others (in ``pending`` units) ``home`` may be before ``job``
+        spills, beyond ``affinity_slack``, for its prompt cached there: the places in home's queue
+        that drain (at home's recent dispatch rate) within what computing its cached part again
+        elsewhere would cost. 0 for a job with nothing cached at home, or a home with no recent rate."""
+        drain = self._drains.get(home.name)
+        if drain is None or not job.est_prompt_tokens or not self._cached_on(job, home):
+            return 0.0
+        miss = min(self._prefill_s(job, b) for b in usable if b is not home) - self._prefill_s(job, home)
+        return max(0.0, miss) * drain.rate(self.clock()) / home.capacity
 
     def _home_key(self, job: Job) -> str:
         """What ``job``'s replica and slot affinity is kept by: its session, else its conversation."""
@@ -711,5 +725,9 @@ class Scheduler:
                 self.prefill.deferred += 1  # it went before an earlier request of its tenant and class
         self._vtime = t.counter
         self._drain.add(now)
+        drain = self._drains.get(backend.name)
+        if drain is None:
+            drain = self._drains[backend.name] = _DrainRate()
+        drain.add(now)
         if job.future is not None and not job.future.done():
             job.future.set_result(backend)

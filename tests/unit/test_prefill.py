@@ -146,3 +146,21 @@ async def test_a_request_goes_where_its_prompt_costs_least_among_equally_loaded_
     busy = job([slow, fast], est_prompt_tokens=0)  # no prompt to weigh: the least loaded
     s.submit(busy)
     assert busy.backend is slow
+
+
+async def test_a_turn_waits_for_its_busier_home_while_its_queue_drains_sooner_than_the_miss_costs():
+    for cached, stays in ((2000, True), (100, False)):
+        clock = Clock()
+        s = make(clock, affinity_slack=0.5)
+        home, other = FakeBackend(name="home", capacity=2), FakeBackend(name="other", capacity=2)
+        served(s, home, "conv", cached)  # dispatched at t=0, on home
+        fillers = [job([home], tenant="x", est_prompt_tokens=10) for _ in range(3)]
+        for f in fillers:  # two run at t=0, one waits: home (2 + 1) / 2 = 1.5 busier than other
+            s.submit(f)
+        clock.now += 10  # home dispatched 3 in the last 10 s: a place in its queue drains in 3.3 s
+        turn = job([home, other], affinity="conv", est_prompt_tokens=2100)
+        s.submit(turn)
+        # elsewhere its whole prompt, 2100 tokens (10.5 s at the prior rate); at home what it adds:
+        # with 2000 cached, 100 (0.5 s): 10 s saved, more than the 1 place of home's queue
+        # beyond the slack takes (1.0 <= 10 s x 0.3/s / 2 slots); with 100 cached, 0.5 s: it spills
+        assert turn.backend is (None if stays else other)
