@@ -176,13 +176,13 @@ def start_router(work: Path, worker: str) -> Service:
 
 
 def waits(log: Path) -> str:
-    """From a gateway's access log: where its later turns (those with cached tokens) spent their
-    TTFT, in passerelle's queue or upstream (p50 / p95)."""
+    """From a gateway's access log: where its later turns (those that took most of their prompt
+    from the cache) spent their TTFT, in passerelle's queue or upstream (p50 / p95)."""
     queue, upstream = [], []
     for line in log.read_bytes().splitlines():
         if line.startswith(b"{") and b'"queue_ms"' in line:
             rec = orjson.loads(line)
-            if rec.get("cached_tokens") and rec.get("ttft_ms") is not None:
+            if rec.get("ttft_ms") is not None and 2 * (rec.get("cached_tokens") or 0) > (rec.get("prompt_tokens") or 0):
                 queue.append(rec["queue_ms"] / 1000)
                 upstream.append((rec["ttft_ms"] - rec["queue_ms"]) / 1000)
     if not queue:
