@@ -18,12 +18,14 @@ cached, computes only the tool result it adds. The scheduler uses this cost (sch
 **Rate** (tokens/s), per runtime, from the runtime's own timings: llama-server's cumulative
 ``llamacpp:prompt_tokens_total`` and ``llamacpp:prompt_seconds_total`` (its ``/metrics``, scraped
 with its load every poll; the sums of every request's ``timings.prompt_n`` and ``prompt_ms``: only
-tokens computed, not those taken from its cache). Each scrape with new prompt work adds one
-measurement to a moving average. Before a runtime reported any, :data:`PRIOR_TOKENS_PER_S`.
+tokens computed, not those taken from its cache). When a request ends there, the latest scrape's
+totals are compared with those of the last measurement: at least :data:`MIN_TOKENS` more prompt
+tokens make one more measurement of a moving average. Before a runtime reported any,
+:data:`PRIOR_TOKENS_PER_S`.
 
 **Cached tokens**, what passerelle knows without asking the runtime: a conversation or session
-(its affinity key) whose last turn ran on a replica still holding its KV there (a slot that served
-it last, a held slot, or saved KV to restore) has that turn's prompt cached; only what the new
+(its affinity key) whose last turn ran on a replica still holding its KV (a slot that served it
+last, a held slot, or saved KV to restore) has that turn's prompt cached there; only what the new
 prompt adds is computed. A request with no such knowledge counts its whole prompt. Prompts are
 counted with the gateway's cheap estimate from the body (``Job.est_prompt_tokens``), old and new
 alike, so the difference is in one unit.
@@ -34,7 +36,7 @@ conversation (at most ``max_keys``, the least recently seen forgotten first).
 Example::
 
     book = PrefillBook(max_keys=10000)
-    book.observe(backend)                    # after a request ended there: a new measurement?
+    book.observe(backend.name, backend.stats)   # a request ended there: a new measurement?
     book.turn_ended(job.affinity, job.est_prompt_tokens)
     tokens = book.uncached(job.affinity, job.est_prompt_tokens, cached_here=True)
     seconds = tokens / book.rate(backend.name)
