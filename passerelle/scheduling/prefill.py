@@ -7,8 +7,8 @@ cached, computes only the tool result it adds. The scheduler uses this cost (sch
 
 * **admission**: among a tenant's waiting requests of the same (effective) class, the one with the
   smaller expected prefill goes first; one that has waited ``[scheduler] prefill_defer_s`` is no
-  longer passed over by a cheaper one (FIFO again), so an expensive request waits at most that much
-  longer than first-come-first-served would make it. Which tenant goes next (fair share) and which
+  longer passed over by a later one (FIFO again), so an expensive request is passed over for that
+  long at most, and never starves. Which tenant goes next (fair share) and which
   class (priorities, aging) are decided before the cost and are unchanged;
 * **placement**: a turn waits for its busier home replica (where its prefix is cached) while the
   places ahead of it there drain sooner than its cached part would be computed elsewhere; among
