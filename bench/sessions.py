@@ -11,6 +11,10 @@ another's cache):
 * **passerelle off**: through passerelle with ``[sessions] keep_kv = false`` (placement by
   conversation, as before sessions kept their KV);
 * **passerelle on**: through passerelle with session awareness on (held slots, saved and restored KV);
+* **base** (with ``--also-src DIR``): the same as *on*, from another source tree (e.g. a checkout of
+  main), with a llama-server of its own started with the same flags: an A/B in one run, the arms
+  interleaved, where two runs on a shared machine would differ by more than the change;
+  ``--access-log`` shows where the passerelle arms' later turns spent their TTFT (its queue or upstream);
 * **vllm-router**: vllm-router 0.1.17 ``--enable-program-scheduling`` in front of a CPU vLLM (the
   tiny random-weight Llama of ``make setup-vllm``: another model, so compare its cache share, not
   its times); skipped, with the reason, where it cannot run.
@@ -31,7 +35,7 @@ The defaults fit a run of about 10 minutes on 2 shared cores (prompt processing 
 tokens/s); on a real box give the sizes of its agents, e.g. ``--start 2000 --grow 1200`` (2 k -> 8 k).
 
     .venv/bin/python bench/sessions.py [--sessions 8] [--slots 4] [--turns 6] [--start 512]
-        [--grow 128] [--think 10:20] [--arms direct,off,on,vllm-router]
+        [--grow 128] [--think 10:20] [--arms direct,off,on,vllm-router] [--also-src DIR --arms base,on,...]
 """
 
 from __future__ import annotations
@@ -171,6 +175,32 @@ def start_router(work: Path, worker: str) -> Service:
                                  "--port", str(port), "--enable-program-scheduling"], work, url=f"http://127.0.0.1:{port}")
 
 
+def waits(log: Path) -> str:
+    """From a gateway's access log: where its later turns (those that took most of their prompt
+    from the cache) spent their TTFT, in passerelle's queue or upstream (p50 / p95)."""
+    queue, upstream = [], []
+    for line in log.read_bytes().splitlines():
+        if line.startswith(b"{") and b'"queue_ms"' in line:
+            rec = orjson.loads(line)
+            if rec.get("ttft_ms") is not None and 2 * (rec.get("cached_tokens") or 0) > (rec.get("prompt_tokens") or 0):
+                queue.append(rec["queue_ms"] / 1000)
+                upstream.append((rec["ttft_ms"] - rec["queue_ms"]) / 1000)
+    if not queue:
+        return "no access log lines"
+    return (f"later turns' queue wait in passerelle p50 {pct(queue, 50):.1f} / p95 {pct(queue, 95):.1f} s, "
+            f"the rest of TTFT (KV save/restore, upstream) p50 {pct(upstream, 50):.1f} / p95 {pct(upstream, 95):.1f} s")
+
+
+def reordered(gateway: str) -> float | None:
+    """The gateway's ``passerelle_prefill_first_total`` so far (None: it has no such metric)."""
+    import re
+
+    import httpx
+
+    m = re.search(r"^passerelle_prefill_first_total (\S+)$", httpx.get(gateway + "/metrics", timeout=10).text, re.M)
+    return float(m.group(1)) if m else None
+
+
 def backend_url(gateway: Service) -> str:
     """The URL passerelle launched its llama-server on (``/admin/stats``)."""
     import httpx
@@ -193,6 +223,9 @@ def main() -> int:
     ap.add_argument("--arms", default="direct,off,on,vllm-router")
     ap.add_argument("--vllm-start-s", type=float, default=900, help="how long vLLM may take to start")
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("--also-src", type=Path, help="the 'base' arm runs passerelle from this source tree")
+    ap.add_argument("--access-log", action="store_true",
+                    help="the passerelle arms write their access log: show where later turns waited")
     args = ap.parse_args()
     lo, _, hi = args.think.partition(":")
     args.think = (float(lo), float(hi or lo))
@@ -206,7 +239,8 @@ def main() -> int:
               "-np", str(args.slots), "-c", str(args.slots * ctx), "-t", str(args.threads), "--metrics", "--slots",
               "--no-webui", "--swa-full", "--cache-ram", str(args.cache_ram)]
     on = work / "on.toml"
-    on.write_text("[server]\naccess_log = false\n[[backends]]\nname = \"llama\"\nkind = \"llama-server\"\n"
+    log = "true" if args.access_log else "false"
+    on.write_text(f"[server]\naccess_log = {log}\n[[backends]]\nname = \"llama\"\nkind = \"llama-server\"\n"
                   f"launch = {json.dumps(launch)}\nmodels = [\"{MODEL}\"]\nmax_concurrency = {args.slots}\n"
                   "ready_timeout_s = 300\n")
     procs: list[Service] = []
@@ -228,6 +262,12 @@ def main() -> int:
         procs.append(gw_on)
         gw_on.wait_ready("/ready", 300)
         runtime = backend_url(gw_on)
+        targets = {"on": gw_on.url}
+        if args.also_src and "base" in arms:
+            gw_base = serve(work, on, name="passerelle-base", src=args.also_src)
+            procs.append(gw_base)
+            gw_base.wait_ready("/ready", 300)
+            targets["base"] = gw_base.url
         off = work / "off.toml"
         off.write_text("[server]\naccess_log = false\n[sessions]\nkeep_kv = false\n[[backends]]\nname = \"llama\"\n"
                        f"kind = \"llama-server\"\nurl = \"{runtime}\"\nmodels = [\"{MODEL}\"]\n"
@@ -235,13 +275,15 @@ def main() -> int:
         gw_off = serve(work, off, name="passerelle-off", src=ROOT)
         procs.append(gw_off)
         gw_off.wait_ready("/ready", 120)
-        targets = {"direct": runtime, "off": gw_off.url, "on": gw_on.url}
+        targets.update(direct=runtime, off=gw_off.url)
         print("single session alone, direct", file=sys.stderr, flush=True)
         single = asyncio.run(run_arm(runtime, MODEL, args, "single", 1, think=(0.0, 0.0)))
         order = [a for a in arms if a in targets]
         for i, name in enumerate(order):
             print(f"arm: {name}", file=sys.stderr, flush=True)
             results[name] = asyncio.run(run_arm(targets[name], MODEL, args, f"{name}{i}", args.sessions))
+            if name != "direct":
+                results[name]["reordered"] = reordered(targets[name])
             if args.json:  # (as it goes: a run cut short keeps what it measured)
                 args.json.write_text(json.dumps({"single": single, "results": results}, default=str))
         if peers:
@@ -279,6 +321,14 @@ def main() -> int:
               f"| {60 * r['turns'] / r['wall_s']:.1f} | {r['sent'] / r['wall_s']:.0f} | {len(r['failed'])} |")
     for name, why in notes.items():
         print(f"| {name} | - | - | - | - | - | - | - |  ({why})")
+    if args.access_log:
+        for name, svc in (("on", "passerelle-on"), ("base", "passerelle-base")):
+            if name in results:
+                print(f"{name}: " + waits(work / f"{svc}.log"))
+    moved = {n: r["reordered"] for n, r in results.items() if r.get("reordered") is not None}
+    if moved:
+        print("\nstarted before an earlier request for less prompt to compute (passerelle_prefill_first_total): "
+              + ", ".join(f"{n} {v:g}" for n, v in moved.items()))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
                                          "single": single, "results": results, "notes": notes}, default=str))

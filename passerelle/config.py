@@ -367,6 +367,10 @@ class SchedulerConfig:
     preemption: bool = True
     preempt_after_ms: float = 50.0
     min_run_s: float = 2.0  # a stream is not suspended twice within this
+    # Within a tenant and class, the request with less prompt to compute (its uncached tokens over
+    # the runtime's measured prefill rate, scheduling/prefill.py) goes first; one that has waited
+    # this long is passed over no more. 0: first come, first served.
+    prefill_defer_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -775,6 +779,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
            key="scheduler.hold_s", text=text, header="scheduler", field_name="hold_s")
     _check(0 <= sections["scheduler"].preempt_after_ms <= 60_000, "expected milliseconds between 0 and 60000",
            file=file, key="scheduler.preempt_after_ms", text=text, header="scheduler", field_name="preempt_after_ms")
+    _check(sections["scheduler"].prefill_defer_s >= 0, "expected zero or a positive number of seconds", file=file,
+           key="scheduler.prefill_defer_s", text=text, header="scheduler", field_name="prefill_defer_s")
     _check(sections["scheduler"].min_run_s >= 0, "expected zero or a positive number of seconds", file=file,
            key="scheduler.min_run_s", text=text, header="scheduler", field_name="min_run_s")
     _check(sections["scheduler"].max_tenants >= 100, "expected at least 100", file=file,

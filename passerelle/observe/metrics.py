@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from passerelle.errors import Cause
+from passerelle.observe.prefill_metrics import PrefillCollector
 from passerelle.observe.record import RequestRecord
 from passerelle.observe.session_metrics import SessionKvCollector
 
@@ -166,6 +167,8 @@ class Metrics:
             "passerelle_trace_exporter_restarts", "Times [tracing]'s exporter process died and was started again.", r)
         # sessions' KV (scheduling/session_kv.py): its counts, read when scraped
         self.sessions = SessionKvCollector(r)
+        # the scheduler's prefill costs (scheduling/prefill.py): rates and reorderings, read when scraped
+        self.prefill = PrefillCollector(r)
         self._children: dict[tuple[str, ...], RequestChildren] = {}
         self._labelled: dict[tuple[object, ...], Any] = {}  # (metric, *label values) -> child: labelled()
         # Which tenants get a label of their own (the app answers: those of the API keys); every

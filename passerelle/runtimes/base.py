@@ -42,6 +42,10 @@ class BackendStats:
     scraped_at: float = 0.0
     error: str = ""
     extra: dict[str, float] = field(default_factory=dict)
+    # prompt tokens the runtime computed (not taken from its cache), and the seconds it took, since
+    # it started (its own timings: scheduling/prefill.py learns its prefill rate from them)
+    prompt_tokens_total: float | None = None
+    prompt_seconds_total: float | None = None
 
 
 class Backend:

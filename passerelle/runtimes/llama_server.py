@@ -195,3 +195,6 @@ class LlamaServerBackend(Backend):
                 stats.kv_cache_usage_ratio = samples["llamacpp:kv_cache_usage_ratio"]
             if stats.slots_busy is None and "llamacpp:requests_processing" in samples:
                 stats.slots_busy = int(samples["llamacpp:requests_processing"])
+            # the sums of every request's timings.prompt_n and prompt_ms (cached tokens not counted)
+            stats.prompt_tokens_total = samples.get("llamacpp:prompt_tokens_total")
+            stats.prompt_seconds_total = samples.get("llamacpp:prompt_seconds_total")

@@ -114,6 +114,7 @@ class Job:
     suspended_at: float = -math.inf  # when it was last suspended (churn: preemption's min_run_s)
     resume_slot: int | None = None  # the slot it held when suspended: its prompt cache is there
     kv: KvPlan | None = None  # a session's KV to save/restore on its slot before it is sent (session_kv.py)
+    prefill_s: float = 0.0  # its prompt's expected compute time where it would run best (prefill.py), at submit
 
     def to(self, state: JobState) -> None:
         """Move to ``state``; a transition the diagram above does not have is a bug."""

@@ -4,7 +4,7 @@ passerelle, not the runtime's first-come-first-served queue, decides the order: 
 gets more requests than its capacity (its slots), and the rest wait here. When a slot frees or a
 request arrives, the waiting request with the smallest key is dispatched to a replica that fits:
 
-    key = (effective rank, tenant's virtual counter, arrival order)
+    key = (effective rank, tenant's virtual counter, expected prefill, arrival order)
 
 * effective rank: the class's rank (``interactive`` 0 < ``standard`` 1 < ``batch`` 2) minus one
   for every ``aging_s`` waited, so that nothing starves;
@@ -12,7 +12,11 @@ request arrives, the waiting request with the smallest key is dispatched to a re
   OSDI 2024): service a tenant received, in weighted tokens, divided by its weight. The backlogged
   tenant that has received least goes next. A tenant that returns from idle is lifted to the
   smallest counter among backlogged tenants, so idle time banks no credit;
-* arrival order: FIFO within a tenant.
+* expected prefill (prefill.py): within a tenant and class, the request with less prompt to
+  compute (not cached where it runs, over the runtime's measured rate) first, so that a session's
+  cheap next turn does not wait behind another's cold opening prompt; 0 once a request waited
+  ``prefill_defer_s``, so an expensive one is passed over for that long at most;
+* arrival order: FIFO within a tenant otherwise.
 
 A class may hold only a share of a backend's slots (``slot_share``), so that a request of a better
 class finds a slot free. With preemption (preemption.py, on by default) batch may hold every slot:
@@ -57,6 +61,7 @@ from passerelle.errors import NoBackend, QueueFull, QueueTimeout, TenantQueueFul
 from passerelle.runtimes.kinds import Backend
 from passerelle.scheduling.job import OUTPUT_WEIGHT, PROMPT_WEIGHT, Job, JobState, Suspendable
 from passerelle.scheduling.preemption import PreemptionCounts, PreemptionPolicy, Preemptor
+from passerelle.scheduling.prefill import PrefillBook
 from passerelle.scheduling.session_kv import SessionKv
 from passerelle.scheduling.slots import SlotMap
 
@@ -127,6 +132,7 @@ class Scheduler:
         self.served_tokens: dict[str, float] = {}  # tenant -> weighted tokens, for reports
         self._seq = itertools.count()
         self._drain = _DrainRate()
+        self._drains: dict[str, _DrainRate] = {}  # per replica: how fast a place in its queue moves
         self._vtime = 0.0  # counter of the tenant dispatched last: where a newcomer starts
         self.affinity: OrderedDict[str, str] = OrderedDict()  # conversation/session -> replica name
         self._rr = itertools.count()
@@ -140,6 +146,8 @@ class Scheduler:
         # Sessions keep their KV (session_kv.py): held slots, saves and restores; [sessions] is
         # applied by sessions.configure
         self.sessions = SessionKv(SessionsConfig())
+        # Per runtime its measured prefill rate, per conversation what its last turn left cached
+        self.prefill = PrefillBook()
         self._wake_at = math.inf  # the earliest open breaker seen by the last dispatch
         self._wake_timer: asyncio.TimerHandle | None = None
         self._wake_timer_at = math.inf
@@ -159,6 +167,8 @@ class Scheduler:
         self.policy = routing.policy  # "least_loaded" (with affinity) or "round_robin"
         self.affinity_slack = routing.affinity_slack  # how much busier than the least loaded an affine replica may be
         self.affinity_max_entries = routing.affinity_max_bytes // AFFINITY_ENTRY_BYTES
+        self.prefill_defer_s = cfg.prefill_defer_s
+        self.prefill.configure(self.affinity_max_entries)
         while len(self.affinity) > self.affinity_max_entries:
             self.affinity.popitem(last=False)
         if len(self.tenants) > self.max_tenants:
@@ -221,9 +231,14 @@ class Scheduler:
         t.waiting += 1
         if len(self.tenants) > self.max_tenants:
             self._forget_idle_tenants()
+        queued = bool(self.waiting)
+        if queued:  # (alone in the queue, its cost orders nothing: it is weighed only if it stays)
+            self._expect_prefill(job)
         self.waiting.append(job)
         self.dispatch()
         if job.backend is None:
+            if not queued:
+                self._expect_prefill(job)
             if self.preemptor is not None:
                 self.preemptor.arm()
             if self.on_change:
@@ -311,6 +326,9 @@ class Scheduler:
             return
         self._free(job, b, ended=True)
         job.to(JobState.DONE)
+        self.prefill.observe(b.name, b.stats)
+        if home := self._home_key(job):
+            self.prefill.turn_ended(home, job.est_prompt_tokens)
         t = self.tenants[job.tenant]
         t.running -= 1
         now = t.released_at = self.clock()
@@ -482,10 +500,12 @@ class Scheduler:
 
         A job with an affinity (a conversation, a session) goes to its home replica, the one that
         served it before and holds its prompt cache, while home is at most ``affinity_slack`` of
-        its slots busier than the least loaded replica, counting requests queued for each; if home
-        is full within that bound, the job waits for it rather than recompute its prompt elsewhere.
-        Past the bound it spills to the least loaded replica (prefix-only routing collapses under
-        skew). Other jobs go to the least loaded replica, or the next in turn (``round_robin``).
+        its slots busier than the least loaded replica, counting requests queued for each, or busier
+        still while the places ahead at home drain sooner than its cached prompt would be computed
+        elsewhere (:meth:`_miss_slack`); if home is full within that bound, the job waits for it
+        rather than recompute its prompt elsewhere. Past the bound it spills to the least loaded
+        replica (prefix-only routing collapses under skew). Other jobs go to the least loaded
+        replica (equally loaded: where its prompt costs least), or the next in turn (``round_robin``).
         """
         now = self.clock()
         usable = []
@@ -523,7 +543,7 @@ class Scheduler:
                 free.append(b)
         if self.policy == "round_robin":
             return free[next(self._rr) % len(free)] if free else None
-        home_key = job.session if job.session and self.sessions.on else job.affinity
+        home_key = self._home_key(job)
         home_name = self.affinity.get(home_key) if home_key else None
         home = next((b for b in usable if b.name == home_name), None)
         if home is not None and len(usable) > 1:
@@ -531,7 +551,7 @@ class Scheduler:
             for j in self.waiting:  # queued for a replica: homed there, or it is their only one
                 if j is job:
                     continue
-                k = j.session if j.session and self.sessions.on else j.affinity
+                k = self._home_key(j)
                 name = self.affinity.get(k) if k else (j.pool[0].name if len(j.pool) == 1 else None)
                 if name is not None:
                     queued[name] = queued.get(name, 0) + 1
@@ -539,17 +559,66 @@ class Scheduler:
             def pending(b: Backend) -> float:
                 return (b.in_flight + queued.get(b.name, 0)) / b.capacity
 
-            others = min(pending(b) for b in usable if b is not home)
-            if pending(home) <= others + self.affinity_slack:
+            over = pending(home) - min(pending(b) for b in usable if b is not home) - self.affinity_slack
+            if over <= 0 or over <= self._miss_slack(job, home, usable):
                 return home if home in free else None
         if not free:
             return None
+        if len(free) > 1 and job.est_prompt_tokens:  # equally loaded: where its prompt costs least
+            return min(free, key=lambda b: (b.in_flight / b.capacity, self._prefill_s(job, b)))
         return min(free, key=lambda b: b.in_flight / b.capacity)
 
+    def _miss_slack(self, job: Job, home: Backend, usable: list[Backend]) -> float:
+        """How much busier than the others (in ``pending`` units) ``home`` may be before ``job``
+        spills, beyond ``affinity_slack``, for its prompt cached there: the places in home's queue
+        that drain (at home's recent dispatch rate) within what computing its cached part again
+        elsewhere would cost. 0 for a job with nothing cached at home, or a home with no recent rate."""
+        drain = self._drains.get(home.name)
+        if drain is None or not job.est_prompt_tokens or not self._cached_on(job, home):
+            return 0.0
+        miss = min(self._prefill_s(job, b) for b in usable if b is not home) - self._prefill_s(job, home)
+        return max(0.0, miss) * drain.rate(self.clock()) / home.capacity
+
+    def _home_key(self, job: Job) -> str:
+        """What ``job``'s replica and slot affinity is kept by: its session, else its conversation."""
+        return job.session if job.session and self.sessions.on else job.affinity
+
+    def _cached_on(self, job: Job, b: Backend) -> bool:
+        """Does ``b`` hold ``job``'s conversation's KV, as far as passerelle knows: a slot that
+        served it last (or is held for it), or saved KV to restore; without named slots, ``b``
+        served it last (the runtime's own slot choice keeps it)."""
+        key = self._home_key(job)
+        if not key:
+            return False
+        slots = self._slots.get(b.name)
+        if slots is None:
+            return self.affinity.get(key) == b.name
+        if key in slots.key or key in slots.kv:
+            return True
+        return bool(job.session) and self.sessions.on and self.sessions.store.has(job.session, b.name)
+
+    def _expect_prefill(self, job: Job) -> None:
+        """``job.prefill_s``: its prompt's compute time on the replica of its pool where it is least."""
+        if self.prefill_defer_s > 0 and job.est_prompt_tokens:
+            job.prefill_s = min((self._prefill_s(job, b) for b in job.pool if b.name not in job.exclude), default=0.0)
+
+    def _prefill_s(self, job: Job, b: Backend) -> float:
+        """Seconds ``b`` is expected to compute ``job``'s prompt for (prefill.py)."""
+        tokens = self.prefill.uncached(self._home_key(job), job.est_prompt_tokens, cached_here=self._cached_on(job, b))
+        return tokens / self.prefill.rate(b.name)
+
     def place(self, job: Job, now: float) -> tuple[float, float, int]:
-        """``job``'s place in the order at ``now`` (smaller goes first): see the module docstring."""
+        """``job``'s place by class and fair share at ``now`` (smaller goes first; what preemption
+        and the swapper compare): the module docstring's key without the expected prefill."""
         promoted = int((now - job.enqueued_at) // self.aging_s) if self.aging_s > 0 else 0
         return (job.cls.rank - promoted, self.tenants[job.tenant].counter, job.seq)
+
+    def order(self, job: Job, now: float) -> tuple[float, float, float, int]:
+        """``job``'s place in the dispatch order at ``now`` (smaller goes first): the module
+        docstring's key, its expected prefill counted until it waited ``prefill_defer_s``."""
+        rank, counter, seq = self.place(job, now)
+        prefill = job.prefill_s if now - job.enqueued_at < self.prefill_defer_s else 0.0
+        return (rank, counter, prefill, seq)
 
     def dispatch(self) -> None:
         """Start every waiting job that can start now, best key first."""
@@ -557,12 +626,12 @@ class Scheduler:
         while self.waiting:
             now = self.clock()
             best: Job | None = None
-            best_key: tuple[float, float, int] | None = None
+            best_key: tuple[float, float, float, int] | None = None
             best_backend: Backend | None = None
             for job in self.waiting:
                 if job.future is not None and job.future.done():
                     continue
-                key = self.place(job, now)
+                key = self.order(job, now)
                 if best_key is not None and key >= best_key:
                     continue
                 backend = self._fit(job)
@@ -637,7 +706,7 @@ class Scheduler:
                     h.timer.cancel()
         backend.last_used = time.monotonic()
         job.probe = backend.breaker.dispatched(now)  # half-open: this request decides whether it comes back
-        if home := (job.session if job.session and sessions else job.affinity):
+        if home := self._home_key(job):
             self.affinity[home] = backend.name
             self.affinity.move_to_end(home)
             if len(self.affinity) > self.affinity_max_entries:
@@ -649,7 +718,16 @@ class Scheduler:
             self._charge(job.tenant, job.estimate / job.weight, job.estimate)
         if resumed:
             self.preempt_counts.resumes += 1
+        if self.prefill_defer_s > 0 and job.starts == 1:
+            if now - job.enqueued_at >= self.prefill_defer_s:
+                self.prefill.aged += 1
+            elif any(j.seq < job.seq and j.tenant == job.tenant and j.cls is job.cls for j in self.waiting):
+                self.prefill.deferred += 1  # it went before an earlier request of its tenant and class
         self._vtime = t.counter
         self._drain.add(now)
+        drain = self._drains.get(backend.name)
+        if drain is None:
+            drain = self._drains[backend.name] = _DrainRate()
+        drain.add(now)
         if job.future is not None and not job.future.done():
             job.future.set_result(backend)

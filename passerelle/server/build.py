@@ -68,6 +68,7 @@ def build(cfg: Config, backends: list[Backend], processes: list[RuntimeProcess] 
     counts = scheduler.preempt_counts  # (every preemptor a reload builds counts here)
     metrics.suspensions.read = lambda: counts.suspensions
     metrics.sessions.read = scheduler.sessions.snapshot
+    metrics.prefill.read = scheduler.prefill.snapshot
     supervisor = Supervisor(processes or [], cfg.runtimes, book=MemoryBook(cfg.state_path() / "runtime-memory.json"),
                             on_ready=scheduler.dispatch)
     for proc in supervisor.processes.values():

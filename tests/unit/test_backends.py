@@ -31,7 +31,9 @@ def backend(kind: str, url: str):
 
 
 LLAMA_METRICS = "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 1\n" \
-                "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 3\n"
+                "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 3\n" \
+                "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 4096\n" \
+                "# TYPE llamacpp:prompt_seconds_total counter\nllamacpp:prompt_seconds_total 20.48\n"
 VLLM_METRICS = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 2\n'
                 '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 5\n'
                 '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n')
@@ -45,6 +47,8 @@ async def test_llama_server_slots_and_metrics_are_read():
     try:
         s = await b.scrape()
         assert (s.up, s.slots_busy, s.slots_total, s.queue_depth, s.error) == (True, 1, 2, 3, "")
+        # its own prompt timings, which the scheduler learns its prefill rate from (prefill.py)
+        assert (s.prompt_tokens_total, s.prompt_seconds_total) == (4096, 20.48)
     finally:
         await b.close()
         await runner.cleanup()

@@ -120,6 +120,7 @@ CHECKS: dict[str, tuple[Any, Probe]] = {
     "auth.task_max_tokens": (64, _gw("auth", "task_max_tokens")),
     "scheduler.aging_s": (7.0, lambda s: s.scheduler.aging_s),
     "scheduler.hold_s": (0.0, lambda s: s.scheduler.hold_s),
+    "scheduler.prefill_defer_s": (3.0, lambda s: s.scheduler.prefill_defer_s),
     "scheduler.max_tenants": (5, lambda s: s.scheduler.max_tenants),
     "scheduler.tenant_queue_share": (0.25, lambda s: s.scheduler.tenant_queue_share),
     "scheduler.preemption": (False, lambda s: (s.scheduler.preemption, s.scheduler.preemptor is not None)),
