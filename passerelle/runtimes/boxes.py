@@ -67,8 +67,13 @@ class BoxBackend(Backend):
         self.remote_state = "down"
         self._started, self._client = True, self._new_client(self.url)  # (ready for a request at once)
 
-    def set_slots(self, slots: int) -> None:
-        self.capacity_info.report(slots, f"box {self.box.cfg.name}: its runtimes' slots")
+    def set_slots(self, slots: int, taken: int = 0) -> None:
+        """The box's slots for this model, less ``taken``: those running requests that did not come
+        from here (the box's own users, another gateway), so that this gateway never sends the box
+        more than it can start; at least one, so the replica is never shut out by a miscount."""
+        free = max(1, slots - taken)
+        self.capacity_info.report(free, f"box {self.box.cfg.name}: its runtimes' slots"
+                                  + (f", {slots - free} taken by others" if free < slots else ""))
         self._fit_pool()
 
     def follow(self, *, up: bool, error: str = "") -> None:
@@ -214,7 +219,10 @@ class RemoteBox:
                     self._spawn(replica.close())
                 replica = self.replicas[name] = BoxBackend(self, name, endpoints, self.timeouts)
             slots = sum(int(r.get("capacity") or 0) for r in served)
-            replica.set_slots(max(1, slots))
+            # its load: what runs there beyond this gateway's own requests (the reading races
+            # requests sent or ended meanwhile: off by a few for a second at most, never below one)
+            there = sum(int(r.get("in_flight") or 0) for r in served)
+            replica.set_slots(max(1, slots), taken=max(0, there - replica.in_flight))
             # a stream suspended for a better class resumes there as a continuation in its
             # runtime's dialect (proxy/resume.py; the box passes the body through), where every
             # runtime serving the model there speaks the same one

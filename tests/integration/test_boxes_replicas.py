@@ -16,7 +16,7 @@ import httpx
 import orjson
 
 from passerelle.testing.netns import Network, available
-from tests.integration.boxes_support import boxes_config, fake_box_config, start_box
+from tests.integration.boxes_support import PORT, boxes_config, fake_box_config, start_box
 from tests.waiting import wait_until
 
 
@@ -105,6 +105,19 @@ def test_a_model_a_box_loads_on_demand_is_placed_there_through_its_admin_api(gat
         assert listing.returncode == 0, listing.stderr
         assert f"box {a.name}" in listing.stdout and "placement:" in listing.stdout
         assert "fake-model" in listing.stdout and "replicas" in listing.stdout
+        # a client of box a itself takes one of its two slots: the gateway offers one there
+        mine: dict[str, object] = {}
+        direct = threading.Thread(target=stream_whole, args=(f"http://{a.address}:{PORT}", mine, "a box user"))
+        direct.start()
+
+        def capacity() -> int:
+            rows = httpx.get(gw.url + "/admin/runtimes", timeout=10).json()["runtimes"]
+            return next(r["capacity"] for r in rows if r["name"] == f"{a.name}/fake-model")
+
+        wait_until(lambda: capacity() == 1, 10, what="box a's slot taken by its own user counted out")
+        direct.join(60)
+        assert mine == {"tokens": 120, "done": True}, mine
+        wait_until(lambda: capacity() == 2, 10, what="box a's two slots offered again")
         reload_removes_a_box_whose_stream_ends_whole_and_adds_it_back(gw, a.name, b.name)
 
 

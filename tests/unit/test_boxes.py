@@ -172,11 +172,12 @@ def test_a_replica_is_started_only_where_the_budget_has_room_now():
 
 
 # -- a box's readings and its replicas -------------------------------------------------------------
-def reading(state: str = "loaded", capacity: int = 4):
+def reading(state: str = "loaded", capacity: int = 4, in_flight: int = 0):
     listing = {"data": [{"id": "qwen", "state": state, "memory_gib": 12.5, "backends": ["qwen-rt"],
                          "routes": ["/v1/chat/completions", "/v1/completions"]},
                         {"id": "alias-only", "state": "loaded", "backends": []}]}
-    runtimes = {"runtimes": [{"name": "qwen-rt", "capacity": capacity, "models": ["qwen"], "up": True}],
+    runtimes = {"runtimes": [{"name": "qwen-rt", "capacity": capacity, "models": ["qwen"], "up": True,
+                              "in_flight": in_flight}],
                 "budget": {"max_loaded_gib": 96.0, "loaded_gib": 12.5}}
     return listing, runtimes
 
@@ -199,6 +200,19 @@ def test_a_reading_makes_one_replica_per_model_with_the_box_slots():
     assert box.memory == BoxMemory(96.0, 12.5)
     box._learn(*reading(capacity=6))
     assert box.replicas["qwen"] is replica and replica.capacity == 6  # the same replica, its slots follow
+
+
+def test_slots_taken_on_a_box_by_others_are_not_offered_here():
+    box, _ = make_box()
+    box._learn(*reading(capacity=4))
+    (replica,) = box.replicas.values()
+    replica.in_flight = 1  # one of this gateway's requests runs there
+    box._learn(*reading(capacity=4, in_flight=3))  # the box runs three: two came from elsewhere
+    assert replica.capacity == 2 and "2 taken by others" in replica.capacity_info.describe()
+    box._learn(*reading(capacity=4, in_flight=9))  # a box swamped by others: one slot still offered
+    assert replica.capacity == 1
+    box._learn(*reading(capacity=4, in_flight=1))  # only ours: every slot again
+    assert replica.capacity == 4
 
 
 def test_a_box_going_down_takes_its_replicas_out_opens_their_breakers_and_names_the_cause():
