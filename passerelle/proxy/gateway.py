@@ -60,6 +60,7 @@ from passerelle.proxy.exchange import Exchange, Receive, Scope, Send, header
 from passerelle.proxy.frontend import person_of, task_class, task_of
 from passerelle.proxy.intake import (
     affinity_key,
+    keeps_kv,
     output_estimate,
     priority_class,
     read_request_body,
@@ -288,7 +289,7 @@ class Gateway:
                   if api.generates else 0, can_wait_for_start=any(b.supervised for b in pool), slotted=slotted,
                   affinity=affinity_key(cfg.routing, scope, data, api.name, session)
                   if len(pool) > 1 or any(b.slot_ids for b in pool) else "",
-                  session=session_key(rec.tenant, rec.session) if rec.session and slotted else "")
+                  session=session_key(rec.tenant, rec.session) if slotted and keeps_kv(session) else "")
         # A stream of a preemptible class may be cut for a better one and continued (resume.py).
         splice = (Splice(data, api.name) if cls.preemptible and self.scheduler.preemption is not None
                   and data is not None and any(b.continuation for b in pool) and suspendable(data, api.name)

@@ -139,6 +139,15 @@ def session_of(r: RoutingConfig, scope: Scope, data: dict[str, Any] | None,
     return "", ""
 
 
+def keeps_kv(session: tuple[str, str]) -> bool:
+    """Whether a session found by :func:`session_of` has its slot held and its KV kept
+    (scheduling/session_kv.py): a session an agent or a front-end names, not the ``user`` field,
+    which names a person with many conversations, each its own prompt (a slot held for them
+    between unrelated requests costs others' work and saves no prefill)."""
+    where, sid = session
+    return bool(sid) and where != "user"
+
+
 def session_hash(session: str) -> str:
     """How a session id is kept and shown (access log, usage, affinity): 24 hex digits of its hash,
     so a client's string never sets an entry's size and a log never shows the id itself."""

@@ -11,7 +11,7 @@ import pytest
 from passerelle.config import RoutingConfig
 from passerelle.errors import Cause
 from passerelle.observe.accesslog import record_fields
-from passerelle.proxy.intake import affinity_key, session_hash, session_of
+from passerelle.proxy.intake import affinity_key, keeps_kv, session_hash, session_of
 from passerelle.tenants.keys import KeyStore
 from tests.inprocess import fake_runtime, gateway
 from tests.waiting import until
@@ -84,3 +84,15 @@ async def test_a_session_over_its_cap_gets_429_and_other_sessions_go_on():
         assert other.status == 200
         assert [r.status for r in await asyncio.gather(*running)] == [200, 200]
         assert len(gw.app.gateway.sessions) == 0
+
+
+@pytest.mark.parametrize(("headers", "data", "kept"), [
+    ({"X-Claude-Code-Session-Id": "cc-1"}, {}, True),
+    ({}, {"prompt_cache_key": "cc-1"}, True),
+    ({}, {"metadata": {"user_id": "user_x_session_cc-1"}}, True),  # Claude Code's own spelling
+    ({}, {"user": "ada"}, False),  # a person, many conversations: no slot held for them
+    ({}, {}, False),
+])
+def test_a_slot_and_kv_are_kept_for_a_named_session_never_for_a_user(headers, data, kept):
+    assert keeps_kv(session_of(R, scope(**headers), data)) is kept
+
