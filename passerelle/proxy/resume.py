@@ -157,14 +157,17 @@ class Splice:
 
     @property
     def left_s(self) -> float:
-        """Seconds until the stream ends by itself: its tokens left at this attempt's pace so far
-        (inf while the pace is unknown, under two tokens, or the request sets no max_tokens).
-        The scheduler waits for a stream about to end rather than cut another (preemption.py)."""
+        """Seconds from now until the stream ends by itself: its tokens left at this attempt's pace
+        so far, counted from its latest token (inf while the pace is unknown, under two tokens, or
+        the request sets no max_tokens). The scheduler waits for a stream about to end rather than
+        cut another (preemption.py); counted from the latest token, the estimate falls as time
+        passes, not only as tokens come, so a check timed for it finds it due."""
         left = self.tokens_left()
         if left is None or self._paced_tokens is None or self._paced_tokens[1] <= self._paced_tokens[0]:
             return math.inf
         first, last = self._paced_tokens
-        return max(0, left) * (self._paced_to - self._paced_from) / (last - first)
+        end = self._paced_to + max(0, left) * (self._paced_to - self._paced_from) / (last - first)
+        return max(0.0, end - time.monotonic())
 
     def tokens_left(self) -> int | None:
         for key in _MAX_TOKENS_KEYS:

@@ -228,6 +228,9 @@ async def test_a_stream_says_when_it_ends_by_itself_at_its_own_pace(monkeypatch)
         now[0] += 0.05
         await send({"type": "http.response.body", "body": ev(chat_chunk("A", word, timings=timings(12, 0, n)))})
     assert splice.left_s == pytest.approx(6 * 0.05)  # 6 tokens left, 50 ms each
+    now[0] += 0.02
+    assert splice.left_s == pytest.approx(6 * 0.05 - 0.02)  # from its latest token: it falls with time
+    now[0] -= 0.02
     assert splice.suspend() is True
     splice.resumed()
     splice.watch(FakeResp(), Client(), "llama-server")
