@@ -146,6 +146,13 @@ class SpanPipe:
     def _restart_due(self) -> None:  # on the loop
         self._restart = None
         with self._lock:
+            # Race: the loop's clock may lag time.monotonic() (uvloop reads it once an iteration), so
+            # the timer can fire a little before _restart_at; _revive would then do nothing and, with
+            # no span to flush, nothing would ever start the child: the timer is set again instead.
+            early = self._restart_at - time.monotonic()
+            if self._down and early > 0 and not self._stopping and not self._closed:
+                self._restart = asyncio.get_running_loop().call_later(early + 0.001, self._restart_due)
+                return
             self._revive()
         self.flush()
 

@@ -229,3 +229,28 @@ async def test_the_gateway_records_each_attempt_and_sends_its_traceparent():
     assert attempts[1].status == 0 and attempts[0].end <= attempts[1].start
     assert f"00-{retried.trace.trace_id.hex()}-{attempts[1].span_id}-01" in sent
     assert all(r.body == b"" for r in gw.records)  # (the body is let go once the record is accounted)
+
+
+async def test_an_exporter_restart_whose_timer_fires_early_is_set_again():
+    """The loop's clock may lag ``time.monotonic()`` (uvloop reads it once an iteration), so the
+    backoff's timer can fire before the restart is due. It is set again, not dropped: with no span
+    to flush, nothing else would ever start the exporter again."""
+    import asyncio
+
+    from passerelle.observe.span_pipe import SpanPipe
+    from tests.waiting import until
+
+    pipe = SpanPipe(TracingConfig(enabled=True, endpoint="http://127.0.0.1:9"))
+    try:
+        pipe._loop = asyncio.get_running_loop()
+        old = pipe.proc
+        old.kill()
+        await until(lambda: pipe._down and pipe._restart is not None, 10, "the killed exporter seen gone")
+        pipe._restart.cancel()
+        pipe._restart_at = time.monotonic() + 0.2  # the timer fires 0.2 s before the restart is due
+        pipe._restart_due()
+        assert pipe._restart is not None and pipe.restarts == 0  # set again; nothing started early
+        await until(lambda: pipe.restarts == 1, 5, "the exporter started again once due")
+        assert pipe.proc is not old and pipe.proc.returncode is None
+    finally:
+        pipe.shutdown()
