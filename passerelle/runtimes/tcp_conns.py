@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import ipaddress
 import os
 import socket
@@ -99,12 +100,17 @@ def arm_keepalive(pid: int, inodes: set[str], proc: Path = Path("/proc")) -> set
         return set()
     libc = ctypes.CDLL(None, use_errno=True)
     armed: set[str] = set()
-    pidfd = os.pidfd_open(pid)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return armed  # (it exited meanwhile: nothing to arm, nothing refused)
     try:
         for inode, fd in fds.items():
             copy = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
             if copy < 0:
                 err = ctypes.get_errno()
+                if err == errno.EBADF:
+                    continue  # (race: it closed that socket since it was listed)
                 raise OSError(err, f"pidfd_getfd: {os.strerror(err)}")
             try:
                 s = socket.socket(fileno=copy)
