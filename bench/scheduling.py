@@ -19,6 +19,11 @@ no gateway in front of it can remove. ``--also-batch-share S`` adds a gateway wi
 whose batch class may hold that share of the slots. ``--also-src DIR`` adds the preemption arm
 again through passerelle from another source tree (a before/after in one run); ``--rounds N``
 repeats the flood arms N times, in turn (a round reversed every other time), and pools them.
+``--also-reserve`` adds a second llama-server with one slot more, flooded straight (its own FIFO)
+and through passerelle with batch held to the usual number of slots: the spare slot is kept for
+better classes, so nothing is cut, at the cost of one more sequence decoding beside the others.
+``--interactive-context N`` gives each interactive request a chat history of about N tokens (a
+chat UI's request carries its conversation), fresh each time.
 
 Where preemption's time goes, per interactive request (from the gateways' access logs): the
 wait in passerelle's queue (arrival to the request sent upstream: the preemption decision and
@@ -27,6 +32,7 @@ llama-server's log, the time from a cut stream's cancel to the next request it s
 
     .venv/bin/python bench/scheduling.py [--slots 4] [--phase-s 40] [--only alone,flood,fair]
                                          [--also-batch-share 1.0] [--also-src DIR] [--rounds 1] [--toml ...]
+                                         [--also-reserve] [--interactive-context N]
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import re
 import signal
 import subprocess
@@ -56,6 +63,8 @@ from passerelle.chunks import CHAT  # a content event: a token, not the empty de
 from passerelle.runtimes import embedded
 
 MODEL = "gemma-3-270m"
+WORDS = ["harbour", "lighthouse", "keeper", "ledger", "season", "storm", "beacon", "pier", "tide", "lantern",
+         "rope", "anchor", "gull", "channel", "reef", "signal", "fog", "bell", "cargo", "ferry"]
 
 
 class Load:
@@ -86,10 +95,14 @@ class Load:
         n = counts.get(tenant, 0) if tenant else sum(counts.values())
         return n / (seconds - skip_s)
 
-    async def one(self, *, tenant: str, cls: str, max_tokens: int, record_ttft: bool = False) -> None:
+    async def one(self, *, tenant: str, cls: str, max_tokens: int, record_ttft: bool = False,
+                  context: int = 0) -> None:
+        messages = [{"role": "user", "content": f"{tenant} {time.time_ns()}: tell a long story."}]
+        if context:  # a chat's history before the question: about that many tokens, fresh each time
+            rng = random.Random(time.time_ns())
+            messages.insert(0, {"role": "system", "content": " ".join(rng.choice(WORDS) for _ in range(context))})
         body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "user": tenant,
-                "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": f"{tenant} {time.time_ns()}: tell a long story."}]}
+                "stream_options": {"include_usage": True}, "messages": messages}
         t0 = time.perf_counter()
         first = None
         times = self.token_times.setdefault(tenant, [])
@@ -115,17 +128,17 @@ class Load:
         while time.perf_counter() < stop:
             await self.one(tenant=tenant, cls=cls, max_tokens=max_tokens)
 
-    async def interactive(self, stop: float, every_s: float = 1.0) -> None:
+    async def interactive(self, stop: float, every_s: float = 1.0, context: int = 0) -> None:
         tasks = []
         while time.perf_counter() < stop:
             tasks.append(asyncio.create_task(self.one(tenant="chat-user", cls="interactive", max_tokens=16,
-                                                      record_ttft=True)))
+                                                      record_ttft=True, context=context)))
             await asyncio.sleep(every_s)
         await asyncio.gather(*tasks)
 
 
 async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, int] | None = None,
-                interactive: bool = True, every_s: float = 1.0) -> tuple[Load, float]:
+                interactive: bool = True, every_s: float = 1.0, context: int = 0) -> tuple[Load, float]:
     connector = aiohttp.TCPConnector(force_close=True, limit=0)  # llama-server drops reused connections
     async with aiohttp.ClientSession(connector=connector) as session:
         load = Load(base, session)
@@ -136,7 +149,7 @@ async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, i
             jobs += [load.closed_loop(stop, tenant="tenant-a", cls="batch", max_tokens=64) for _ in range(fair[0])]
             jobs += [load.closed_loop(stop, tenant="tenant-b", cls="batch", max_tokens=64) for _ in range(fair[1])]
         if interactive:
-            jobs.append(load.interactive(stop, every_s))
+            jobs.append(load.interactive(stop, every_s, context))
         # At the end the clients leave (what is still streaming or queued is cut): only the phase's
         # window is measured, and a drain of queued 64-token requests on a slow CPU takes minutes.
         with contextlib.suppress(TimeoutError):
@@ -217,6 +230,8 @@ class Arm:
     gateway: str = ""
     windows: list[tuple[float, float, float]] = field(default_factory=list)  # wall start, end; llama clock start
     preempt: dict[str, float] = field(default_factory=dict)
+    llama_log: Path | None = None  # its llama-server's log, when not the first one's
+    llama_t0: float = 0.0  # (and when that one started)
 
     @property
     def ttfts(self) -> list[float]:
@@ -247,6 +262,9 @@ def main() -> int:
                     help="one more llama-server argument (repeatable), e.g. --llama-arg=-t --llama-arg=2")
     ap.add_argument("--interactive-every", type=float, default=1.0, metavar="S",
                     help="an interactive request every S seconds (default 1)")
+    ap.add_argument("--interactive-context", type=int, default=0, metavar="N",
+                    help="an interactive request carries about N tokens of chat history (fresh each time; "
+                         "default 0: a one-line question)")
     ap.add_argument("--keep", action="store_true", help="keep the access logs and the work folder (printed)")
     ap.add_argument("--toml", default="", help="extra gateway configuration, e.g. $'[scheduler]\\nhold_s = 0'")
     ap.add_argument("--also-batch-share", type=float, action="append", default=[],
@@ -255,6 +273,10 @@ def main() -> int:
     ap.add_argument("--also-src", type=Path, metavar="DIR",
                     help="also run the preemption arm through passerelle from this source tree (before/after)")
     ap.add_argument("--rounds", type=int, default=1, help="run the flood arms this many times, in turn, pooled")
+    ap.add_argument("--also-reserve", action="store_true",
+                    help="also run the flood on a second llama-server with one slot more, batch held to the "
+                         "usual number of slots (the spare one kept for better classes), and that server's own "
+                         "FIFO for comparison")
     args = ap.parse_args()
     binary, model = embedded.find_or_build_llama_server(), embedded.ensure_gemma()
     lport = free_port()
@@ -266,14 +288,21 @@ def main() -> int:
                               "--no-webui", "--swa-full", *args.llama_arg],
                              stdout=open(work / "llama.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     gateways: list[subprocess.Popen] = []
+    spare: subprocess.Popen | None = None
+    sport, spare_t0 = free_port(), time.time()
+    if args.also_reserve:  # one slot more; the same context per slot
+        spare = subprocess.Popen([str(binary), "-m", str(model), "--alias", MODEL, "--port", str(sport),
+                                  "-np", str(args.slots + 1), "-c", str((args.slots + 1) * 2048), "--metrics",
+                                  "--slots", "--no-webui", "--swa-full", *args.llama_arg],
+                                 stdout=open(work / "llama-spare.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
-    def start_gateway(tag: str, extra: str, src: Path | None = None) -> str:
+    def start_gateway(tag: str, extra: str, src: Path | None = None, port_: int = lport) -> str:
         port = free_port()
         cfg = work / f"{tag}.toml"
         # no max_concurrency: llama-server reports its slots (/props total_slots)
         cfg.write_text(args.toml + "\n" + extra + '\n[auth]\nanonymous_max_priority = "interactive"\n'
                        '[server]\naccess_log = true\n'
-                       f'[[backends]]\nname = "b"\nkind = "llama-server"\nurl = "http://127.0.0.1:{lport}"\n'
+                       f'[[backends]]\nname = "b"\nkind = "llama-server"\nurl = "http://127.0.0.1:{port_}"\n'
                        f'models = ["{MODEL}"]\n')
         gateways.append(subprocess.Popen(
             [sys.executable, "-m", "passerelle", "serve", "--config", str(cfg), "--port", str(port)],
@@ -308,6 +337,15 @@ def main() -> int:
     if args.also_src:
         arm("flood preemption B", "before", src=args.also_src)
         variants.append("flood preemption B")
+    if spare is not None:
+        share = args.slots / (args.slots + 1)
+        arms["flood spare direct"] = Arm(gateway=f"http://127.0.0.1:{sport}", llama_log=work / "llama-spare.log",
+                                         llama_t0=spare_t0)
+        arms["flood spare slot"] = Arm(
+            log=work / "spare.log", llama_log=work / "llama-spare.log", llama_t0=spare_t0,
+            gateway=start_gateway("spare", f'[[classes]]\nname = "batch"\nrank = 2\nmax_queue = 4096\n'
+                                           f'slot_share = {share:.6f}\npreemptible = true\n', port_=sport))
+        variants += ["flood spare direct", "flood spare slot"]
     arms["fair direct"] = Arm(gateway=direct)
     arms["fair gateway"] = Arm(log=work / "gateway.log", gateway=gateway)
     floods = ["flood direct", reference, "flood share 0.75", "flood preemption", *variants]
@@ -319,7 +357,9 @@ def main() -> int:
              ("fair gateway", {"fair": (8, 2), "interactive": False})]
     try:
         wait_http(direct + "/health")
-        for a in {a.gateway for a in arms.values()} - {direct}:
+        if spare is not None:
+            wait_http(f"http://127.0.0.1:{sport}/health")
+        for a in {a.gateway for a in arms.values()} - {direct, f"http://127.0.0.1:{sport}"}:
             wait_http(a + "/ready")
         asyncio.run(phase(direct, 5, interactive=True))  # warm-up
         only = set(args.only.split(",")) if args.only else {"alone", "flood", "fair"}
@@ -329,11 +369,14 @@ def main() -> int:
             a = arms[name]
             print(f"running: {name} ({args.phase_s:g} s)", file=sys.stderr, flush=True)
             settle(direct)
-            before = admin_stats(a.gateway)["preemption"] if a.gateway != direct else None
+            if spare is not None:
+                settle(f"http://127.0.0.1:{sport}")
+            before = admin_stats(a.gateway)["preemption"] if a.log is not None else None
             w0 = time.time()
-            load, _ = asyncio.run(phase(a.gateway, args.phase_s, every_s=args.interactive_every, **kw))
+            load, _ = asyncio.run(phase(a.gateway, args.phase_s, every_s=args.interactive_every,
+                                        context=args.interactive_context, **kw))
             a.loads.append(load)
-            a.windows.append((w0, time.time(), w0 - llama_t0))
+            a.windows.append((w0, time.time(), w0 - (a.llama_t0 or llama_t0)))
             if before is not None:
                 after = admin_stats(a.gateway)["preemption"]
                 for k in after:
@@ -345,8 +388,10 @@ def main() -> int:
             gw.send_signal(signal.SIGTERM)
         for gw in gateways:
             gw.wait(60)
-        llama.terminate()
-        llama.wait(30)
+        for proc in (llama, spare):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
     report(args, arms, floods, reference, holds, work)
     return 0
 
@@ -364,7 +409,9 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
     flood = 3 * args.slots
     rounds = f", {args.rounds} rounds pooled" if args.rounds > 1 else ""
     print(f"\nGemma 3 270M on llama-server, {args.slots} slots; batch flood = {flood} closed-loop streams of 64 "
-          f"tokens; interactive = a request every {args.interactive_every:g} s, 16 tokens; {args.phase_s:g} s per "
+          f"tokens; interactive = a request every {args.interactive_every:g} s, 16 tokens"
+          f"{f' after ~{args.interactive_context} tokens of history' if args.interactive_context else ''};"
+          f" {args.phase_s:g} s per "
           f"phase{rounds}; fresh prompts.\n")
     print("1. Interactive TTFT (ms)")
     print(f"   {'':20}{'n':>4}{'p50':>9}{'p95':>9}{'p95/alone':>11}{'p95/ref':>9}")
@@ -392,7 +439,7 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
                 recs = [r for w0, w1, _ in a.windows for r in interactive_log(a.log, w0, w1 + 1.0)]
                 q = [r["queue_ms"] for r in recs]
                 rt = [r["ttft_ms"] - r["queue_ms"] for r in recs]
-                gaps = [llama_gaps(work / "llama.log", l0, l0 + args.phase_s) for _, _, l0 in a.windows]
+                gaps = [llama_gaps(a.llama_log or work / "llama.log", l0, l0 + args.phase_s) for _, _, l0 in a.windows]
                 c2l = [x * 1000 for c, _ in gaps for x in c]
                 cut = f"  cancel->launch {pct(c2l, 50):4.0f} / {pct(c2l, 95):4.0f} ({len(c2l)})" if c2l else ""
                 print(f"   {n:20} queue {pct(q, 50):4.0f} / {pct(q, 95):4.0f}  runtime {pct(rt, 50):5.0f} / "
@@ -402,7 +449,7 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
         for n in floods:
             if ran(n):
                 idle = [x * 1000 for _, _, l0 in arms[n].windows
-                        for x in llama_gaps(work / "llama.log", l0, l0 + args.phase_s)[1]]
+                        for x in llama_gaps(arms[n].llama_log or work / "llama.log", l0, l0 + args.phase_s)[1]]
                 if idle:
                     print(f"   {n:20} {pct(idle, 50):6.1f} / {sum(idle) / len(idle):6.1f}  ({len(idle)} releases)")
     if ran("fair direct"):
@@ -423,6 +470,11 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
                 a_, b_ = arms[n].rate(skip, args.phase_s), arms[n].rate(skip, args.phase_s, "bulk")
                 print(f"   {n:20}{a_:8.1f}{a_ / base_all:8.3f}{b_:8.1f}{b_ / base_batch:8.3f}")
         print("   (goal with preemption: work served, all tokens, >= 0.97 of direct FIFO)")
+        if ran("flood spare slot") and ran("flood spare direct"):
+            own = arms["flood spare direct"].rate(skip, args.phase_s)
+            mine = arms["flood spare slot"].rate(skip, args.phase_s)
+            print(f"   flood spare slot against its own server's FIFO ({args.slots + 1} slots): {mine / own:.3f}"
+                  f" (and against {args.slots} slots' FIFO above)")
         for n in ("flood preemption", "flood preemption B"):
             if ran(n):
                 p = arms[n].preempt
