@@ -484,7 +484,8 @@ class ClassConfig:
     slot_share: float = 1.0  # fraction of each backend's slots the class may hold (at least one)
     preemptible: bool = False  # its streams may be suspended for a better class, and resumed
     # A request of this class that waited this long takes a slot held for another session's next
-    # turn ([sessions]); until then it leaves held slots alone.
+    # turn ([sessions]); until then it leaves held slots alone, unless that session's KV, saved
+    # while it waits, is on disk sooner.
     session_wait_s: float = 1.0
 
 

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 from collections import OrderedDict
@@ -32,13 +33,17 @@ from passerelle.runtimes.kinds import Backend
 @dataclass
 class KvPlan:
     """What to do on a slot before a session's turn is sent: save the KV of the session that held
-    it (``save``, a session key), erase it (another tenant's), restore the turn's own (``restore``)."""
+    it (``save``, a session key), erase it (another tenant's), restore the turn's own (``restore``);
+    first, the end of a save of the slot already under way (``wait``)."""
 
     backend: Backend
     slot: int
     save: str = ""
     erase: bool = False
     restore: str = ""
+    # a save of this slot already under way (saved ahead while the request waited): it must end
+    # before anything else is sent to the slot, or the runtime would save what comes after
+    wait: asyncio.Task[None] | None = None
 
 
 @dataclass

@@ -530,14 +530,17 @@ class Scheduler:
         for b in usable:
             total, same = self._held(b, job, rank) if self.holds else (0, 0)
             if sessions and (slots := self._slots.get(b.name)) is not None and slots.holds:
-                # slots held for other sessions' next turns: left alone until this job waited
-                # its class's session_wait_s (or less: what moving that KV out and back costs
-                # here), or the holds end (look again then)
+                # slots held for other sessions' next turns (their KV not saved yet): left alone
+                # until this job waited its class's session_wait_s (or less: what moving that KV
+                # out and back costs here), or the holds end (look again then); the one it waits
+                # for is saved meanwhile, and counts as free once saved
                 held, first = slots.held_against(job.session, now)
                 budget = job.queued_at + self.sessions.yield_after(b, job.cls.session_wait_s)
                 if held and now < budget:
                     total += held
                     self._wake_at = min(self._wake_at, budget, first)
+                    if b.in_flight + total >= b.capacity:  # it waits for a held slot: save that one now
+                        self._save_ahead(b, slots, job.session, now)
             if (b.in_flight + total < b.capacity
                     and self.running.get((b.name, job.cls.name), 0) + same < self._limit(b, job.cls)):
                 free.append(b)
@@ -567,6 +570,21 @@ class Scheduler:
         if len(free) > 1 and job.est_prompt_tokens:  # equally loaded: where its prompt costs least
             return min(free, key=lambda b: (b.in_flight / b.capacity, self._prefill_s(job, b)))
         return min(free, key=lambda b: b.in_flight / b.capacity)
+
+    def _save_ahead(self, b: Backend, slots: SlotMap, session: str, now: float) -> None:
+        """Save the KV of the held slot a request waits for while it waits: once saved, the slot
+        can go at once (its session's KV comes back by a restore), and the save is not added to
+        the waiting request's time when it takes the slot."""
+        target = slots.to_save(session, now, {i for name, i in self.sessions.ahead if name == b.name})
+        if target is None:
+            return
+        slot, key = target
+
+        def done(ok: bool) -> None:
+            if ok and slots.mark_saved(slot, key):
+                self.dispatch()
+
+        self.sessions.save_ahead(b, slot, key, done)
 
     def _miss_slack(self, job: Job, home: Backend, usable: list[Backend]) -> float:
         """How much busier than the others (in ``pending`` units) ``home`` may be before ``job``
@@ -682,9 +700,9 @@ class Scheduler:
                 slots = self._slots[backend.name] = SlotMap(backend.capacity, self.sessions.counts.holds)
             slots.grow(backend.capacity)
             if sessions:
-                job.slot, before = slots.take_for(job, now, job.session)
+                job.slot, before, saved = slots.take_for(job, now, job.session)
                 if before or job.session:
-                    job.kv = self.sessions.plan(job, backend, job.slot, before)
+                    job.kv = self.sessions.plan(job, backend, job.slot, before, saved)
             else:
                 job.slot = slots.take(job, now)
         if self.holds:  # the tenant's next request came: its hold (on this replica first) is used up

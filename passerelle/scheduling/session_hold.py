@@ -9,8 +9,9 @@ from the gaps (turn end to next request) the session itself showed: the ``hold_p
 last gaps, with some slack, at most ``hold_max_s``; ``hold_default_s`` until two gaps are known.
 A session that does not come back in time loses its hold (its KV may still be saved, session_kv.py).
 
-The hold is weak: a request of another session that has waited its class's ``session_wait_s``
-takes a held slot (scheduler.py), so holding never starves anyone for longer than their class allows.
+The hold is weak: a request of another session that finds only held slots free has the session's
+KV saved while it waits, and takes the slot once saved, or once it has waited its class's
+``session_wait_s`` (scheduler.py), so holding never starves anyone for longer than their class allows.
 
 Only sessions (a request naming one, tenant-scoped) are remembered, at most ``max_sessions``, the
 least recently seen forgotten first.

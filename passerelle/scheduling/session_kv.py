@@ -11,7 +11,9 @@ id together (``session_key``): two tenants that use the same session id are two 
    ``session_wait_s``;
 3. when the slot goes to another session after all, the KV it holds is first saved to the
    runtime's ``--slot-save-path`` (``POST /slots/{id}?action=save``), and restored into whatever
-   slot the session gets next (``action=restore``), before that turn is sent. Both have deadlines
+   slot the session gets next (``action=restore``), before that turn is sent. The save starts as
+   soon as a request waits for the held slot (:meth:`SessionKv.save_ahead`), not when it takes it:
+   the wait and the save overlap, and a saved slot is taken at once. Both have deadlines
    (``save_timeout_s``, ``restore_timeout_s``); one that fails costs a recompute, never the request.
    A slot that passes to another *tenant* is erased after its save, so no tenant's request is
    answered from another tenant's KV left in the slot.
@@ -31,9 +33,11 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from passerelle.config import SessionsConfig
@@ -84,6 +88,9 @@ class SessionKv:
         self.gaps = SessionGaps(cfg)
         self.store = KvStore(cfg)
         self.counts = KvCounts()
+        # saves under way ahead of a request that waits for a held slot: (replica, slot) -> its task
+        self.ahead: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._void: set[asyncio.Task[None]] = set()  # ...whose result is not to be kept
         self.configure(cfg)
 
     def configure(self, cfg: SessionsConfig) -> None:
@@ -93,19 +100,50 @@ class SessionKv:
         self.gaps.configure(cfg)
         self.store.configure(cfg)
 
-    def plan(self, job: Job, backend: Backend, slot: int, before: str) -> KvPlan | None:
+    def plan(self, job: Job, backend: Backend, slot: int, before: str, saved: bool = False) -> KvPlan | None:
         """At dispatch of ``job`` (of session ``job.session``, or none) on ``slot``, which held the
-        unsaved KV of session ``before``: the work before its request is sent, None for none."""
+        KV of session ``before`` (``saved`` already, or not): the work before its request is sent,
+        None for none."""
         key = job.session
         saving = backend.slot_save_dir is not None and self.store.enabled
-        p = KvPlan(backend, slot)
+        p = KvPlan(backend, slot, wait=self.ahead.get((backend.name, slot)))
         if before and before != key:
-            if saving:
+            if saving and not saved and p.wait is None:  # (a save under way writes it)
                 p.save = before
             p.erase = tenant_of(before) != tenant_tag(job.tenant)  # (another tenant's request never sees it)
         if key and before != key and saving and self.store.has(key, backend.name):
             p.restore = key
-        return p if (p.save or p.erase or p.restore) else None
+        return p if (p.save or p.erase or p.restore or p.wait) else None
+
+    def save_ahead(self, b: Backend, slot: int, key: str, done: Callable[[bool], None]) -> bool:
+        """Start saving ``key``'s KV held on ``slot`` of ``b`` now, while a request waits for that
+        slot; ``done(ok)`` when it ends. False when nothing was started (no save path, one under
+        way on that slot, or no running loop)."""
+        if b.slot_save_dir is None or not self.store.enabled or (b.name, slot) in self.ahead:
+            return False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (a synchronous caller: the save is made when the slot is taken)
+            return False
+
+        async def run() -> None:
+            ok = False
+            try:
+                ok = await self._save(b, slot, key)
+            except Exception:  # (as in before(): a bug here costs a recompute, never a request)
+                log.exception("session KV on %s slot %d: not saved ahead", b.name, slot)
+            finally:
+                task = self.ahead.pop((b.name, slot))
+                if task in self._void:
+                    # the slot was used before this save ended: what it wrote may be the next
+                    # request's KV, never to be restored as this session's
+                    self._void.discard(task)
+                    self.store.drop(key, b.name, b.slot_save_dir)
+                    ok = False
+                done(ok)
+
+        self.ahead[(b.name, slot)] = loop.create_task(run(), name=f"kv-save-{b.name}-{slot}")
+        return True
 
     async def before(self, job: Job) -> None:
         """Carry out ``job.kv`` (then cleared); never raises: a failed step costs a recompute."""
@@ -114,6 +152,13 @@ class SessionKv:
             return
         b = p.backend
         try:
+            if p.wait is not None:
+                # bounded by the save's own deadline (slot_action's); shielded: the save goes on
+                # whatever becomes of this request
+                try:
+                    await asyncio.wait_for(asyncio.shield(p.wait), self.save_timeout_s + 1)
+                except TimeoutError:
+                    self._void.add(p.wait)
             if p.save:
                 await self._save(b, p.slot, p.save)
             if p.erase:
@@ -135,7 +180,7 @@ class SessionKv:
         old = self.swap_s.get(b.name)
         self.swap_s[b.name] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
-    async def _save(self, b: Backend, slot: int, key: str) -> None:
+    async def _save(self, b: Backend, slot: int, key: str) -> bool:
         name = self.store.name_for(key, b.name)
         t0 = time.monotonic()
         answer = await b.slot_action(slot, "save", name, timeout=self.save_timeout_s)
@@ -143,10 +188,11 @@ class SessionKv:
         if answer is None or not isinstance(written, int):
             self.counts.saves["failed"] += 1
             self.store.drop(key, b.name, b.slot_save_dir)  # (a half-written file is removed)
-            return
+            return False
         self.counts.saves["ok"] += 1
         self._measured(b, 2 * (time.monotonic() - t0))  # (a restore reads what a save wrote: about as long)
         self.store.saved(key, b.name, b.slot_save_dir, written, tokens=int(answer.get("n_saved") or 0))
+        return True
 
     async def _restore(self, b: Backend, slot: int, key: str) -> None:
         entry = self.store.lookup(key, b.name)

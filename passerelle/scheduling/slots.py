@@ -15,13 +15,14 @@ it sends such a runtime, choosing as llama-server would:
 The scheduler never sends a backend more requests than its capacity, so a free slot exists
 whenever a request starts.
 
-Sessions (scheduling/session_kv.py, ``[sessions] keep_kv``) add two things per slot: the session
-whose KV it holds and that was not saved yet (``kv``), and a *hold*: after a session's turn its
-slot is kept for the session's next turn until ``until`` (session_hold.py). A free slot held for
-another session is taken only when no other is free (the scheduler starts a request then only
-once it waited its class's ``session_wait_s``), the hold ending first going first. Among the rest a session's request
-prefers its held slot, then a slot with its KV, then one holding no session's KV, then the least
-recently used.
+Sessions (scheduling/session_kv.py, ``[sessions] keep_kv``) add three things per slot: the session
+whose KV it holds (``kv``), whether that KV is saved already (``saved``: a request waiting for a held
+slot has it saved ahead, while it waits), and a *hold*: after a session's turn its slot is kept for
+the session's next turn until ``until`` (session_hold.py). A free slot held for another session is
+taken only when no other is free (the scheduler starts a request then only once that slot's KV is
+saved, or it waited its class's ``session_wait_s``), a saved one first, then the hold ending first.
+Among the rest a session's request prefers its held slot, then a slot with its KV, then one holding
+no session's KV, then the least recently used.
 
 Example::
 
@@ -33,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 
 from passerelle.scheduling.job import Job
 
@@ -44,7 +46,8 @@ class SlotMap:
         self.holder: list[Job | None] = []
         self.key: list[str] = []  # affinity (or session) of the request each slot served last
         self.used: list[float] = []  # when each slot was last taken
-        self.kv: list[str] = []  # the session whose KV the slot holds, not saved since ("": none)
+        self.kv: list[str] = []  # the session whose KV the slot holds ("": none)
+        self.saved: list[bool] = []  # ...and that KV is saved (the slot may go without a save)
         self.held: list[str] = []  # the session the free slot is held for ("": none)
         self.until: list[float] = []  # ...until then
         self.holds = 0  # slots with a hold (possibly expired): none, and take() is as without sessions
@@ -57,27 +60,48 @@ class SlotMap:
             self.key.append("")
             self.used.append(-math.inf)
             self.kv.append("")
+            self.saved.append(False)
             self.held.append("")
             self.until.append(-math.inf)
 
     def held_against(self, session: str, now: float) -> tuple[int, float]:
-        """Free slots held for sessions other than ``session`` at ``now``, and when the first of
-        those holds ends (inf: none)."""
+        """Free slots held for sessions other than ``session`` at ``now`` whose KV is not saved yet,
+        and when the first of those holds ends (inf: none)."""
         n, first = 0, math.inf
         if self.holds:
             for i, h in enumerate(self.held):
-                if h and h != session and self.holder[i] is None and self.until[i] > now:
+                if h and h != session and self.holder[i] is None and self.until[i] > now and not self.saved[i]:
                     n += 1
                     first = min(first, self.until[i])
         return n, first
+
+    def to_save(self, session: str, now: float, saving: Container[int] = ()) -> tuple[int, str] | None:
+        """The held slot a request of ``session`` waits for (the hold ending first, among those
+        with a session's KV not saved yet, nor being saved: ``saving``), and that KV's session:
+        what to save ahead."""
+        best = None
+        for i, h in enumerate(self.held):
+            if (h and h != session and self.holder[i] is None and self.until[i] > now and self.kv[i]
+                    and not self.saved[i] and i not in saving
+                    and (best is None or self.until[i] < self.until[best])):
+                best = i
+        return None if best is None else (best, self.kv[best])
+
+    def mark_saved(self, slot: int, session: str) -> bool:
+        """``session``'s KV on ``slot`` was saved; False when the slot has moved on meanwhile."""
+        if slot < len(self.kv) and self.kv[slot] == session and self.holder[slot] is None:
+            self.saved[slot] = True
+            return True
+        return False
 
     def take(self, job: Job, now: float) -> int:
         """A free slot for ``job`` (no session: see :meth:`take_for`)."""
         return self.take_for(job, now)[0]
 
-    def take_for(self, job: Job, now: float, session: str = "") -> tuple[int, str]:
-        """A free slot for ``job`` (of ``session``, "" for none); and the session whose unsaved KV
-        the slot held ("" for none, or ``session`` itself), which the caller saves before use."""
+    def take_for(self, job: Job, now: float, session: str = "") -> tuple[int, str, bool]:
+        """A free slot for ``job`` (of ``session``, "" for none); the session whose KV the slot
+        held ("" for none, or ``session`` itself), and whether that KV is saved already (if not,
+        the caller saves it before use)."""
         free = [i for i, h in enumerate(self.holder) if h is None]
         if not free:  # more in flight than slots named: the runtime queues it (it should not happen)
             self.grow(len(self.holder) + 1)
@@ -96,16 +120,17 @@ class SlotMap:
             elif open_:
                 same = [i for i in open_ if key and (self.kv[i] == key or self.key[i] == key)]
                 slot = min(same or open_, key=lambda i: (self.kv[i] != "", self.used[i]))
-            else:  # only held slots are free: the scheduler let it take one (it waited long enough)
-                slot = min(free, key=lambda i: self.until[i])
+            else:  # only held slots are free: the scheduler let it take one (saved, or it waited long enough)
+                slot = min(free, key=lambda i: (not self.saved[i], self.until[i]))
         if self.held[slot]:
             outcome = "lapsed" if self.until[slot] <= now else "kept" if self.held[slot] == session else "taken"
             self.counts[outcome] += 1
             self.held[slot], self.until[slot] = "", -math.inf
             self.holds -= 1
-        before = self.kv[slot]
+        before, saved = self.kv[slot], self.saved[slot]
         self.holder[slot], self.key[slot], self.used[slot], self.kv[slot] = job, key, now, ""
-        return slot, before
+        self.saved[slot] = False
+        return slot, before, saved
 
     def give(self, job: Job, session: str = "", until: float = -math.inf) -> None:
         """``job``'s slot is free again; with ``session``, it holds the session's KV now, and is
@@ -114,7 +139,7 @@ class SlotMap:
         if slot is not None and slot < len(self.holder) and self.holder[slot] is job:
             self.holder[slot] = None
             if session:
-                self.kv[slot] = session
+                self.kv[slot], self.saved[slot] = session, False
                 if until > -math.inf:
                     if not self.held[slot]:
                         self.holds += 1
@@ -124,10 +149,11 @@ class SlotMap:
         """``session``'s KV on a slot is no longer to be saved (the slot was erased, or lost)."""
         for i, k in enumerate(self.kv):
             if k == session:
-                self.kv[i] = ""
+                self.kv[i], self.saved[i] = "", False
 
     def clear(self) -> None:
         """The runtime restarted: no slot holds anything any more."""
         for i in range(len(self.holder)):
             self.kv[i], self.held[i], self.until[i], self.key[i] = "", "", -math.inf, ""
+            self.saved[i] = False
         self.holds = 0

@@ -3,11 +3,13 @@ slot, its RAM prompt cache off so that only passerelle's save and restore can br
 a session whose slot another session took gets its KV restored (its next turn computes only the new
 part); a canary that two tenants with the same session id and the same prompt never share KV; the
 space bound evicts the least recently used file and removes it; a save past its deadline costs a
-recompute, never the request."""
+recompute, never the request; a request that waits for a held slot has its KV saved meanwhile and
+takes the slot once saved."""
 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -29,7 +31,7 @@ models = ["{alias}"]
 max_concurrency = 1
 
 [sessions]
-hold_default_s = 0
+hold_default_s = {hold}
 {sessions}
 """
 WORDS = ["harbour", "ledger", "storm", "beacon", "pier", "tide", "lantern", "rope", "anchor", "gull", "reef"]
@@ -39,9 +41,9 @@ def context(tag: str, n: int = 250) -> str:
     return f"Notes of {tag}: " + " ".join(WORDS[(i * 7 + len(tag)) % len(WORDS)] for i in range(n))
 
 
-def start(gateway, llama_paths, tmp_path: Path, sessions: str = "", auth: str = ""):
+def start(gateway, llama_paths, tmp_path: Path, sessions: str = "", auth: str = "", hold: float = 0):
     binary, model = llama_paths
-    return gateway(LAUNCHED.format(binary=binary, model=model, alias=MODEL_ID, sessions=sessions) + auth)
+    return gateway(LAUNCHED.format(binary=binary, model=model, alias=MODEL_ID, sessions=sessions, hold=hold) + auth)
 
 
 def turn(gw, messages: list[dict], session: str, key: str = "") -> dict:
@@ -155,3 +157,24 @@ def test_a_save_past_its_deadline_costs_a_recompute_not_the_request(gateway, lla
     again = turn(gw, follow_up(a, first["text"], 1), "agent-a")  # nothing to restore: computed again
     assert again["prompt_n"] > 250
     assert metric(gw, 'passerelle_session_kv_restores_total{outcome="ok"}') == 0
+
+
+def test_a_request_waiting_for_a_held_slot_takes_it_once_its_kv_is_saved(gateway, llama_paths, tmp_path):
+    """One slot, held for agent-a's next turn; agent-b's class would leave a held slot alone for
+    120 s: agent-a's KV is saved while agent-b waits, agent-b takes the slot as soon as it is
+    (a save is a fraction of a second), and agent-a's next turn gets its KV back by a restore."""
+    classes = '\n[[classes]]\nname = "standard"\nrank = 1\nsession_wait_s = 120\nmax_queue_wait_s = 300\n'
+    gw = start(gateway, llama_paths, tmp_path, sessions="hold_max_s = 600", auth=classes, hold=600)
+    a = [{"role": "system", "content": context("agent-a")}, {"role": "user", "content": "Summarise."}]
+    b = [{"role": "system", "content": context("agent-b")}, {"role": "user", "content": "Summarise."}]
+    first = turn(gw, a, "agent-a")
+    assert metric(gw, 'passerelle_session_kv_saves_total{outcome="ok"}') == 0
+    t0 = time.monotonic()
+    other = turn(gw, b, "agent-b")
+    assert time.monotonic() - t0 < 60, "agent-b waited out its class's budget: nothing was saved ahead"
+    assert other["prompt_n"] > 250
+    assert metric(gw, 'passerelle_session_kv_saves_total{outcome="ok"}') == 1
+    assert metric(gw, 'passerelle_session_holds_total{outcome="taken"}') == 1
+    again = turn(gw, follow_up(a, first["text"], 1), "agent-a")
+    assert metric(gw, 'passerelle_session_kv_restores_total{outcome="ok"}') == 1
+    assert again["prompt_n"] < 60 and again["cache_n"] > 250, again

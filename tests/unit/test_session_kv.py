@@ -20,6 +20,7 @@ from passerelle.scheduling.kv_store import KvStore
 from passerelle.scheduling.session_hold import SessionGaps
 from passerelle.scheduling.session_kv import SessionKv, session_key
 from tests.unit.test_scheduler import Clock, FakeBackend, scheduler
+from tests.waiting import until
 
 CLS = {c.name: c for c in DEFAULT_CLASSES}
 
@@ -87,39 +88,131 @@ def test_sessions_remembered_are_bounded():
     assert g.gaps("s9") == [1.0] and g.gaps("s0") == []
 
 
-async def test_a_sessions_slot_is_held_across_its_gap_and_taken_after_the_class_budget(clock):
+async def test_a_sessions_slot_is_held_across_its_gap_and_saved_ahead_for_a_request_that_waits(clock):
     b = SlotBackend(capacity=1)
     s = make(clock)
     a1 = job([b], session="agent-a")
     s.submit(a1)
     assert a1.backend is b and a1.slot == 0 and a1.kv is None  # nothing to save or restore yet
     s.release(a1)
-    # another session's request waits: the slot is held for agent-a's next turn (5 s by default)
-    other = job([b], session="agent-b")
-    s.submit(other)
-    assert other.backend is None
+    # agent-a comes back within its hold (5 s by default): its slot, its KV there (no save, no restore)
     clock.now += 0.3
-    s.dispatch()
-    assert other.backend is None
-    # agent-a comes back within its hold: it gets its slot, its KV is there (no save, no restore)
     a2 = job([b], session="agent-a")
     s.submit(a2)
     assert a2.backend is b and a2.slot == 0 and a2.kv is None
     assert s.sessions.counts.holds["kept"] == 1
     s.release(a2)
-    # held again; the waiting request of another session takes it once it has waited its class's
-    # session_wait_s (0.5 s for interactive): agent-a's KV is saved first, no erase (same tenant)
-    clock.now += 0.1
-    s.dispatch()
-    assert other.backend is None
-    clock.now += 0.11
-    s.dispatch()
-    assert other.backend is b and other.slot == 0
-    assert other.kv is not None and other.kv.save == a2.session and not other.kv.erase and not other.kv.restore
+    # another session's request waits for the held slot: agent-a's KV is saved at once, while it
+    # waits, and the saved slot goes to it without waiting out its class's budget (no erase: the
+    # same tenant; nothing left to save)
+    other = job([b], session="agent-b")
+    s.submit(other)
+    assert other.backend is None and (b.name, 0) in s.sessions.ahead
+    await until(lambda: other.backend is b, what="the request takes the slot once its KV is saved")
+    assert [a[:2] for a in b.actions] == [(0, "save")]
+    assert s.sessions.store.has(a2.session, b.name) and s.sessions.counts.saves["ok"] == 1
+    assert other.slot == 0 and other.kv is None
     assert s.sessions.counts.holds["taken"] == 1
+    # agent-a's next turn gets its KV back by a restore of what was saved
+    s.release(other)
+    a3 = job([b], session="agent-a")
+    s.submit(a3)
+    await until(lambda: a3.backend is b)
+    assert a3.kv is not None and a3.kv.restore == a3.session
 
 
-async def test_a_request_without_a_session_waits_for_a_held_slot_only_its_class_budget(clock):
+@dataclasses.dataclass(eq=False)
+class SlowSaveBackend(SlotBackend):
+    """Its saves end only when ``gate`` is set; every action is recorded with what ran before it."""
+
+    gate: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    late: bool = False  # its answer comes past the deadline it was given (the request's wait ends first)
+    saving: int = 0  # saves under way
+    overlaps: list[str] = dataclasses.field(default_factory=list)  # actions sent while a save ran
+
+    async def slot_action(self, slot: int, action: str, filename: str = "", timeout: float = 10.0
+                          ) -> dict[str, Any] | None:
+        if self.saving:
+            self.overlaps.append(action)
+        if action != "save":
+            return await super().slot_action(slot, action, filename, timeout)
+        self.saving += 1
+        try:
+            await asyncio.wait_for(self.gate.wait(), None if self.late else timeout)
+        except TimeoutError:
+            return None
+        finally:
+            self.saving -= 1
+        return await super().slot_action(slot, action, filename, timeout)
+
+
+async def test_a_save_slower_than_the_class_budget_is_waited_for_before_the_slot_is_used(clock):
+    b = SlowSaveBackend(capacity=1)
+    s = make(clock, hold_max_s=60, hold_default_s=60)
+    a = job([b], session="agent-a")
+    s.submit(a)
+    s.release(a)
+    plain = job([b], cls="interactive")  # no session: 0.5 s for a held slot
+    s.submit(plain)
+    await until(lambda: b.saving == 1, what="the save ahead under way")
+    clock.now += 0.49
+    s.dispatch()
+    assert plain.backend is None
+    clock.now += 0.02
+    s.dispatch()
+    # its budget spent, it takes the slot; the save under way is not asked again, but waited for
+    assert plain.backend is b and plain.kv is not None
+    assert plain.kv.save == "" and plain.kv.wait is not None
+    prepared = asyncio.create_task(s.sessions.before(plain))
+    await asyncio.sleep(0.05)
+    assert not prepared.done()  # (nothing is sent to the slot while its save runs)
+    b.gate.set()
+    await prepared
+    assert b.overlaps == [] and s.sessions.store.has(a.session, b.name)
+
+
+async def test_a_session_that_comes_back_during_its_save_waits_for_it_and_keeps_its_slot(clock):
+    b = SlowSaveBackend(capacity=1)
+    s = make(clock)
+    a = job([b], session="agent-a")
+    s.submit(a)
+    s.release(a)
+    other = job([b], session="agent-b")
+    s.submit(other)
+    await until(lambda: b.saving == 1)
+    a2 = job([b], session="agent-a")  # its hold: it gets its slot, and its KV is still there
+    s.submit(a2)
+    assert a2.backend is b and a2.kv is not None and a2.kv.wait is not None
+    assert (a2.kv.save, a2.kv.restore, a2.kv.erase) == ("", "", False)
+    b.gate.set()
+    await s.sessions.before(a2)
+    assert b.overlaps == [] and [x[1] for x in b.actions] == ["save"]
+    assert other.backend is None  # (the slot is a2's now)
+
+
+async def test_a_save_ahead_that_outlives_the_wait_for_it_is_never_restored(clock):
+    """A save that did not end when the request waiting for it gave up on it may write that
+    request's KV under the other session's name: it is dropped, whatever it answers."""
+    b = SlowSaveBackend(capacity=1, late=True)
+    s = make(clock, hold_max_s=60, hold_default_s=60, save_timeout_s=0.1)
+    a = job([b], tenant="acme", session="agent-a")
+    s.submit(a)
+    s.release(a)
+    e = job([b], tenant="evil")
+    s.submit(e)
+    await until(lambda: b.saving == 1)
+    clock.now += 0.6
+    s.dispatch()
+    assert e.backend is b and e.kv is not None and e.kv.wait is not None and e.kv.erase
+    waited = e.kv.wait
+    await s.sessions.before(e)
+    assert not waited.done()
+    b.gate.set()  # the runtime answers the save late: it is not kept
+    await waited
+    assert not s.sessions.store.has(a.session, b.name) and s.sessions.counts.saves["ok"] == 1
+
+
+async def test_a_request_without_a_session_takes_a_held_slot_once_it_is_saved(clock):
     b = SlotBackend(capacity=1)
     s = make(clock, hold_max_s=60, hold_default_s=60)
     a = job([b], session="agent-a")
@@ -127,17 +220,29 @@ async def test_a_request_without_a_session_waits_for_a_held_slot_only_its_class_
     s.release(a)
     plain = job([b], cls="interactive")
     s.submit(plain)
-    clock.now += 0.49
-    s.dispatch()
     assert plain.backend is None
-    assert s._wake_timer_at <= clock.now + 0.02  # a timer looks again when its budget is spent
+    await until(lambda: plain.backend is b)
+    assert plain.kv is None and s.sessions.store.has(a.session, b.name)
+    # without a save directory the slot waits out the class's budget (0.5 s), then goes unsaved
+    c = SlotBackend(name="c", capacity=1, slot_save_dir=None)
+    s2 = make(clock, hold_max_s=60, hold_default_s=60)
+    a2 = job([c], session="agent-a")
+    s2.submit(a2)
+    s2.release(a2)
+    plain2 = job([c], cls="interactive")
+    s2.submit(plain2)
+    await asyncio.sleep(0.01)
+    clock.now += 0.49
+    s2.dispatch()
+    assert plain2.backend is None and not s2.sessions.ahead
+    assert s2._wake_timer_at <= clock.now + 0.02  # a timer looks again when its budget is spent
     clock.now += 0.02
-    s.dispatch()
-    assert plain.backend is b and plain.kv is not None and plain.kv.save == a.session
+    s2.dispatch()
+    assert plain2.backend is c and c.actions == []
 
 
 async def test_a_lapsed_hold_leaves_the_slot_to_anyone(clock):
-    b = SlotBackend(capacity=1)
+    b = SlotBackend(capacity=1, slot_save_dir=None)  # (nothing saved: the hold alone decides)
     s = make(clock, hold_default_s=2)
     a = job([b], session="agent-a")
     s.submit(a)
@@ -148,7 +253,6 @@ async def test_a_lapsed_hold_leaves_the_slot_to_anyone(clock):
     clock.now += 2.01
     s.dispatch()
     assert batch.backend is b  # the hold ended
-    assert batch.kv is not None and batch.kv.save == a.session
     assert s.sessions.counts.holds["lapsed"] == 1
 
 
