@@ -212,25 +212,26 @@ async def test_a_save_ahead_that_outlives_the_wait_for_it_is_never_restored(cloc
     assert not s.sessions.store.has(a.session, b.name) and s.sessions.counts.saves["ok"] == 1
 
 
-async def test_a_request_without_a_session_takes_a_held_slot_once_it_is_saved(clock):
-    b = SlotBackend(capacity=1)
+def held_and_wanted(clock, b: SlotBackend):
+    """agent-a's turn on ``b``'s one slot, held for it a minute; then a request with no session waits."""
     s = make(clock, hold_max_s=60, hold_default_s=60)
     a = job([b], session="agent-a")
     s.submit(a)
     s.release(a)
     plain = job([b], cls="interactive")
     s.submit(plain)
+    return s, a, plain
+
+
+async def test_a_request_without_a_session_takes_a_held_slot_once_it_is_saved(clock):
+    b = SlotBackend(capacity=1)
+    s, a, plain = held_and_wanted(clock, b)
     assert plain.backend is None
     await until(lambda: plain.backend is b)
     assert plain.kv is None and s.sessions.store.has(a.session, b.name)
     # without a save directory the slot waits out the class's budget (0.5 s), then goes unsaved
     c = SlotBackend(name="c", capacity=1, slot_save_dir=None)
-    s2 = make(clock, hold_max_s=60, hold_default_s=60)
-    a2 = job([c], session="agent-a")
-    s2.submit(a2)
-    s2.release(a2)
-    plain2 = job([c], cls="interactive")
-    s2.submit(plain2)
+    s2, _, plain2 = held_and_wanted(clock, c)
     await asyncio.sleep(0.01)
     clock.now += 0.49
     s2.dispatch()
