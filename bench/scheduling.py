@@ -135,12 +135,16 @@ class Load:
         # before its first token (resume.py), a start-up artefact that made each phase's first
         # interactive TTFT its slowest; what is measured is the flood's steady state (as the
         # tokens are counted after its start).
-        await asyncio.sleep(min(every_s / 2, max(0.0, stop - time.perf_counter())))
-        while time.perf_counter() < stop:
-            tasks.append(asyncio.create_task(self.one(tenant="chat-user", cls="interactive", max_tokens=16,
-                                                      record_ttft=True, context=context)))
-            await asyncio.sleep(every_s)
-        await asyncio.gather(*tasks)
+        try:
+            await asyncio.sleep(min(every_s / 2, max(0.0, stop - time.perf_counter())))
+            while time.perf_counter() < stop:
+                tasks.append(asyncio.create_task(self.one(tenant="chat-user", cls="interactive", max_tokens=16,
+                                                          record_ttft=True, context=context)))
+                await asyncio.sleep(every_s)
+            await asyncio.gather(*tasks)
+        finally:  # the phase ended (cancelled): what is still waiting leaves with it, not after it
+            for t in tasks:
+                t.cancel()
 
 
 async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, int] | None = None,
