@@ -69,20 +69,24 @@ class SlotMap:
         and when the first of those holds ends (inf: none)."""
         n, first = 0, math.inf
         if self.holds:
-            for i, h in enumerate(self.held):
-                if h and h != session and self.holder[i] is None and self.until[i] > now and not self.saved[i]:
+            for i in range(len(self.held)):
+                if self._held_unsaved(i, session, now):
                     n += 1
                     first = min(first, self.until[i])
         return n, first
+
+    def _held_unsaved(self, i: int, session: str, now: float) -> bool:
+        """Is slot ``i`` free, held for a session other than ``session`` at ``now``, its KV not saved?"""
+        h = self.held[i]
+        return bool(h) and h != session and self.holder[i] is None and self.until[i] > now and not self.saved[i]
 
     def to_save(self, session: str, now: float, saving: Container[int] = ()) -> tuple[int, str] | None:
         """The held slot a request of ``session`` waits for (the hold ending first, among those
         with a session's KV not saved yet, nor being saved: ``saving``), and that KV's session:
         what to save ahead."""
         best = None
-        for i, h in enumerate(self.held):
-            if (h and h != session and self.holder[i] is None and self.until[i] > now and self.kv[i]
-                    and not self.saved[i] and i not in saving
+        for i in range(len(self.held)):
+            if (self._held_unsaved(i, session, now) and self.kv[i] and i not in saving
                     and (best is None or self.until[i] < self.until[best])):
                 best = i
         return None if best is None else (best, self.kv[best])
