@@ -11,6 +11,10 @@
 3. Tokens/s under the flood (all of them, and the batch tenant's alone) against direct FIFO;
    with preemption, suspensions per minute and the prompt tokens llama-server computed again per
    resume (the rest of a continuation's prompt comes from the slot's cache).
+4. Where the work went, from llama-server's own counters (``/metrics``) over the same window:
+   decode steps a second and the slots busy in each (their product is the tokens generated a
+   second), prompt tokens computed and taken from its cache. A gateway that leaves a slot idle
+   lowers the second; more prompt work (resumes, cache loads) slows the steps.
 
 Every prompt is fresh, so that no run profits from llama-server's prompt cache. A reference phase
 sends only slots - 1 batch streams straight to llama-server: the interactive request always finds
@@ -23,7 +27,10 @@ repeats the flood arms N times, in turn (a round reversed every other time), and
 and through passerelle with batch held to the usual number of slots: the spare slot is kept for
 better classes, so nothing is cut, at the cost of one more sequence decoding beside the others.
 ``--interactive-context N`` gives each interactive request a chat history of about N tokens (a
-chat UI's request carries its conversation), fresh each time.
+chat UI's request carries its conversation), fresh each time. ``--count-from S`` counts tokens
+from S seconds into each phase: direct FIFO serves an interactive request only after the flood's
+queue ahead of it (15-18 s here), so a window that opens past that compares every arm paying the
+interactive prompts at their arrival rate.
 
 Where preemption's time goes, per interactive request (from the gateways' access logs): the
 wait in passerelle's queue (arrival to the request sent upstream: the preemption decision and
@@ -32,7 +39,7 @@ llama-server's log, the time from a cut stream's cancel to the next request it s
 
     .venv/bin/python bench/scheduling.py [--slots 4] [--phase-s 40] [--only alone,flood,fair]
                                          [--also-batch-share 1.0] [--also-src DIR] [--rounds 1] [--toml ...]
-                                         [--also-reserve] [--interactive-context N]
+                                         [--also-reserve] [--interactive-context N] [--count-from S]
 """
 
 from __future__ import annotations
@@ -75,6 +82,14 @@ class Load:
         self.ttfts: list[float] = []
         self.errors = 0
         self.t0 = 0.0
+        # llama-server's counters at the start and the end of the counted window (``window``)
+        self.counters: list[dict[str, float]] = []
+
+    async def window(self, llama: str, skip_s: float, seconds: float) -> None:
+        """Read ``llama``'s counters when the counted window opens and when it closes."""
+        for at in (skip_s, seconds):
+            await asyncio.sleep(max(0.0, self.t0 + at - time.perf_counter()))
+            self.counters.append(await asyncio.to_thread(llama_counters, llama))
 
     def steady(self, skip_s: float, seconds: float) -> dict[str, int]:
         """Content events (tokens) streamed per tenant in the steady part of the phase: after
@@ -148,7 +163,8 @@ class Load:
 
 
 async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, int] | None = None,
-                interactive: bool = True, every_s: float = 1.0, context: int = 0) -> tuple[Load, float]:
+                interactive: bool = True, every_s: float = 1.0, context: int = 0, llama: str = "",
+                skip_s: float = 0.0) -> tuple[Load, float]:
     connector = aiohttp.TCPConnector(force_close=True, limit=0)  # llama-server drops reused connections
     async with aiohttp.ClientSession(connector=connector) as session:
         load = Load(base, session)
@@ -160,6 +176,8 @@ async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, i
             jobs += [load.closed_loop(stop, tenant="tenant-b", cls="batch", max_tokens=64) for _ in range(fair[1])]
         if interactive:
             jobs.append(load.interactive(stop, every_s, context))
+        if llama:
+            jobs.append(load.window(llama, skip_s, seconds))
         # At the end the clients leave (what is still streaming or queued is cut): only the phase's
         # window is measured, and a drain of queued 64-token requests on a slow CPU takes minutes.
         with contextlib.suppress(TimeoutError):
@@ -175,6 +193,20 @@ def settle(llama: str, timeout: float = 30.0) -> None:
             if not any(s.get("is_processing") for s in json.loads(resp.read())):
                 return
         time.sleep(0.2)
+
+
+def llama_counters(url: str) -> dict[str, float]:
+    """llama-server's cumulative counters (``--metrics``): decode steps, the busy slots they
+    carried in all, prompt tokens computed and taken from the cache."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        values = {}
+        for line in r.read().decode().splitlines():
+            if line.startswith("llamacpp:"):
+                name, _, value = line.partition(" ")
+                values[name.removeprefix("llamacpp:")] = float(value)
+    return {"steps": values["n_decode_total"], "busy": values["n_busy_slots_per_decode"] * values["n_decode_total"],
+            "prompt": values["prompt_tokens_total"],
+            "cached": values.get("prompt_tokens_cached_total", 0.0)}
 
 
 def admin_stats(url: str) -> dict:
@@ -242,6 +274,7 @@ class Arm:
     preempt: dict[str, float] = field(default_factory=dict)
     llama_log: Path | None = None  # its llama-server's log, when not the first one's
     llama_t0: float = 0.0  # (and when that one started)
+    llama_url: str = ""  # its llama-server, when not the first one
 
     @property
     def ttfts(self) -> list[float]:
@@ -275,6 +308,12 @@ def main() -> int:
     ap.add_argument("--interactive-context", type=int, default=0, metavar="N",
                     help="an interactive request carries about N tokens of chat history (fresh each time; "
                          "default 0: a one-line question)")
+    ap.add_argument("--count-from", type=float, default=None, metavar="S",
+                    help="count tokens from S seconds into each phase (default: a quarter of the phase, at most "
+                         "10 s). Direct FIFO serves an interactive request only after the flood's queue ahead of "
+                         "it (15-18 s with 4 slots and one thread): count from past that, so that every arm pays "
+                         "the interactive requests' prompts at the rate they arrive, not FIFO only those that "
+                         "came before the window")
     ap.add_argument("--keep", action="store_true", help="keep the access logs and the work folder (printed)")
     ap.add_argument("--toml", default="", help="extra gateway configuration, e.g. $'[scheduler]\\nhold_s = 0'")
     ap.add_argument("--also-batch-share", type=float, action="append", default=[],
@@ -288,6 +327,8 @@ def main() -> int:
                          "usual number of slots (the spare one kept for better classes), and that server's own "
                          "FIFO for comparison")
     args = ap.parse_args()
+    if args.count_from is not None and not 0 <= args.count_from < args.phase_s:
+        ap.error("--count-from must be at least 0 and less than --phase-s")
     binary, model = embedded.find_or_build_llama_server(), embedded.ensure_gemma()
     lport = free_port()
     work = Path(tempfile.mkdtemp(prefix="passerelle-sched-"))
@@ -350,9 +391,10 @@ def main() -> int:
     if spare is not None:
         share = args.slots / (args.slots + 1)
         arms["flood spare direct"] = Arm(gateway=f"http://127.0.0.1:{sport}", llama_log=work / "llama-spare.log",
-                                         llama_t0=spare_t0)
+                                         llama_t0=spare_t0, llama_url=f"http://127.0.0.1:{sport}")
         arms["flood spare slot"] = Arm(
             log=work / "spare.log", llama_log=work / "llama-spare.log", llama_t0=spare_t0,
+            llama_url=f"http://127.0.0.1:{sport}",
             gateway=start_gateway("spare", f'[[classes]]\nname = "batch"\nrank = 2\nmax_queue = 4096\n'
                                            f'slot_share = {share:.6f}\npreemptible = true\n', port_=sport))
         variants += ["flood spare direct", "flood spare slot"]
@@ -384,7 +426,8 @@ def main() -> int:
             before = admin_stats(a.gateway)["preemption"] if a.log is not None else None
             w0 = time.time()
             load, _ = asyncio.run(phase(a.gateway, args.phase_s, every_s=args.interactive_every,
-                                        context=args.interactive_context, **kw))
+                                        context=args.interactive_context, llama=a.llama_url or direct,
+                                        skip_s=window_start(args), **kw))
             a.loads.append(load)
             a.windows.append((w0, time.time(), w0 - (a.llama_t0 or llama_t0)))
             if before is not None:
@@ -406,6 +449,11 @@ def main() -> int:
     return 0
 
 
+def window_start(args: argparse.Namespace) -> float:
+    """Seconds into a phase from which its tokens (and llama-server's work) are counted."""
+    return min(10.0, args.phase_s / 4) if args.count_from is None else args.count_from
+
+
 def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], reference: str, holds: object,
            work: Path) -> None:
     def ran(name: str) -> bool:
@@ -415,7 +463,7 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
         xs = arms[name].ttfts
         return pct(xs, 95) * 1000 if xs else math.nan
 
-    skip = min(10.0, args.phase_s / 4)
+    skip = window_start(args)
     flood = 3 * args.slots
     rounds = f", {args.rounds} rounds pooled" if args.rounds > 1 else ""
     print(f"\nGemma 3 270M on llama-server, {args.slots} slots; batch flood = {flood} closed-loop streams of 64 "
@@ -472,14 +520,21 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
         print(f"   freed slots held for a returning tenant: {holds}")
     if ran("flood direct"):
         print(f"\n3. Tokens/s under the flood (streamed between {skip:g} s and {args.phase_s:g} s), vs direct FIFO")
-        print(f"   {'':20}{'all':>8}{'ratio':>8}{'batch':>8}{'ratio':>8}")
+        print(f"   {'':20}{'all':>8}{'ratio':>8}{'batch':>8}{'ratio':>8}{'interactive':>13}")
         base_all = arms["flood direct"].rate(skip, args.phase_s)
         base_batch = arms["flood direct"].rate(skip, args.phase_s, "bulk")
         for n in floods:
             if ran(n) and n != reference:
                 a_, b_ = arms[n].rate(skip, args.phase_s), arms[n].rate(skip, args.phase_s, "bulk")
-                print(f"   {n:20}{a_:8.1f}{a_ / base_all:8.3f}{b_:8.1f}{b_ / base_batch:8.3f}")
+                i_ = arms[n].rate(skip, args.phase_s, "chat-user")
+                print(f"   {n:20}{a_:8.1f}{a_ / base_all:8.3f}{b_:8.1f}{b_ / base_batch:8.3f}{i_:13.2f}")
         print("   (goal with preemption: work served, all tokens, >= 0.97 of direct FIFO)")
+        default = min(10.0, args.phase_s / 4)
+        if skip != default:  # the same tokens counted over the default window, for contrast
+            base = arms["flood direct"].rate(default, args.phase_s)
+            print(f"   counted from {default:g} s instead: " + ", ".join(
+                f"{n} {arms[n].rate(default, args.phase_s) / base:.3f}" for n in floods
+                if ran(n) and n not in (reference, "flood direct")))
         if ran("flood spare slot") and ran("flood spare direct"):
             own = arms["flood spare direct"].rate(skip, args.phase_s)
             mine = arms["flood spare slot"].rate(skip, args.phase_s)
@@ -494,6 +549,19 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
                       f" a minute), {p.get('resumed', 0):g} resumes; prompt tokens computed again per resumed "
                       f"stream {p.get('resume_prompt_tokens_processed', 0) / resumes:.1f} (from cache: "
                       f"{p.get('resume_prompt_tokens_cached', 0) / resumes:.1f})")
+    flooded = [n for n in floods if ran(n) and all(len(ld.counters) == 2 for ld in arms[n].loads)]
+    if flooded:
+        # (llama-server counts a request's generated tokens only when it ends unless cancelled: a cut
+        # stream's are not, so they are not compared here; the relayed tokens are in 3.)
+        print("\n4. In llama-server over the same window (its /metrics): decode steps a second, slots busy per "
+              "step,\n   prompt tokens computed a second, and taken from its cache")
+        print(f"   {'':20}{'steps/s':>9}{'busy':>7}{'prompt/s':>10}{'cached/s':>10}")
+        for n in flooded:
+            d = {k: sum(ld.counters[1][k] - ld.counters[0][k] for ld in arms[n].loads) for k in ("steps", "busy",
+                                                                                                 "prompt", "cached")}
+            secs = (args.phase_s - skip) * len(arms[n].loads)
+            print(f"   {n:20}{d['steps'] / secs:9.2f}{d['busy'] / max(d['steps'], 1):7.2f}{d['prompt'] / secs:10.1f}"
+                  f"{d['cached'] / secs:10.1f}")
     errors = {n: a.errors for n, a in arms.items() if a.errors}
     print(f"\nerrors: {errors or 'none'}")
     if args.keep:
