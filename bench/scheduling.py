@@ -30,7 +30,10 @@ better classes, so nothing is cut, at the cost of one more sequence decoding bes
 chat UI's request carries its conversation), fresh each time. ``--count-from S`` counts tokens
 from S seconds into each phase: direct FIFO serves an interactive request only after the flood's
 queue ahead of it (15-18 s here), so a window that opens past that compares every arm paying the
-interactive prompts at their arrival rate.
+interactive prompts at their arrival rate. ``--batch-tokens LO:HI`` draws each batch stream's
+length (default: all 64): streams of one length that start together end together, and straight to
+llama-server their successors compute their prompts in one step, a lock-step a real queue's
+answers of varied length do not keep.
 
 Where preemption's time goes, per interactive request (from the gateways' access logs): the
 wait in passerelle's queue (arrival to the request sent upstream: the preemption decision and
@@ -40,6 +43,7 @@ llama-server's log, the time from a cut stream's cancel to the next request it s
     .venv/bin/python bench/scheduling.py [--slots 4] [--phase-s 40] [--only alone,flood,fair]
                                          [--also-batch-share 1.0] [--also-src DIR] [--rounds 1] [--toml ...]
                                          [--also-reserve] [--interactive-context N] [--count-from S]
+                                         [--batch-tokens LO:HI]
 """
 
 from __future__ import annotations
@@ -139,9 +143,11 @@ class Load:
         except aiohttp.ClientError:
             self.errors += 1
 
-    async def closed_loop(self, stop: float, *, tenant: str, cls: str, max_tokens: int) -> None:
+    async def closed_loop(self, stop: float, *, tenant: str, cls: str, max_tokens: tuple[int, int]) -> None:
+        """One stream after the other until ``stop``, each of ``max_tokens`` (lo, hi: drawn each time)."""
+        rng = random.Random(time.time_ns())
         while time.perf_counter() < stop:
-            await self.one(tenant=tenant, cls=cls, max_tokens=max_tokens)
+            await self.one(tenant=tenant, cls=cls, max_tokens=rng.randint(*max_tokens))
 
     async def interactive(self, stop: float, every_s: float = 1.0, context: int = 0) -> None:
         tasks = []
@@ -164,16 +170,16 @@ class Load:
 
 async def phase(base: str, seconds: float, *, flood: int = 0, fair: tuple[int, int] | None = None,
                 interactive: bool = True, every_s: float = 1.0, context: int = 0, llama: str = "",
-                skip_s: float = 0.0) -> tuple[Load, float]:
+                skip_s: float = 0.0, batch_tokens: tuple[int, int] = (64, 64)) -> tuple[Load, float]:
     connector = aiohttp.TCPConnector(force_close=True, limit=0)  # llama-server drops reused connections
     async with aiohttp.ClientSession(connector=connector) as session:
         load = Load(base, session)
         t0 = load.t0 = time.perf_counter()
         stop = t0 + seconds
-        jobs = [load.closed_loop(stop, tenant="bulk", cls="batch", max_tokens=64) for _ in range(flood)]
+        jobs = [load.closed_loop(stop, tenant="bulk", cls="batch", max_tokens=batch_tokens) for _ in range(flood)]
         if fair:
-            jobs += [load.closed_loop(stop, tenant="tenant-a", cls="batch", max_tokens=64) for _ in range(fair[0])]
-            jobs += [load.closed_loop(stop, tenant="tenant-b", cls="batch", max_tokens=64) for _ in range(fair[1])]
+            for tenant, n in (("tenant-a", fair[0]), ("tenant-b", fair[1])):
+                jobs += [load.closed_loop(stop, tenant=tenant, cls="batch", max_tokens=batch_tokens) for _ in range(n)]
         if interactive:
             jobs.append(load.interactive(stop, every_s, context))
         if llama:
@@ -314,6 +320,10 @@ def main() -> int:
                          "it (15-18 s with 4 slots and one thread): count from past that, so that every arm pays "
                          "the interactive requests' prompts at the rate they arrive, not FIFO only those that "
                          "came before the window")
+    ap.add_argument("--batch-tokens", default="64", metavar="N|LO:HI",
+                    help="a batch stream's length in tokens (default 64), or drawn between LO and HI for each "
+                         "request: streams of one length that start together end together, and straight to "
+                         "llama-server their successors then compute their prompts in one step")
     ap.add_argument("--keep", action="store_true", help="keep the access logs and the work folder (printed)")
     ap.add_argument("--toml", default="", help="extra gateway configuration, e.g. $'[scheduler]\\nhold_s = 0'")
     ap.add_argument("--also-batch-share", type=float, action="append", default=[],
@@ -327,6 +337,13 @@ def main() -> int:
                          "usual number of slots (the spare one kept for better classes), and that server's own "
                          "FIFO for comparison")
     args = ap.parse_args()
+    try:
+        lo, _, hi = args.batch_tokens.partition(":")
+        args.batch_tokens = (int(lo), int(hi or lo))
+    except ValueError:
+        ap.error("--batch-tokens takes N or LO:HI")
+    if not 1 <= args.batch_tokens[0] <= args.batch_tokens[1]:
+        ap.error("--batch-tokens needs 1 <= LO <= HI")
     if args.count_from is not None and not 0 <= args.count_from < args.phase_s:
         ap.error("--count-from must be at least 0 and less than --phase-s")
     binary, model = embedded.find_or_build_llama_server(), embedded.ensure_gemma()
@@ -427,7 +444,7 @@ def main() -> int:
             w0 = time.time()
             load, _ = asyncio.run(phase(a.gateway, args.phase_s, every_s=args.interactive_every,
                                         context=args.interactive_context, llama=a.llama_url or direct,
-                                        skip_s=window_start(args), **kw))
+                                        skip_s=window_start(args), batch_tokens=args.batch_tokens, **kw))
             a.loads.append(load)
             a.windows.append((w0, time.time(), w0 - (a.llama_t0 or llama_t0)))
             if before is not None:
@@ -466,8 +483,9 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
     skip = window_start(args)
     flood = 3 * args.slots
     rounds = f", {args.rounds} rounds pooled" if args.rounds > 1 else ""
-    print(f"\nGemma 3 270M on llama-server, {args.slots} slots; batch flood = {flood} closed-loop streams of 64 "
-          f"tokens; interactive = a request every {args.interactive_every:g} s, 16 tokens"
+    print(f"\nGemma 3 270M on llama-server, {args.slots} slots; batch flood = {flood} closed-loop streams of "
+          f"{'-'.join(map(str, sorted(set(args.batch_tokens))))} tokens; interactive = a request every "
+          f"{args.interactive_every:g} s, 16 tokens"
           f"{f' after ~{args.interactive_context} tokens of history' if args.interactive_context else ''};"
           f" {args.phase_s:g} s per "
           f"phase{rounds}; fresh prompts.\n")
