@@ -14,7 +14,8 @@
 4. Where the work went, from llama-server's own counters (``/metrics``) over the same window:
    decode steps a second and the slots busy in each (their product is the tokens generated a
    second), prompt tokens computed and taken from its cache. A gateway that leaves a slot idle
-   lowers the second; more prompt work (resumes, cache loads) slows the steps.
+   lowers the second; more launches (cuts and their resumes) slow the steps, a step in which a
+   slot computes a prompt being longer than a decode step.
 
 Every prompt is fresh, so that no run profits from llama-server's prompt cache. A reference phase
 sends only slots - 1 batch streams straight to llama-server: the interactive request always finds
@@ -444,7 +445,8 @@ def main() -> int:
             w0 = time.time()
             load, _ = asyncio.run(phase(a.gateway, args.phase_s, every_s=args.interactive_every,
                                         context=args.interactive_context, llama=a.llama_url or direct,
-                                        skip_s=window_start(args), batch_tokens=args.batch_tokens, **kw))
+                                        skip_s=window_start(args.phase_s, args.count_from),
+                                        batch_tokens=args.batch_tokens, **kw))
             a.loads.append(load)
             a.windows.append((w0, time.time(), w0 - (a.llama_t0 or llama_t0)))
             if before is not None:
@@ -466,9 +468,10 @@ def main() -> int:
     return 0
 
 
-def window_start(args: argparse.Namespace) -> float:
-    """Seconds into a phase from which its tokens (and llama-server's work) are counted."""
-    return min(10.0, args.phase_s / 4) if args.count_from is None else args.count_from
+def window_start(phase_s: float, count_from: float | None = None) -> float:
+    """Seconds into a phase from which its tokens (and llama-server's work) are counted: a
+    quarter of the phase, at most 10 s, unless ``--count-from`` says."""
+    return min(10.0, phase_s / 4) if count_from is None else count_from
 
 
 def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], reference: str, holds: object,
@@ -480,7 +483,7 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
         xs = arms[name].ttfts
         return pct(xs, 95) * 1000 if xs else math.nan
 
-    skip = window_start(args)
+    skip = window_start(args.phase_s, args.count_from)
     flood = 3 * args.slots
     rounds = f", {args.rounds} rounds pooled" if args.rounds > 1 else ""
     print(f"\nGemma 3 270M on llama-server, {args.slots} slots; batch flood = {flood} closed-loop streams of "
@@ -547,7 +550,7 @@ def report(args: argparse.Namespace, arms: dict[str, Arm], floods: list[str], re
                 i_ = arms[n].rate(skip, args.phase_s, "chat-user")
                 print(f"   {n:20}{a_:8.1f}{a_ / base_all:8.3f}{b_:8.1f}{b_ / base_batch:8.3f}{i_:13.2f}")
         print("   (goal with preemption: work served, all tokens, >= 0.97 of direct FIFO)")
-        default = min(10.0, args.phase_s / 4)
+        default = window_start(args.phase_s)
         if skip != default:  # the same tokens counted over the default window, for contrast
             base = arms["flood direct"].rate(default, args.phase_s)
             print(f"   counted from {default:g} s instead: " + ", ".join(
