@@ -149,6 +149,17 @@ def request_bytes(url: str, max_tokens: int, extra: dict[str, Any] | None = None
             f"Authorization: Bearer {MASTER_KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
 
+def endpoints(url: str, max_tokens: int, extra: dict[str, Any] | None = None) -> list[tuple[str, int, bytes]]:
+    """Host, port and request bytes of each base URL in ``url``: one, or several separated by commas
+    (a group of gateway processes: connection ``i`` goes to the ``i mod n``-th, spread evenly as
+    ``SO_REUSEPORT`` would spread them)."""
+    out = []
+    for u in url.split(","):
+        host, port = u.split("//", 1)[1].rsplit(":", 1)
+        out.append((host, int(port), request_bytes(u, max_tokens, extra)))
+    return out
+
+
 @dataclass
 class Round:
     ttft_ms: list[float] = field(default_factory=list)
@@ -174,8 +185,7 @@ async def run_load(url: str, concurrency: int, measured: int, max_tokens: int, s
     but ``on_done``.
     """
     loop = asyncio.get_running_loop()
-    host, port = url.split("//", 1)[1].rsplit(":", 1)
-    raw = request_bytes(url, max_tokens, extra)
+    places = endpoints(url, max_tokens, extra)
     totals = Totals()
     out = Round()
     state = {"taken": 0, "ended": 0, "t_a": 0.0, "tok_a": 0, "t_b": 0.0, "tok_b": 0, "closed": False}
@@ -193,6 +203,7 @@ async def run_load(url: str, concurrency: int, measured: int, max_tokens: int, s
     stop_at = (t_start + deadline_s) if deadline_s is not None else None
 
     async def user(i: int) -> None:
+        host, port, raw = places[i % len(places)]
         await asyncio.sleep(stagger_s * i / concurrency)
         conn: StreamConn | None = None
         warm = True
@@ -216,7 +227,7 @@ async def run_load(url: str, concurrency: int, measured: int, max_tokens: int, s
                     if conn is not None:
                         conn.close()
                     try:
-                        _, conn = await loop.create_connection(lambda: StreamConn(totals), host, int(port))
+                        _, conn = await loop.create_connection(lambda: StreamConn(totals), host, port)
                     except OSError as exc:
                         out.errors[f"connect: {exc.__class__.__name__}"] += 1
                         await asyncio.sleep(0.1)
@@ -270,8 +281,7 @@ async def run_waves(url: str, size: int, waves: int, max_tokens: int, timeout: f
     ``tokens_per_s``: the content events of all waves over the time their waves ran.
     """
     loop = asyncio.get_running_loop()
-    host, port = url.split("//", 1)[1].rsplit(":", 1)
-    raw = request_bytes(url, max_tokens, extra)
+    places = endpoints(url, max_tokens, extra)
     totals = Totals()
     out = Round()
     conns: list[StreamConn | None] = [None] * size
@@ -284,9 +294,10 @@ async def run_waves(url: str, size: int, waves: int, max_tokens: int, timeout: f
             return
         if conn is not None:
             conn.close()
+        host, port, _ = places[i % len(places)]
         for _ in range(3):
             try:
-                _, conns[i] = await loop.create_connection(lambda: StreamConn(totals), host, int(port))
+                _, conns[i] = await loop.create_connection(lambda: StreamConn(totals), host, port)
                 return
             except OSError as exc:
                 out.errors[f"connect: {exc.__class__.__name__}"] += 1
@@ -307,7 +318,7 @@ async def run_waves(url: str, size: int, waves: int, max_tokens: int, timeout: f
         await ready(i)
         conn = conns[i]
         assert conn is not None
-        await ended(i, conn.send(raw))
+        await ended(i, conn.send(places[i % len(places)][2]))
 
     busy_s, wave_tokens = 0.0, 0
     try:
@@ -318,7 +329,9 @@ async def run_waves(url: str, size: int, waves: int, max_tokens: int, timeout: f
             await asyncio.gather(*(ready(i) for i in range(size)))
             ready_conns = [c for c in conns if c is not None]  # all of them: ready() raises otherwise
             tok0 = totals.tokens
-            sent = [c.send(raw) for c in ready_conns]  # the barrier's release: all written in this pass
+            raws = [places[i % len(places)][2] for i in range(len(ready_conns))]
+            # the barrier's release: all written in this pass
+            sent = [c.send(raw) for c, raw in zip(ready_conns, raws, strict=True)]
             out.spread_ms.append((sent[-1] - sent[0]) * 1000)
             results = await asyncio.gather(*(ended(i, t0) for i, t0 in enumerate(sent)))
             busy_s += time.perf_counter() - sent[0]

@@ -97,8 +97,30 @@ from venvs import ROOT as VENVS
 import passerelle
 from passerelle import __version__
 
-
 # --- the comparison ------------------------------------------------------------------------------
+
+
+GROUP = "passerelle-procs"
+
+
+@dataclasses.dataclass
+class Group:
+    """Several passerelle processes measured as one target (``--processes N``): the load generator
+    spreads its connections over their URLs (connection i to the i mod N-th, as ``SO_REUSEPORT``
+    would), and their CPU and RSS are summed. Each has its own scheduler, so this is the most that
+    several acceptor processes in front of one scheduler could give: that design would add a round
+    trip to the scheduler per request, which this leaves out."""
+
+    members: list[Service]
+
+    @property
+    def url(self) -> str:
+        return ",".join(m.url for m in self.members)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p for m in self.members for p in m.pids]
+
 def measure_ceiling(work: Path, tokens: int, concurrency: int, requests: int) -> dict[str, Any]:
     """Direct against a fake with no TTFT and 1 ms ITL: as many events as generator and fake manage."""
     fake = start_fake(work, 0, 1, tokens, tag="fake-ceiling")
@@ -170,7 +192,7 @@ def start_peers(args: argparse.Namespace, names: list[str], work: Path, backend_
     return {name: svc for name, (_, svc) in started.items()}
 
 
-def alternate(targets: list[str], rounds: int, services: list[Service], procs: dict[str, Service],
+def alternate(targets: list[str], rounds: int, services: list[Service], procs: dict[str, Service | Group],
               load: Callable[[str], Round], label: str) -> dict[str, Cell]:
     """``rounds`` rounds, each running every target once in a rotated order (drift of a shared
     machine hits all alike), each after the servers are idle; the target's process tree's CPU
@@ -231,24 +253,34 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
                           slots=(args.fake_slots or max(levels + sizes)) if args.upstream else 0,
                           extra=["--openai-only"] if args.fake_openai_only else [])
         services.append(fake)
-        procs: dict[str, Service] = {}
+        procs: dict[str, Service | Group] = {}
+        ours: dict[str, Service] = {}
         if "passerelle" in gateways:
-            procs["passerelle"] = start_passerelle(work, fake.url, args.passerelle_toml, src=args.src,
-                                                   upstream=args.upstream)
-            services.append(procs["passerelle"])
+            ours["passerelle"] = start_passerelle(work, fake.url, args.passerelle_toml, src=args.src,
+                                                  upstream=args.upstream)
+            services.append(ours["passerelle"])
             if variant:
-                procs["passerelle-b"] = start_passerelle(
+                ours["passerelle-b"] = start_passerelle(
                     work, fake.url, args.also_toml, name="passerelle-b", src=args.also_src or args.src,
                     env=dict(kv.split("=", 1) for kv in args.also_env), upstream=args.upstream)
-                services.append(procs["passerelle-b"])
+                services.append(ours["passerelle-b"])
                 results["variant_b"] = {"src": str(args.also_src or args.src or ROOT), "env": args.also_env,
                                         "toml": args.also_toml}
                 results["versions"]["passerelle-b"] = passerelle_version(args.also_src or args.src)
-        for name in ("passerelle", "passerelle-b"):
-            if name in procs:
-                procs[name].wait_ready("/ready", 60)
+            for i in range(args.processes):
+                ours[f"passerelle-p{i}"] = start_passerelle(work, fake.url, args.passerelle_toml,
+                                                            name=f"passerelle-p{i}", src=args.src,
+                                                            upstream=args.upstream)
+                services.append(ours[f"passerelle-p{i}"])
+        for svc in ours.values():
+            svc.wait_ready("/ready", 60)
+        procs.update((name, ours[name]) for name in ("passerelle", "passerelle-b") if name in ours)
+        group = [svc for name, svc in ours.items() if name.startswith("passerelle-p")]
+        if group:
+            procs[GROUP] = Group(group)
+            results["processes"] = len(group)
         procs.update(start_peers(args, peers, work, fake.url, results, services))
-        targets = ["direct", *(n for n in ("passerelle", "passerelle-b", *PEERS) if n in procs)]
+        targets = ["direct", *(n for n in ("passerelle", "passerelle-b", GROUP, *PEERS) if n in procs)]
         results["targets"] = targets
         urls = {"direct": fake.url, **{name: svc.url for name, svc in procs.items()}}
         print("fake " + fake.url + "".join(f", {n} {u}" for n, u in urls.items() if n != "direct")
@@ -374,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--also-env", action="append", default=[], metavar="K=V",
                    help="A/B: passerelle-b's extra environment (repeatable)")
     p.add_argument("--also-toml", default="", metavar="TOML", help="A/B: passerelle-b's extra configuration")
+    p.add_argument("--processes", type=int, default=0, metavar="N",
+                   help="also N passerelle processes side by side, the load spread over them (target "
+                        f"{GROUP}): each has its own scheduler, so this bounds what several acceptor processes "
+                        "in front of one scheduler could give (0: not measured)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "overhead", help="results folder")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

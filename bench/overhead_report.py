@@ -76,7 +76,8 @@ class Cell:
 
 
 
-NAMES = {"passerelle": "passerelle", "passerelle-b": "passerelle (B)", "envoy": "Envoy",
+NAMES = {"passerelle": "passerelle", "passerelle-b": "passerelle (B)",
+         "passerelle-procs": "passerelle ×N (a bound)", "envoy": "Envoy",
          "vllm-router": "vllm-router", "smg": "SMG", "litellm": "LiteLLM", "direct": "direct"}
 
 
@@ -173,6 +174,35 @@ def goals(results: dict[str, Any]) -> list[str]:
         if wave["size"] == 64 and a:
             out.append(f"added TTFT p99 in waves of 64: {a['p99']:+.2f} ms (goal <= 5): "
                        f"{'met' if a['p99'] <= 5 else 'NOT met'}")
+    return out + bound(results)
+
+
+def bound(results: dict[str, Any]) -> list[str]:
+    """The same goals for ``--processes N``: what N event loops with no shared state reach, the most
+    that several acceptor processes in front of one scheduler could."""
+    name, n = "passerelle-procs", results.get("processes")
+    if not n:
+        return []
+    out = []
+    for level in results["levels"]:
+        mine, one = level["targets"].get(name), level["targets"].get("passerelle")
+        if mine is None or level["concurrency"] != 256:
+            continue
+        rust = {k: level["targets"][k]["cpu_s_per_1k_requests"] for k in ("vllm-router", "smg")
+                if k in level["targets"]}
+        cpu = mine["cpu_s_per_1k_requests"]
+        text = (f"{n} processes (a bound), 256 streams: added TTFT p99 {mine['added_ttft_ms']['p99']:+.2f} ms "
+                f"(goal <= 2)")
+        if one is not None and one["cpu_s_per_1k_requests"] and cpu:
+            text += f", CPU per request {cpu / one['cpu_s_per_1k_requests']:.2f}x one process's"
+        if rust and cpu:
+            lean = min(rust, key=lambda k: rust[k])
+            text += f", {cpu / rust[lean]:.2f}x {NAMES[lean]}'s (goal <= 1.2)"
+        out.append(text)
+    for wave in results.get("waves", []):
+        a = wave["targets"].get(name, {}).get("added_ttft_ms")
+        if wave["size"] == 64 and a:
+            out.append(f"{n} processes (a bound), waves of 64: added TTFT p99 {a['p99']:+.2f} ms (goal <= 5)")
     return out
 
 
@@ -187,6 +217,10 @@ def report(results: dict[str, Any], targets: list[str]) -> str:
              f"{results['loadavg_start'][0]:.2f}, per level {loads}"
              + (f"; CPU pressure (PSI some, avg10) {min(psi):.0f}–{max(psi):.0f} %" if psi else "") + ".",
              f"Versions: {versions}.",
+             *([f"passerelle ×N: {results['processes']} passerelle processes side by side, the load's connections "
+                "spread over them, each with a scheduler of its own: a bound on what several acceptor processes "
+                "in front of one scheduler could give (they would add a round trip to it per request)."]
+               if results.get("processes") else []),
              *(f"Not measured: {NAMES.get(n, n)}, {why}." for n, why in results.get("failed", {}).items()),
              f"fake-backend: TTFT {results['fake']['ttft_ms']:g} ms, ITL {results['fake']['itl_ms']:g} ms, "
              f"{results['fake']['tokens']} tokens; {results['rounds']} rounds per level alternating the targets; "

@@ -140,6 +140,57 @@ def test_a_wave_writes_all_its_requests_at_once(tmp_path):
     assert after["peak_in_flight"] == 16 and after["completed"] == 4 * 16
 
 
+def test_several_urls_share_the_connections_evenly(tmp_path):
+    # ``--processes N``: the load's connections spread over N gateways, as SO_REUSEPORT would, in
+    # streams and in waves alike; each request goes out whole to the one its connection is on.
+    def stats(fake: harness.Service) -> dict[str, int]:
+        with urllib.request.urlopen(fake.url + "/fake/stats", timeout=10) as resp:
+            return dict(json.load(resp))
+
+    fakes = [harness.start_fake(tmp_path, 5, 1, 4, src=harness.ROOT, tag=f"fake{i}") for i in range(2)]
+    try:
+        url = ",".join(f.url for f in fakes)
+        r = loadgen.run_async(loadgen.run_load(url, 4, 12, 4, stagger_s=0.01, timeout=30))
+        w = loadgen.run_async(loadgen.run_waves(url, 6, 2, 4, timeout=30, gap_s=0.01))
+        counts = [stats(f) for f in fakes]
+    finally:
+        for f in fakes:
+            f.stop()
+    assert not r.errors and not w.errors and len(w.ttft_ms) == 2 * 6
+    # streams: 2 users each, every request answered; waves: 3 connections each, 3 requests a wave
+    # (and a warm-up) on each
+    # (and the readiness check and this stats request)
+    assert [c["connections"] for c in counts] == [2 + 3 + 2, 2 + 3 + 2]
+    assert [c["peak_in_flight"] for c in counts] == [3, 3]
+    assert sum(c["completed"] for c in counts) == r.requests + w.requests + 6
+    assert all(c["completed"] >= 3 * 3 for c in counts)
+
+
+def test_a_group_of_processes_is_one_target_with_their_urls_and_pids(tmp_path):
+    fakes = [harness.start_fake(tmp_path, 0, 1, 2, src=harness.ROOT, tag=f"fake{i}") for i in range(2)]
+    try:
+        group = overhead.Group(fakes)
+        assert group.url == f"{fakes[0].url},{fakes[1].url}"
+        assert set(group.pids) == {fakes[0].proc.pid, fakes[1].proc.pid}
+    finally:
+        for f in fakes:
+            f.stop()
+
+
+def test_the_report_says_what_n_processes_reach():
+    def cell(cpu: float, p99: float) -> dict[str, object]:
+        return {"cpu_s_per_1k_requests": cpu, "added_ttft_ms": {"p50": 1.0, "p95": 1.0, "p99": p99}}
+
+    results = {"processes": 2, "levels": [{"concurrency": 256, "targets": {
+        "passerelle": cell(1.0, 9.0), "passerelle-procs": cell(1.1, 3.0), "vllm-router": cell(0.5, 1.0)}}],
+        "waves": [{"size": 64, "targets": {"passerelle-procs": cell(1.2, 7.5)}}]}
+    assert overhead_report.bound(results) == [
+        "2 processes (a bound), 256 streams: added TTFT p99 +3.00 ms (goal <= 2), CPU per request 1.10x one "
+        "process's, 2.20x vllm-router's (goal <= 1.2)",
+        "2 processes (a bound), waves of 64: added TTFT p99 +7.50 ms (goal <= 5)"]
+    assert overhead_report.bound({**results, "processes": None}) == []
+
+
 def test_targets_default_to_passerelle_the_installed_routers_and_litellm(tmp_path):
     stamp = tmp_path / "smg" / ".passerelle-bench-installed"
     stamp.parent.mkdir()
