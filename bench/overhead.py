@@ -48,6 +48,8 @@ round records the generator's own CPU, so a run shows whether the generator coul
     .venv/bin/python bench/overhead.py --targets passerelle,vllm-router --processes 2 --waves 64
         # two passerelle processes side by side, the load spread over them: a bound on what several
         # acceptor processes in front of one scheduler could give
+    .venv/bin/python bench/overhead.py --targets passerelle,passerelle-granian --waves 64
+        # passerelle's app served by granian (a Rust HTTP server) instead of uvicorn
     .venv/bin/python bench/overhead.py --no-litellm --also-toml $'[server]\naccess_log = false'
     .venv/bin/python bench/overhead.py --no-litellm --concurrency 64 --tools \
         --also-toml $'[[models]]\nname = "fake-model"\ntool_calls = "hermes"'   # tool-call repair's cost
