@@ -329,9 +329,8 @@ async def run_waves(url: str, size: int, waves: int, max_tokens: int, timeout: f
             await asyncio.gather(*(ready(i) for i in range(size)))
             ready_conns = [c for c in conns if c is not None]  # all of them: ready() raises otherwise
             tok0 = totals.tokens
-            raws = [places[i % len(places)][2] for i in range(len(ready_conns))]
             # the barrier's release: all written in this pass
-            sent = [c.send(raw) for c, raw in zip(ready_conns, raws, strict=True)]
+            sent = [c.send(places[i % len(places)][2]) for i, c in enumerate(ready_conns)]
             out.spread_ms.append((sent[-1] - sent[0]) * 1000)
             results = await asyncio.gather(*(ended(i, t0) for i, t0 in enumerate(sent)))
             busy_s += time.perf_counter() - sent[0]

@@ -126,6 +126,7 @@ class Group:
     def pids(self) -> list[int]:
         return [p for m in self.members for p in m.pids]
 
+
 def measure_ceiling(work: Path, tokens: int, concurrency: int, requests: int) -> dict[str, Any]:
     """Direct against a fake with no TTFT and 1 ms ITL: as many events as generator and fake manage."""
     fake = start_fake(work, 0, 1, tokens, tag="fake-ceiling")

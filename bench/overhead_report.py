@@ -143,6 +143,12 @@ def table(results: dict[str, Any], targets: list[str]) -> str:
     return "\n".join(lines)
 
 
+def leaner_router(targets: dict[str, Any]) -> str | None:
+    """Of the Rust routers measured at a level, the one with less CPU per request (None: neither)."""
+    rust = [n for n in ("vllm-router", "smg") if n in targets and targets[n]["cpu_s_per_1k_requests"]]
+    return min(rust, key=lambda n: targets[n]["cpu_s_per_1k_requests"]) if rust else None
+
+
 def goals(results: dict[str, Any]) -> list[str]:
     """The issues' goals that this run's figures speak to: met or not."""
     by = {lv["concurrency"]: lv["targets"] for lv in results["levels"]}
@@ -164,10 +170,9 @@ def goals(results: dict[str, Any]) -> list[str]:
                        f"{'met' if f >= 0.9 else 'NOT met'}")
         p99 = mine["added_ttft_ms"]["p99"]
         out.append(f"added TTFT p99 at 256 streams: {p99:+.2f} ms (goal <= 2): {'met' if p99 <= 2 else 'NOT met'}")
-        rust = {n: by[256][n]["cpu_s_per_1k_requests"] for n in ("vllm-router", "smg") if n in by[256]}
-        if rust and mine["cpu_s_per_1k_requests"]:
-            lean = min(rust, key=lambda n: rust[n])
-            ratio = mine["cpu_s_per_1k_requests"] / rust[lean]
+        lean = leaner_router(by[256])
+        if lean is not None and mine["cpu_s_per_1k_requests"]:
+            ratio = mine["cpu_s_per_1k_requests"] / by[256][lean]["cpu_s_per_1k_requests"]
             out.append(f"CPU per request at 256 streams: {ratio:.2f}x {NAMES[lean]}'s, the leaner Rust router "
                        f"(goal <= 1.2): {'met' if ratio <= 1.2 else 'NOT met'}")
     for wave in results.get("waves", []):
@@ -189,16 +194,14 @@ def bound(results: dict[str, Any]) -> list[str]:
         mine, one = level["targets"].get(name), level["targets"].get("passerelle")
         if mine is None or level["concurrency"] != 256:
             continue
-        rust = {k: level["targets"][k]["cpu_s_per_1k_requests"] for k in ("vllm-router", "smg")
-                if k in level["targets"]}
+        lean = leaner_router(level["targets"])
         cpu = mine["cpu_s_per_1k_requests"]
         text = (f"{n} processes (a bound), 256 streams: added TTFT p99 {mine['added_ttft_ms']['p99']:+.2f} ms "
                 f"(goal <= 2)")
         if one is not None and one["cpu_s_per_1k_requests"] and cpu:
             text += f", CPU per request {cpu / one['cpu_s_per_1k_requests']:.2f}x one process's"
-        if rust and cpu:
-            lean = min(rust, key=lambda k: rust[k])
-            text += f", {cpu / rust[lean]:.2f}x {NAMES[lean]}'s (goal <= 1.2)"
+        if lean is not None and cpu:
+            text += f", {cpu / level['targets'][lean]['cpu_s_per_1k_requests']:.2f}x {NAMES[lean]}'s (goal <= 1.2)"
         out.append(text)
     for wave in results.get("waves", []):
         a = wave["targets"].get(name, {}).get("added_ttft_ms")
