@@ -45,7 +45,7 @@ round records the generator's own CPU, so a run shows whether the generator coul
     .venv/bin/python bench/overhead.py --profile [--native]         # py-spy on passerelle at 64, 256
     .venv/bin/python bench/overhead.py --targets passerelle --also-src ../other-checkout   # A/B two versions
     .venv/bin/python bench/overhead.py --targets passerelle,vllm-router --also-src OLD --waves 64  # A/B + a peer
-    .venv/bin/python bench/overhead.py --targets passerelle,vllm-router --processes 2 --waves 64
+    .venv/bin/python bench/overhead.py --targets passerelle,vllm-router --gateway-processes 2 --waves 64
         # two passerelle processes side by side, the load spread over them: a bound on what several
         # acceptor processes in front of one scheduler could give
     .venv/bin/python bench/overhead.py --targets passerelle,passerelle-granian --waves 64
@@ -110,7 +110,7 @@ GROUP = "passerelle-procs"
 
 @dataclasses.dataclass
 class Group:
-    """Several passerelle processes measured as one target (``--processes N``): the load generator
+    """Several passerelle processes measured as one target (``--gateway-processes N``): the load generator
     spreads its connections over their URLs (connection i to the i mod N-th, as ``SO_REUSEPORT``
     would), and their CPU and RSS are summed. Each has its own scheduler, so this is the most that
     several acceptor processes in front of one scheduler could give: that design would add a round
@@ -273,7 +273,7 @@ def compare(args: argparse.Namespace, work: Path, out: Path) -> dict[str, Any]:
                 results["variant_b"] = {"src": str(args.also_src or args.src or ROOT), "env": args.also_env,
                                         "toml": args.also_toml}
                 results["versions"]["passerelle-b"] = passerelle_version(args.also_src or args.src)
-            for i in range(args.processes):
+            for i in range(args.gateway_processes):
                 ours[f"passerelle-p{i}"] = start_passerelle(work, fake.url, args.passerelle_toml,
                                                             name=f"passerelle-p{i}", src=args.src,
                                                             upstream=args.upstream)
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--also-env", action="append", default=[], metavar="K=V",
                    help="A/B: passerelle-b's extra environment (repeatable)")
     p.add_argument("--also-toml", default="", metavar="TOML", help="A/B: passerelle-b's extra configuration")
-    p.add_argument("--processes", type=int, default=0, metavar="N",
+    p.add_argument("--gateway-processes", type=int, default=0, metavar="N",
                    help="also N passerelle processes side by side, the load spread over them (target "
                         f"{GROUP}): each has its own scheduler, so this bounds what several acceptor processes "
                         "in front of one scheduler could give (0: not measured)")

@@ -184,7 +184,7 @@ def goals(results: dict[str, Any]) -> list[str]:
 
 
 def bound(results: dict[str, Any]) -> list[str]:
-    """The same goals for ``--processes N``: what N event loops with no shared state reach, the most
+    """The same goals for ``--gateway-processes N``: what N event loops with no shared state reach, the most
     that several acceptor processes in front of one scheduler could."""
     name, n = "passerelle-procs", results.get("processes")
     if not n:

@@ -141,7 +141,7 @@ def test_a_wave_writes_all_its_requests_at_once(tmp_path):
 
 
 def test_several_urls_share_the_connections_evenly(tmp_path):
-    # ``--processes N``: the load's connections spread over N gateways, as SO_REUSEPORT would, in
+    # ``--gateway-processes N``: the load's connections spread over N gateways, as SO_REUSEPORT would, in
     # streams and in waves alike; each request goes out whole to the one its connection is on.
     def stats(fake: harness.Service) -> dict[str, int]:
         with urllib.request.urlopen(fake.url + "/fake/stats", timeout=10) as resp:
