@@ -94,7 +94,7 @@ from harness import (
 )
 from loadgen import Failed, Round, run_async, run_load, run_waves
 from overhead_profile import profile
-from overhead_report import Cell, report
+from overhead_report import GROUP, Cell, report
 from overhead_soak import soak
 from routers import PEERS, ROUTERS, Peer, install
 from venvs import ROOT as VENVS
@@ -102,12 +102,8 @@ from venvs import ROOT as VENVS
 import passerelle
 from passerelle import __version__
 
+
 # --- the comparison ------------------------------------------------------------------------------
-
-
-GROUP = "passerelle-procs"
-
-
 @dataclasses.dataclass
 class Group:
     """Several passerelle processes measured as one target (``--gateway-processes N``): the load generator

@@ -76,8 +76,10 @@ class Cell:
 
 
 
+GROUP = "passerelle-procs"  # the target of ``--gateway-processes N``: N passerelle processes as one
+
 NAMES = {"passerelle": "passerelle", "passerelle-b": "passerelle (B)",
-         "passerelle-procs": "passerelle ×N (a bound)", "envoy": "Envoy",
+         GROUP: "passerelle ×N (a bound)", "envoy": "Envoy",
          "vllm-router": "vllm-router", "smg": "SMG", "litellm": "LiteLLM", "direct": "direct",
          "passerelle-granian": "passerelle under granian"}
 
@@ -186,7 +188,7 @@ def goals(results: dict[str, Any]) -> list[str]:
 def bound(results: dict[str, Any]) -> list[str]:
     """The same goals for ``--gateway-processes N``: what N event loops with no shared state reach, the most
     that several acceptor processes in front of one scheduler could."""
-    name, n = "passerelle-procs", results.get("processes")
+    name, n = GROUP, results.get("processes")
     if not n:
         return []
     out = []

@@ -182,8 +182,8 @@ def test_the_report_says_what_n_processes_reach():
         return {"cpu_s_per_1k_requests": cpu, "added_ttft_ms": {"p50": 1.0, "p95": 1.0, "p99": p99}}
 
     results = {"processes": 2, "levels": [{"concurrency": 256, "targets": {
-        "passerelle": cell(1.0, 9.0), "passerelle-procs": cell(1.1, 3.0), "vllm-router": cell(0.5, 1.0)}}],
-        "waves": [{"size": 64, "targets": {"passerelle-procs": cell(1.2, 7.5)}}]}
+        "passerelle": cell(1.0, 9.0), overhead_report.GROUP: cell(1.1, 3.0), "vllm-router": cell(0.5, 1.0)}}],
+        "waves": [{"size": 64, "targets": {overhead_report.GROUP: cell(1.2, 7.5)}}]}
     assert overhead_report.bound(results) == [
         "2 processes (a bound), 256 streams: added TTFT p99 +3.00 ms (goal <= 2), CPU per request 1.10x one "
         "process's, 2.20x vllm-router's (goal <= 1.2)",
