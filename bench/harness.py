@@ -239,15 +239,20 @@ def start_passerelle(work: Path, backend_url: str, extra_toml: str = "", *, name
                      work, env={"PASSERELLE_STATE": str(state), **(env or {}), **source_env(src)},
                      url=f"http://127.0.0.1:{port}")
     cfg = work / f"{name}.toml"
-    cfg.write_text(f"""{extra_toml}
-[[backends]]
+    cfg.write_text(f"{extra_toml}\n{fake_backend_toml(backend_url)}")
+    return serve(work, cfg, name=name, src=src, env=env)
+
+
+def fake_backend_toml(backend_url: str) -> str:
+    """The configuration of passerelle's one backend in the overhead benchmark: the fake, an
+    ``openai`` runtime that queues nothing (``max_concurrency`` 1024)."""
+    return f"""[[backends]]
 name = "fake"
 kind = "openai"
 url = "{backend_url}"
 models = ["{MODEL}"]
 max_concurrency = 1024
-""")
-    return serve(work, cfg, name=name, src=src, env=env)
+"""
 
 
 def serve(work: Path, config: Path, *, name: str = "passerelle", src: Path | None = None,

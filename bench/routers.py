@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import MASTER_KEY, MODEL, ROOT, Service, free_port, spawn
+from harness import MASTER_KEY, MODEL, ROOT, Service, fake_backend_toml, free_port, spawn
 from venvs import ROOT as VENVS
 from venvs import tool_venv, version
 
@@ -185,13 +185,7 @@ general_settings:
 def start_granian(venv: Path, work: Path, backend_url: str, extra: list[str]) -> Service:
     port = free_port()
     cfg = work / "passerelle-granian.toml"
-    cfg.write_text(f"""[[backends]]
-name = "fake"
-kind = "openai"
-url = "{backend_url}"
-models = ["{MODEL}"]
-max_concurrency = 1024
-""")
+    cfg.write_text(fake_backend_toml(backend_url))  # (the passerelle target's configuration)
     state = work / "passerelle-granian-state"
     path = [str(ROOT / "bench"), str(ROOT), *site.getsitepackages(), os.environ.get("PYTHONPATH", "")]
     return spawn("passerelle-granian", [
