@@ -83,7 +83,8 @@ def record_fields(rec: RequestRecord) -> dict[str, object]:
         "tokens_per_s": round((tokens - 1) / gen_time, 2) if gen_time > 0 and tokens > 1 else None,
         "client": rec.client,
         **({"suspensions": rec.suspensions, "suspended_ms": _ms(rec.suspended_s),
-            "resume_prompt_tokens": rec.resume_prompt_tokens} if rec.suspensions else {}),
+            "resume_prompt_tokens": rec.resume_prompt_tokens, "suspended_at_tokens": rec.suspended_at}
+           if rec.suspensions else {}),
         **({"tool_call_format": rec.tool_call_format, "tool_calls_repaired": rec.tool_calls_repaired,
             "tool_calls_unrepaired": rec.tool_calls_unrepaired} if rec.tool_call_format else {}),
         **({"tool_call_failure": rec.tool_call_failure} if rec.tool_call_failure else {}),

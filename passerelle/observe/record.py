@@ -114,6 +114,7 @@ class RequestRecord:
     suspensions: int = 0  # times its stream was cut for a better class and resumed
     suspended_s: float = 0.0  # time spent suspended, waiting to resume
     resume_prompt_tokens: int = 0  # prompt tokens the runtime processed again to resume (not cached)
+    suspended_at: list[int] | None = None  # tokens generated when each cut came; None: never cut
     earlier: list[Attempt] | None = None  # attempts before the current one (retries, cuts); None: none
     # tool calls left as text by the runtime ([[models]] tool_calls, proxy/repair.py): the format ("" when
     # repair was off for the request), calls delivered as tool calls, markup passed through as text and why

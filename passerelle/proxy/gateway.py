@@ -348,6 +348,7 @@ class Gateway:
             # Cut: the scheduler has freed the slot and queued the job again, SUSPENDED.
             splice.resumed()
             rec.suspensions = splice.suspensions
+            rec.suspended_at = [*(rec.suspended_at or ()), splice.tokens_before]
             call.suspended_at = time.perf_counter()
             rec.attempt_ended(call.suspended_at, cut=True)
             ex.finishing = False  # (the cut attempt may have seen its end, the client did not)

@@ -59,6 +59,8 @@ async def test_a_batch_stream_cut_for_an_interactive_request_is_one_stream_with_
         recs = {r.priority: r for r in gw.records}
         rec = recs["batch"]
         assert rec.cause is Cause.OK and rec.suspensions == 1 and rec.suspended_s > 0
+        # cut once, after the tokens its client had by then (3 at least: it was cut once streaming)
+        assert rec.suspended_at is not None and len(rec.suspended_at) == 1 and 3 <= rec.suspended_at[0] < 40
         assert (rec.prompt_tokens, rec.completion_tokens) == (4, 40)
         # the interactive request did not wait for the batch stream to end
         assert recs["interactive"].queue_wait < 1.0 and recs["interactive"].t_end < rec.t_end
