@@ -366,7 +366,11 @@ class Scheduler:
             if job.session and self.sessions.on:
                 now = self.clock()
                 ttl = self.sessions.gaps.left(job.session, now) if ended else 0.0
-                self._slots[b.name].give(job, job.session, now + ttl if ttl > 0 else -math.inf)
+                slots = self._slots[b.name]
+                slot = job.slot
+                slots.give(job, job.session, now + ttl if ttl > 0 else -math.inf)
+                if ended and slot is not None and slots.save_on_release:
+                    self._save(b, slots, slot, job.session)
             else:
                 self._slots[b.name].give(job)
 
@@ -576,9 +580,12 @@ class Scheduler:
         can go at once (its session's KV comes back by a restore), and the save is not added to
         the waiting request's time when it takes the slot."""
         target = slots.to_save(session, now, {i for name, i in self.sessions.ahead if name == b.name})
-        if target is None:
-            return
-        slot, key = target
+        if target is not None:
+            self._save(b, slots, *target)
+
+    def _save(self, b: Backend, slots: SlotMap, slot: int, key: str) -> None:
+        """Start saving ``key``'s KV on ``slot`` of ``b``; the slot counts as saved once it is,
+        unless it moved on meanwhile."""
 
         def done(ok: bool) -> None:
             if ok and slots.mark_saved(slot, key):

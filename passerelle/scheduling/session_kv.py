@@ -13,7 +13,8 @@ id together (``session_key``): two tenants that use the same session id are two 
    runtime's ``--slot-save-path`` (``POST /slots/{id}?action=save``), and restored into whatever
    slot the session gets next (``action=restore``), before that turn is sent. The save starts as
    soon as a request waits for the held slot (:meth:`SessionKv.save_ahead`), not when it takes it:
-   the wait and the save overlap, and a saved slot is taken at once. Both have deadlines
+   the wait and the save overlap, and a saved slot is taken at once; where most holds end with
+   their slot taken (slots.py ``save_on_release``), as soon as the turn ends. Both have deadlines
    (``save_timeout_s``, ``restore_timeout_s``); one that fails costs a recompute, never the request.
    A slot that passes to another *tenant* is erased after its save, so no tenant's request is
    answered from another tenant's KV left in the slot.

@@ -17,7 +17,8 @@ whenever a request starts.
 
 Sessions (scheduling/session_kv.py, ``[sessions] keep_kv``) add three things per slot: the session
 whose KV it holds (``kv``), whether that KV is saved already (``saved``: a request waiting for a held
-slot has it saved ahead, while it waits), and a *hold*: after a session's turn its slot is kept for
+slot has it saved ahead, while it waits; where most holds end taken, ``save_on_release``, it is saved
+as the turn ends), and a *hold*: after a session's turn its slot is kept for
 the session's next turn until ``until`` (session_hold.py). A free slot held for another session is
 taken only when no other is free (the scheduler starts a request then only once that slot's KV is
 saved, or it waited its class's ``session_wait_s``), a saved one first, then the hold ending first.
@@ -38,6 +39,9 @@ from collections.abc import Container
 
 from passerelle.scheduling.job import Job
 
+TAKEN_WEIGHT = 0.25  # of the latest hold's outcome in ``taken_share``
+SAVE_ON_RELEASE = 0.5  # ``taken_share`` from which a session's KV is saved as its turn ends
+
 
 class SlotMap:
     def __init__(self, size: int, counts: dict[str, int] | None = None) -> None:
@@ -51,6 +55,9 @@ class SlotMap:
         self.held: list[str] = []  # the session the free slot is held for ("": none)
         self.until: list[float] = []  # ...until then
         self.holds = 0  # slots with a hold (possibly expired): none, and take() is as without sessions
+        # A moving share of the holds whose slot another request took before their session came
+        # back: where most are, a session's KV is saved as its turn ends (``save_on_release``).
+        self.taken_share = 0.0
         self.grow(size)
 
     def grow(self, size: int) -> None:
@@ -129,6 +136,8 @@ class SlotMap:
         if self.held[slot]:
             outcome = "lapsed" if self.until[slot] <= now else "kept" if self.held[slot] == session else "taken"
             self.counts[outcome] += 1
+            went = self.held[slot] != session  # (taken, or lapsed and then taken: its KV goes either way)
+            self.taken_share += TAKEN_WEIGHT * (float(went) - self.taken_share)
             self.held[slot], self.until[slot] = "", -math.inf
             self.holds -= 1
         before, saved = self.kv[slot], self.saved[slot]
@@ -148,6 +157,13 @@ class SlotMap:
                     if not self.held[slot]:
                         self.holds += 1
                     self.held[slot], self.until[slot] = session, until
+
+    @property
+    def save_on_release(self) -> bool:
+        """Do most holds here end with their slot taken by another request? Then a session's KV
+        is saved as its turn ends, while its slot idles, not later while a request waits for the
+        slot (at most twice the saves there would be anyway, none of them waited for)."""
+        return self.taken_share >= SAVE_ON_RELEASE
 
     def forget(self, session: str) -> None:
         """``session``'s KV on a slot is no longer to be saved (the slot was erased, or lost)."""

@@ -4,7 +4,8 @@ a session whose slot another session took gets its KV restored (its next turn co
 part); a canary that two tenants with the same session id and the same prompt never share KV; the
 space bound evicts the least recently used file and removes it; a save past its deadline costs a
 recompute, never the request; a request that waits for a held slot has its KV saved meanwhile and
-takes the slot once saved."""
+takes the slot once saved; where held slots mostly go to other sessions, a turn's KV is saved as it
+ends."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import orjson
 import pytest
 
 from passerelle.tenants.keys import KeyStore
-from tests.conftest import MODEL_ID
+from tests.conftest import MODEL_ID, wait_until
 
 pytestmark = pytest.mark.llama
 
@@ -178,3 +179,34 @@ def test_a_request_waiting_for_a_held_slot_takes_it_once_its_kv_is_saved(gateway
     again = turn(gw, follow_up(a, first["text"], 1), "agent-a")
     assert metric(gw, 'passerelle_session_kv_restores_total{outcome="ok"}') == 1
     assert again["prompt_n"] < 60 and again["cache_n"] > 250, again
+
+
+def test_where_held_slots_go_to_other_sessions_a_turns_kv_is_saved_as_it_ends(gateway, llama_paths, tmp_path):
+    """One slot, two agents in turn: each turn takes the slot held for the other. Once most holds
+    went that way, a turn's KV is saved as the turn ends, before anyone asks for the slot, and the
+    other agent's next turn gets its own KV restored. (That such a turn saves nothing first is
+    tests/unit/test_session_kv.py's: here the save as its turn ends may come before the count is read.)"""
+    classes = '\n[[classes]]\nname = "standard"\nrank = 1\nsession_wait_s = 120\nmax_queue_wait_s = 300\n'
+    gw = start(gateway, llama_paths, tmp_path, sessions="hold_max_s = 600", auth=classes, hold=600)
+    convs = {s: [{"role": "system", "content": context(s)}, {"role": "user", "content": "Summarise."}]
+             for s in ("agent-a", "agent-b")}
+
+    def go(session: str, n: int) -> dict:
+        out = turn(gw, convs[session], session)
+        convs[session] = follow_up(convs[session], out["text"], n + 1)
+        return out
+
+    def saves() -> float:
+        return metric(gw, 'passerelle_session_kv_saves_total{outcome="ok"}')
+
+    for n in range(2):
+        for s in ("agent-a", "agent-b"):
+            go(s, n)
+    # three holds taken (agent-b's first turn, then each after it): each saved while the next waited;
+    # agent-b's last turn had its KV saved as it ended, with nobody waiting
+    assert metric(gw, 'passerelle_session_holds_total{outcome="taken"}') == 3
+    wait_until(lambda: saves() == 4, 30, what="agent-b's KV saved as its turn ended")
+    again = go("agent-a", 2)
+    assert metric(gw, 'passerelle_session_kv_restores_total{outcome="ok"}') == 3
+    assert again["prompt_n"] < 60 and again["cache_n"] > 250, again
+    wait_until(lambda: saves() == 5, 30, what="agent-a's KV saved as its turn ended")

@@ -121,6 +121,52 @@ async def test_a_sessions_slot_is_held_across_its_gap_and_saved_ahead_for_a_requ
     assert a3.kv is not None and a3.kv.restore == a3.session
 
 
+async def test_where_held_slots_mostly_go_to_other_sessions_a_turns_kv_is_saved_as_it_ends(clock):
+    """Once most holds on a runtime ended with their slot taken by another session, a turn's KV is
+    saved as the turn ends, while its slot idles: the request that later wants the slot takes it at
+    once, with no save to wait for. Holds kept by their own sessions turn that off again."""
+    b = SlotBackend(capacity=1)
+    s = make(clock, hold_max_s=60, hold_default_s=60)
+    names = ["agent-a", "agent-b"]
+
+    def saves() -> int:
+        return [a[1] for a in b.actions].count("save")
+
+    for i in range(4):  # a and b in turn on one slot: each turn waits for the other's held slot
+        clock.now += 1.0  # (a session's gaps are learned: each comes back after a second or two)
+        j = job([b], session=names[i % 2])
+        s.submit(j)
+        assert (j.backend is None) == (i > 0)  # (the first found the slot free)
+        await until(lambda j=j: j.backend is b, what="the turn takes the slot once the other's KV is saved")
+        await s.sessions.before(j)
+        s.release(j)
+        # the release's own save: only once three holds in a row were taken (a share past one half)
+        assert ((b.name, 0) in s.sessions.ahead) == (i == 3)
+    slots = s._slots[b.name]
+    assert s.sessions.counts.holds["taken"] == 3 and slots.save_on_release
+    await until(lambda: slots.saved[0], what="agent-b's KV saved as its turn ended")
+    assert saves() == 4
+    clock.now += 1.0
+    a = job([b], session="agent-a")
+    s.submit(a)
+    assert a.backend is b and a.kv is not None  # at once: nothing left to save, agent-a's KV to restore
+    assert (a.kv.save, a.kv.wait, a.kv.restore) == ("", None, a.session)
+    await s.sessions.before(a)
+    assert saves() == 4 and b.actions[-1][1] == "restore"
+    s.release(a)
+    await until(lambda: not s.sessions.ahead)
+    # agent-a now comes back within its holds: its slot is kept, and the share falls under a half
+    for _ in range(2):
+        clock.now += 1.0
+        a = job([b], session="agent-a")
+        s.submit(a)
+        assert a.backend is b and a.kv is None
+        s.release(a)
+        await until(lambda: not s.sessions.ahead)
+    assert s.sessions.counts.holds["kept"] == 2 and not slots.save_on_release
+    assert saves() == 6  # (the first kept turn's release still saved; the second's did not)
+
+
 @dataclasses.dataclass(eq=False)
 class SlowSaveBackend(SlotBackend):
     """Its saves end only when ``gate`` is set; every action is recorded with what ran before it."""
