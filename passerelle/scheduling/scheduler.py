@@ -369,7 +369,8 @@ class Scheduler:
                 slots = self._slots[b.name]
                 slot = job.slot
                 slots.give(job, job.session, now + ttl if ttl > 0 else -math.inf)
-                if ended and slot is not None and slots.save_on_release:
+                if ended and slot is not None and slots.save_on_release and \
+                        self.sessions.save_as_it_ends(b, job.session):
                     self._save(b, slots, slot, job.session)
             else:
                 self._slots[b.name].give(job)

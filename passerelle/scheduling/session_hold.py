@@ -80,5 +80,10 @@ class SessionGaps:
         rank = max(0, math.ceil(self.percentile / 100 * len(ordered)) - 1)
         return min(self.max_s, ordered[rank] * SLACK)
 
+    def median(self, key: str) -> float | None:
+        """The median of ``key``'s last gaps (None: none known)."""
+        gaps = self._gaps.get(key)
+        return sorted(gaps)[len(gaps) // 2] if gaps else None
+
     def gaps(self, key: str) -> list[float]:
         return list(self._gaps.get(key, ()))

@@ -50,6 +50,8 @@ from passerelle.scheduling.session_hold import SessionGaps
 
 log = logging.getLogger("passerelle.sessions")
 
+UNMEASURED_SWAP_S = 2.0  # a save and a restore on a runtime where none was timed yet
+
 
 def session_key(tenant: str, session: str) -> str:
     """The key of a session: its tenant and its (hashed) id, never the id alone. Of fixed length
@@ -169,6 +171,14 @@ class SessionKv:
                 await self._restore(b, p.slot, p.restore)
         except Exception:  # (a bug here must not fail the client's request: its turn is recomputed)
             log.exception("session KV on %s slot %d: not prepared", b.name, p.slot)
+
+    def save_as_it_ends(self, b: Backend, key: str) -> bool:
+        """Where holds are mostly taken (slots.py ``save_on_release``): is ``key``'s KV worth saving
+        as its turn ends? Not for a session that usually comes back sooner than a save and a
+        restore take on ``b`` (an agent whose tools return at once): it keeps its slot, and its
+        next turn would wait for that save, as nothing is sent to a slot while it is saved."""
+        typical = self.gaps.median(key)
+        return typical is None or typical > self.swap_s.get(b.name, UNMEASURED_SWAP_S)
 
     def yield_after(self, b: Backend, budget: float) -> float:
         """How long a request waits for a slot of ``b`` held for another session, its class

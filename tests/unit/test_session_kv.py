@@ -167,6 +167,30 @@ async def test_where_held_slots_mostly_go_to_other_sessions_a_turns_kv_is_saved_
     assert saves() == 6  # (the first kept turn's release still saved; the second's did not)
 
 
+async def test_a_session_that_comes_back_sooner_than_a_save_takes_is_not_saved_as_its_turn_ends(clock):
+    """Its tools return at once: its next turn would wait for that save, and it keeps its slot."""
+    b = SlotBackend(capacity=1)
+    s = make(clock, hold_max_s=60, hold_default_s=60)
+    s.sessions.swap_s[b.name] = 2.0  # a save and a restore take 2 s on b
+
+    def turn() -> None:
+        clock.now += 0.5  # back 0.5 s after each answer
+        j = job([b], session="agent-quick")
+        s.submit(j)
+        assert j.backend is b and j.kv is None
+        s.release(j)
+        s._slots[b.name].taken_share = 1.0  # (as if holds here mostly went to other sessions)
+
+    for _ in range(3):
+        turn()
+    assert b.actions == [] and not s.sessions.ahead
+    s.sessions.swap_s[b.name] = 0.2  # where saving and restoring take less than its gaps, it is saved
+    turn()
+    assert s.sessions.ahead
+    await until(lambda: not s.sessions.ahead)
+    assert [a[1] for a in b.actions] == ["save"]
+
+
 @dataclasses.dataclass(eq=False)
 class SlowSaveBackend(SlotBackend):
     """Its saves end only when ``gate`` is set; every action is recorded with what ran before it."""
