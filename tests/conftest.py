@@ -190,7 +190,10 @@ def start_llama(binary: Path, model: Path, log_path: Path, *, slots: int = 4, ct
                              "--port", str(port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
                              # one thread: the other core stays for the gateway and the test itself
                              "--metrics", "--slots", "--no-webui", "-t", "1", *extra],
-                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+                            # (its own process group, not its own session: a session is a scheduler
+                            # autogroup of its own, which took the CPU from the gateway and the test
+                            # for seconds at a time; passerelle/testing/netns.py)
+                            stdout=logf, stderr=subprocess.STDOUT, process_group=0)
     logf.close()
     server = Server(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path, model=alias)
     try:

@@ -81,9 +81,14 @@ class Box:
               stderr: IO[Any] | int | None = subprocess.STDOUT, env: dict[str, str] | None = None,
               cwd: str | Path | None = None) -> subprocess.Popen[bytes]:
         """Start ``argv`` in this box, in a process group of its own (so :meth:`kill` takes its
-        children too); it is killed when the network closes."""
+        children too); it is killed when the network closes.
+
+        Not in a session of its own: on Linux a new session is a new scheduler autogroup, and a
+        box whose runtime computes flat out then took the CPU from every other process (the team's
+        gateway, the other boxes, the test) for seconds at a time, as the supervisor's runtimes
+        would (runtimes/supervisor.py)."""
         proc = subprocess.Popen(self.command(argv), stdout=stdout, stderr=stderr, env=env, cwd=cwd,
-                                start_new_session=True)
+                                process_group=0)
         self.procs.append(proc)
         return proc
 

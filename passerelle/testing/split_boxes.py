@@ -172,5 +172,5 @@ def start_gateway(config: str, folder: Path, *, box: Box | None = None, host: st
             host = box.address
         else:
             proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                    start_new_session=True)
+                                    process_group=0)  # (not a session: see Box.popen)
     return BoxGateway(url=f"http://{host}:{port}", proc=proc, log_path=log_path)
