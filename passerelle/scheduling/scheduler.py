@@ -367,11 +367,10 @@ class Scheduler:
                 now = self.clock()
                 ttl = self.sessions.gaps.left(job.session, now) if ended else 0.0
                 slots = self._slots[b.name]
-                slot = job.slot
                 slots.give(job, job.session, now + ttl if ttl > 0 else -math.inf)
-                if ended and slot is not None and slots.save_on_release and \
+                if ended and job.slot is not None and slots.save_on_release and \
                         self.sessions.save_as_it_ends(b, job.session):
-                    self._save(b, slots, slot, job.session)
+                    self._save(b, slots, job.slot, job.session)
             else:
                 self._slots[b.name].give(job)
 

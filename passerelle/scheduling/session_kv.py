@@ -120,8 +120,8 @@ class SessionKv:
 
     def save_ahead(self, b: Backend, slot: int, key: str, done: Callable[[bool], None]) -> bool:
         """Start saving ``key``'s KV held on ``slot`` of ``b`` now, while a request waits for that
-        slot; ``done(ok)`` when it ends. False when nothing was started (no save path, one under
-        way on that slot, or no running loop)."""
+        slot, or as its turn ends (``save_as_it_ends``); ``done(ok)`` when it ends. False when
+        nothing was started (no save path, one under way on that slot, or no running loop)."""
         if b.slot_save_dir is None or not self.store.enabled or (b.name, slot) in self.ahead:
             return False
         try:
